@@ -1,0 +1,131 @@
+"""Paged token allocator: hands out whole pages, a request's tokens fill its pages in order.
+
+All bookkeeping is on the host (the scheduler's side); the only device work is one scatter into
+`req_to_token` per allocation call. Allocation is all-or-nothing: if the pages do not suffice,
+nothing is taken and `OutOfPagesError` names the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mla_backends.pool import ReqToTokenPool
+
+
+class OutOfPagesError(MemoryError):
+    def __init__(self, requested: int, free: int, page_size: int) -> None:
+        super().__init__(
+            f"out of KV pages: requested {requested} page(s) of {page_size} tokens, {free} free"
+        )
+        self.requested = requested
+        self.free = free
+
+
+class PagedTokenAllocator:
+    """Owns the free-page list and each request row's pages and length.
+
+    `page_order` fixes the order pages are handed out in (default 1, 2, ...); tests pass a
+    shuffled order to get non-monotonic page tables. Page 0 is the dummy page and is never
+    handed out.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        req_to_token: ReqToTokenPool,
+        page_order: Sequence[int] | None = None,
+    ) -> None:
+        order = list(range(1, num_pages + 1)) if page_order is None else list(page_order)
+        if sorted(order) != list(range(1, num_pages + 1)):
+            raise ValueError(f"page_order must be a permutation of 1..{num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.req_to_token = req_to_token
+        self._free: list[int] = order[::-1]  # pop() from the end hands out order[0] first
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+
+    @property
+    def available_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def available_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def seq_len(self, row: int) -> int:
+        return self._lens.get(row, 0)
+
+    def pages(self, row: int) -> list[int]:
+        return list(self._pages.get(row, []))
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def alloc_extend(self, rows: Sequence[int], extend_lens: Sequence[int]) -> torch.Tensor:
+        """Append `extend_lens[i]` tokens to request `rows[i]`; return their slots.
+
+        Returns int64 `[sum(extend_lens)]` on the pool device, request-major, and writes the
+        same slots into `req_to_token[row, old_len : old_len + n]`.
+        """
+        if len(rows) != len(extend_lens):
+            raise ValueError(f"rows ({len(rows)}) and extend_lens ({len(extend_lens)}) differ")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"a request row appears twice in one allocation: {list(rows)}")
+        max_len = self.req_to_token.max_context_len
+        needed = 0
+        for row, n in zip(rows, extend_lens):
+            if n < 0:
+                raise ValueError(f"row {row}: extend length {n} < 0")
+            if not 1 <= row <= self.req_to_token.size:
+                raise ValueError(f"row {row} is not a request row (1..{self.req_to_token.size})")
+            new_len = self.seq_len(row) + n
+            if new_len > max_len:
+                raise ValueError(f"row {row}: length {new_len} exceeds max_context_len {max_len}")
+            needed += self._pages_for(new_len) - len(self._pages.get(row, []))
+        if needed > len(self._free):
+            raise OutOfPagesError(needed, len(self._free), self.page_size)
+
+        slots, row_idx, pos_idx = [], [], []
+        for row, n in zip(rows, extend_lens):
+            start = self.seq_len(row)
+            pages = self._pages.setdefault(row, [])
+            for _ in range(self._pages_for(start + n) - len(pages)):
+                pages.append(self._free.pop())
+            pos = torch.arange(start, start + n, dtype=torch.int64)
+            page_ids = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size]
+            slots.append(page_ids * self.page_size + pos % self.page_size)
+            row_idx.append(torch.full((n,), row, dtype=torch.int64))
+            pos_idx.append(pos)
+            self._lens[row] = start + n
+        flat = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
+        out = flat.to(self.req_to_token.device)
+        if flat.numel():
+            r = torch.cat(row_idx).to(out.device)
+            p = torch.cat(pos_idx).to(out.device)
+            self.req_to_token.req_to_token[r, p] = out.to(torch.int32)
+        return out
+
+    def alloc_decode(self, rows: Sequence[int]) -> torch.Tensor:
+        return self.alloc_extend(rows, [1] * len(rows))
+
+    def truncate(self, row: int, new_len: int) -> None:
+        """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages."""
+        old = self.seq_len(row)
+        if not 0 <= new_len <= old:
+            raise ValueError(f"row {row}: cannot truncate length {old} to {new_len}")
+        pages = self._pages.get(row, [])
+        keep = self._pages_for(new_len)
+        self._free.extend(reversed(pages[keep:]))
+        del pages[keep:]
+        self._lens[row] = new_len
+
+    def free(self, row: int) -> None:
+        """Return all pages of a request. Its req_to_token row is left as is (stale, unread)."""
+        if row not in self._lens:
+            raise ValueError(f"row {row} holds no KV pages")
+        self._free.extend(reversed(self._pages.pop(row)))
+        del self._lens[row]

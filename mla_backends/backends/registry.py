@@ -1,0 +1,91 @@
+"""The backend registry: a dict of name -> class, filled by a decorator.
+
+Backend modules are imported lazily (`_MODULES`), so listing names or checking a config never
+imports a kernel package; each backend imports its kernel package only when constructed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from mla_backends.backends.base import Capability, MLABackend
+    from mla_backends.config import Config
+
+# name -> module that defines (and registers) it; order is the preference order for "auto".
+_MODULES: dict[str, str] = {
+    "flashmla": "mla_backends.backends.flashmla",
+    "flashinfer_mla": "mla_backends.backends.flashinfer_mla",
+    "cutlass_mla": "mla_backends.backends.cutlass_mla",
+    "trtllm_mla": "mla_backends.backends.trtllm_mla",
+    "triton": "mla_backends.backends.triton_backend",
+    "torch": "mla_backends.backends.torch_backend",
+}
+_REGISTRY: dict[str, type[MLABackend]] = {}
+
+T = TypeVar("T", bound="type[MLABackend]")
+
+
+def register_backend(name: str) -> Callable[[T], T]:
+    def deco(cls: T) -> T:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"backend {name!r} registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available_backends() -> list[str]:
+    """Names that have a module in this build (in "auto" preference order)."""
+    return [n for n, m in _MODULES.items() if importlib.util.find_spec(m) is not None]
+
+
+def get_backend_class(name: str) -> type[MLABackend]:
+    if name not in _REGISTRY:
+        if name not in _MODULES:
+            raise KeyError(f"unknown backend {name!r}; known: {available_backends()}")
+        importlib.import_module(_MODULES[name])
+    return _REGISTRY[name]
+
+
+def why_not(name: str, config: Config, cap: Capability, role: str) -> str | None:
+    """Reason the backend cannot serve `role` for `config` on `cap`, or None."""
+    try:
+        cls = get_backend_class(name)
+    except (KeyError, ImportError) as e:
+        return str(e)
+    return cls.supports(config, cap, role)
+
+
+def resolve_backends(config: Config, where: str = "<config>") -> Config:
+    """Resolve "auto" and check both choices against this machine, once, at config load."""
+    import dataclasses
+
+    from mla_backends.backends.base import Capability
+    from mla_backends.config import ConfigError
+
+    cap = Capability.detect(config.torch_device)
+    chosen: dict[str, str] = {}
+    for role in ("prefill", "decode"):
+        key = f"{role}_backend"
+        name = getattr(config, key)
+        if name == "auto":
+            ok = [n for n in available_backends() if why_not(n, config, cap, role) is None]
+            if not ok:
+                raise ConfigError(f"{where}: {key}=auto: no backend can run on {cap.describe()}")
+            chosen[key] = ok[0]
+            continue
+        if name not in _MODULES:
+            raise ConfigError(f"{where}: {key}={name!r} is unknown; allowed: {list(_MODULES)}")
+        reason = why_not(name, config, cap, role)
+        if reason is not None:
+            ok = [n for n in available_backends() if why_not(n, config, cap, role) is None]
+            raise ConfigError(
+                f"{where}: {key}={name!r} cannot run here: {reason}. "
+                f"Backends that can serve {role} with this config on {cap.describe()}: {ok}"
+            )
+    return dataclasses.replace(config, **chosen)

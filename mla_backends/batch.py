@@ -1,0 +1,160 @@
+"""What one forward pass carries: the mode, request rows, lengths (device + CPU copies), slots."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, with or without a cached prefix; q_len varies per request
+    DECODE = "decode"  # q_len == 1 for every request
+    TARGET_VERIFY = "target_verify"  # q_len == num_draft_tokens for every request
+    IDLE = "idle"  # no tokens (a data-parallel rank with nothing to do)
+
+    @property
+    def is_decode_or_verify(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+
+def _i32(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32)
+
+
+@dataclass
+class RaggedLayout:
+    """Ragged q / kv segments for MHA-mode attention: request i owns q rows
+    `qo_indptr[i]:qo_indptr[i+1]` and kv rows `kv_indptr[i]:kv_indptr[i+1]`.
+    Causal masks are bottom-right aligned: query j of n sees `kv_len - n + j + 1` keys."""
+
+    qo_indptr: torch.Tensor  # [B + 1] int32, device
+    kv_indptr: torch.Tensor  # [B + 1] int32, device
+    qo_indptr_cpu: torch.Tensor  # [B + 1] int32, cpu
+    kv_indptr_cpu: torch.Tensor  # [B + 1] int32, cpu
+
+    @classmethod
+    def from_lens(
+        cls, q_lens: Sequence[int], kv_lens: Sequence[int], device: torch.device | str
+    ) -> RaggedLayout:
+        if len(q_lens) != len(kv_lens):
+            raise ValueError(f"q_lens ({len(q_lens)}) and kv_lens ({len(kv_lens)}) differ")
+        qo = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        kv = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
+        qo[1:] = torch.cumsum(_i32(q_lens), 0)
+        kv[1:] = torch.cumsum(_i32(kv_lens), 0)
+        return cls(qo.to(device), kv.to(device), qo, kv)
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr_cpu.numel() - 1
+
+    @property
+    def num_q(self) -> int:
+        return int(self.qo_indptr_cpu[-1])
+
+    @property
+    def num_kv(self) -> int:
+        return int(self.kv_indptr_cpu[-1])
+
+    @property
+    def max_q_len(self) -> int:
+        return (
+            int((self.qo_indptr_cpu[1:] - self.qo_indptr_cpu[:-1]).max()) if self.batch_size else 0
+        )
+
+    @property
+    def max_kv_len(self) -> int:
+        return (
+            int((self.kv_indptr_cpu[1:] - self.kv_indptr_cpu[:-1]).max()) if self.batch_size else 0
+        )
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass. Every length exists on the device and as a CPU copy; backends read
+    the CPU copies for host-side sizes, so building metadata needs no device-to-host sync.
+
+    `seq_lens` is the KV length *after* this pass (prefix + new tokens); `extend_seq_lens` is
+    the number of new (query) tokens per request, 1 in DECODE, num_draft_tokens in TARGET_VERIFY.
+    """
+
+    mode: ForwardMode
+    req_pool_indices: torch.Tensor  # [B] int32, device
+    seq_lens: torch.Tensor  # [B] int32, device
+    seq_lens_cpu: torch.Tensor  # [B] int32, cpu
+    extend_prefix_lens: torch.Tensor  # [B] int32, device
+    extend_prefix_lens_cpu: torch.Tensor  # [B] int32, cpu
+    extend_seq_lens: torch.Tensor  # [B] int32, device
+    extend_seq_lens_cpu: torch.Tensor  # [B] int32, cpu
+    out_cache_loc: torch.Tensor  # [T] int64, device: slot of each new token
+    positions: torch.Tensor  # [T] int64, device: position of each new token in its request
+    num_draft_tokens: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        out_cache_loc: torch.Tensor,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Assemble a batch from host-side lists (the scheduler's view)."""
+        if not len(rows) == len(prefix_lens) == len(extend_lens):
+            raise ValueError("rows, prefix_lens and extend_lens must have the same length")
+        if mode is ForwardMode.DECODE and any(n != 1 for n in extend_lens):
+            raise ValueError(f"DECODE needs one new token per request, got {list(extend_lens)}")
+        draft = 0
+        if mode is ForwardMode.TARGET_VERIFY:
+            if len(set(extend_lens)) > 1:
+                raise ValueError(f"TARGET_VERIFY needs equal q_len, got {list(extend_lens)}")
+            draft = extend_lens[0] if extend_lens else 0
+        seq = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        if out_cache_loc.numel() != sum(extend_lens):
+            raise ValueError(
+                f"out_cache_loc has {out_cache_loc.numel()} slots, "
+                f"batch has {sum(extend_lens)} tokens"
+            )
+        positions = (
+            torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq)])
+            if rows
+            else torch.empty(0, dtype=torch.int64)
+        )
+        rows_t, seq_t, pre_t, ext_t = _i32(rows), _i32(seq), _i32(prefix_lens), _i32(extend_lens)
+        return cls(
+            mode=mode,
+            req_pool_indices=rows_t.to(device),
+            seq_lens=seq_t.to(device),
+            seq_lens_cpu=seq_t,
+            extend_prefix_lens=pre_t.to(device),
+            extend_prefix_lens_cpu=pre_t,
+            extend_seq_lens=ext_t.to(device),
+            extend_seq_lens_cpu=ext_t,
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            positions=positions.to(device),
+            num_draft_tokens=draft,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens_cpu.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.numel()
+
+    @property
+    def has_prefix(self) -> bool:
+        return bool(self.extend_prefix_lens_cpu.numel()) and bool(
+            (self.extend_prefix_lens_cpu > 0).any()
+        )
+
+    def extend_layout(self) -> RaggedLayout:
+        """q = the new tokens, kv = the whole sequence (prefix + new): bottom-right causal."""
+        return RaggedLayout.from_lens(
+            self.extend_seq_lens_cpu.tolist(), self.seq_lens_cpu.tolist(), self.seq_lens.device
+        )

@@ -1,0 +1,183 @@
+"""The paged latent KV pool and the request-to-token table.
+
+Layout (per layer): `(num_pages + 1) * page_size` rows of D = L + R values, each row
+`concat(k_nope_latent[L], k_rope[R])`. Slot s lives in page `s // page_size`. Page 0 is the
+dummy page: never handed out, the target of padded writes, what padded table rows point at.
+V is the first L columns of the same rows; it is never stored twice.
+
+FP8 contract: one fp32 scale per layer, `stored = value / scale`, `value = stored * scale`,
+calibrated over the whole D-wide row (latent and rope together).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_backends.checks import check_tensor
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class MLATokenToKVPool:
+    """Per-layer latent KV buffers plus the per-layer FP8 scales."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES):
+            raise ValueError(f"MLATokenToKVPool: unsupported kv dtype {dtype}")
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be > 0")
+        self.num_layers = num_layers
+        self.num_pages = num_pages  # usable pages, page 0 excluded
+        self.page_size = page_size
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_dim = kv_lora_rank + qk_rope_head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_slots = (num_pages + 1) * page_size
+        self.kv_buffer = [
+            torch.zeros(self.num_slots, self.kv_dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+        # Scales live on the host (kernels take Python floats) and on the device (kernels that
+        # take a tensor, and graph-captured code). They change only via set_scale, never per call.
+        self._scales_host = [1.0] * num_layers
+        self.scales = torch.ones(num_layers, dtype=torch.float32, device=self.device)
+
+    # ----------------------------------------------------------------- accounting
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers."""
+        return self.kv_dim * self.dtype.itemsize * self.num_layers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_token * self.num_slots
+
+    # ----------------------------------------------------------------- scales
+    def scale(self, layer: int) -> float:
+        return self._scales_host[layer]
+
+    def set_scale(self, layer: int, scale: float) -> None:
+        if not scale > 0.0:
+            raise ValueError(f"layer {layer}: kv scale must be > 0, got {scale}")
+        if not self.is_fp8 and scale != 1.0:
+            raise ValueError(
+                f"layer {layer}: a non-unit kv scale needs an FP8 pool, got {self.dtype}"
+            )
+        self._scales_host[layer] = float(scale)
+        self.scales[layer] = float(scale)
+
+    def calibrate_scale(self, layer: int, k_nope: torch.Tensor, k_rope: torch.Tensor) -> float:
+        """Set the layer scale from sample rows: amax over the whole row / FP8 max.
+
+        Hazard: calibrating on the latent alone saturates the rope part, whose range differs.
+        This reads a max back to the host; call it at calibration time, never in decode.
+        """
+        amax = max(k_nope.abs().max().item(), k_rope.abs().max().item() if k_rope.numel() else 0.0)
+        scale = max(amax, 1e-12) / FP8_MAX
+        self.set_scale(layer, scale)
+        return scale
+
+    # ----------------------------------------------------------------- store / load
+    def set_mla_kv_buffer(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        """Store rows `concat(k_nope, k_rope)` at slots `loc` [T] of `layer`.
+
+        k_nope [T, L], k_rope [T, R]. FP8 pools store `value / scale` (saturated at +-448).
+        """
+        t = loc.shape[0] if loc.dim() == 1 else -1
+        check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
+        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
+        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
+        row = torch.cat([k_nope, k_rope], dim=-1)
+        self.kv_buffer[layer][loc.long()] = self.quantize(layer, row)
+
+    def quantize(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Convert rows to the storage dtype under the layer scale."""
+        if not self.is_fp8:
+            return rows.to(self.dtype)
+        # Saturate instead of producing NaN: e4m3fn has no inf, out-of-range casts give NaN.
+        q = (rows.float() * self.scales[layer].reciprocal()).clamp(-FP8_MAX, FP8_MAX)
+        return q.to(self.dtype)
+
+    def dequantize(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows in storage dtype -> float32 values (scale applied)."""
+        if not self.is_fp8:
+            return rows.float()
+        return rows.float() * self.scales[layer]
+
+    def load_rows(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
+        """Float32 values of rows at slots `loc`, [T, D]. Reads only those rows."""
+        return self.dequantize(layer, self.kv_buffer[layer][loc.long()])
+
+    # ----------------------------------------------------------------- views (no copies)
+    def get_kv_buffer(self, layer: int) -> torch.Tensor:
+        """[num_slots, D] rows."""
+        return self.kv_buffer[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        """[num_slots, L] strided view: V is the latent part of the same rows."""
+        return self.kv_buffer[layer][:, : self.kv_lora_rank]
+
+    def get_paged_buffer(self, layer: int) -> torch.Tensor:
+        """[num_pages + 1, page_size, 1, D] (FlashMLA / CUTLASS / TRT-LLM layout)."""
+        return self.kv_buffer[layer].view(self.num_pages + 1, self.page_size, 1, self.kv_dim)
+
+    def get_ckv_kpe(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's (ckv [pages+1, page, L], kpe [pages+1, page, R]): strided views."""
+        paged = self.kv_buffer[layer].view(self.num_pages + 1, self.page_size, self.kv_dim)
+        return paged[..., : self.kv_lora_rank], paged[..., self.kv_lora_rank :]
+
+
+class ReqToTokenPool:
+    """int32 `[max_requests + 1, max_context_len]` map (request row, position) -> slot.
+
+    Row 0 is reserved: it points at the dummy page (all zeros = slot 0) and is what padded
+    CUDA-graph rows use.
+    """
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
+        self.size = max_requests
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(
+            max_requests + 1, max_context_len, dtype=torch.int32, device=self.device
+        )
+        self._free_rows = list(range(max_requests, 0, -1))  # pop() hands out 1, 2, ...
+        self._used_rows: set[int] = set()
+
+    @property
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, n: int = 1) -> list[int]:
+        if n > len(self._free_rows):
+            raise MemoryError(
+                f"ReqToTokenPool: requested {n} request rows, {len(self._free_rows)} free "
+                f"of {self.size}"
+            )
+        rows = [self._free_rows.pop() for _ in range(n)]
+        self._used_rows.update(rows)
+        return rows
+
+    def free(self, row: int) -> None:
+        if row not in self._used_rows:
+            raise ValueError(f"ReqToTokenPool: row {row} is not an allocated request row")
+        self._used_rows.remove(row)
+        self._free_rows.append(row)
