@@ -113,7 +113,8 @@ def merge_states(
     lse = torch.logaddexp(lse1, lse2)
     w1 = torch.nan_to_num(torch.exp(lse1 - lse), nan=0.0)[..., None]
     w2 = torch.nan_to_num(torch.exp(lse2 - lse), nan=0.0)[..., None]
-    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
+    acc = torch.promote_types(o1.dtype, torch.float32)
+    return (o1.to(acc) * w1 + o2.to(acc) * w2).to(o1.dtype), lse
 
 
 def request_kv(

@@ -11,6 +11,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
+
 if TYPE_CHECKING:
     from mla_backends.backends.base import Capability, MLABackend
     from mla_backends.config import Config
@@ -41,7 +43,8 @@ def register_backend(name: str) -> Callable[[T], T]:
 
 def available_backends() -> list[str]:
     """Names that have a module in this build (in "auto" preference order)."""
-    return [n for n, m in _MODULES.items() if importlib.util.find_spec(m) is not None]
+    found = [n for n, m in _MODULES.items() if importlib.util.find_spec(m) is not None]
+    return found + [n for n in _REGISTRY if n not in _MODULES]
 
 
 def get_backend_class(name: str) -> type[MLABackend]:
@@ -68,7 +71,13 @@ def resolve_backends(config: Config, where: str = "<config>") -> Config:
     from mla_backends.backends.base import Capability
     from mla_backends.config import ConfigError
 
-    cap = Capability.detect(config.torch_device)
+    dev = config.torch_device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{where}: device={config.device!r} but this machine has no usable CUDA device "
+            f"(torch {torch.__version__}); use device: auto or cpu"
+        )
+    cap = Capability.detect(dev)
     chosen: dict[str, str] = {}
     for role in ("prefill", "decode"):
         key = f"{role}_backend"
@@ -79,8 +88,9 @@ def resolve_backends(config: Config, where: str = "<config>") -> Config:
                 raise ConfigError(f"{where}: {key}=auto: no backend can run on {cap.describe()}")
             chosen[key] = ok[0]
             continue
-        if name not in _MODULES:
-            raise ConfigError(f"{where}: {key}={name!r} is unknown; allowed: {list(_MODULES)}")
+        if name not in _MODULES and name not in _REGISTRY:
+            allowed = ["auto", *_MODULES]
+            raise ConfigError(f"{where}: {key}={name!r} is unknown; allowed: {allowed}")
         reason = why_not(name, config, cap, role)
         if reason is not None:
             ok = [n for n in available_backends() if why_not(n, config, cap, role) is None]

@@ -1,0 +1,119 @@
+"""`verify`: every backend that can run here, a mix of random batches, vs the MHA oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mla_backends.backends.base import Capability
+from mla_backends.backends.registry import available_backends, get_backend_class
+from mla_backends.batch import ForwardMode
+from mla_backends.config import Config
+from mla_backends.testing import DTYPE_PAIRS, Case, Result, edge_kv_lens, run_case, run_mha_case
+
+
+@dataclass(frozen=True)
+class Row:
+    backend: str
+    mode: str
+    dtype: str
+    out_err: float
+    lse_err: float
+    ok: bool
+    detail: str
+
+
+def _runnable_config(config: Config, name: str, cap: Capability, role: str) -> Config | None:
+    """The config with `name` in both roles, at the config's page size or the backend's."""
+    cls = get_backend_class(name)
+    for page in (config.page_size, *cls.page_sizes):
+        cfg = dataclasses.replace(config, page_size=page, prefill_backend=name, decode_backend=name)
+        if cls.supports(cfg, cap, role) is None:
+            return cfg
+    return None
+
+
+def _dtype_keys(config: Config) -> list[str]:
+    keys = [k for k, (act, kv) in DTYPE_PAIRS.items() if kv == config.kv_dtype]
+    return list(dict.fromkeys([*keys, "fp8"]))
+
+
+def _row(r: Result, name: str, mode: str, dtype: str) -> Row:
+    return Row(name, mode, dtype, r.out_err, r.lse_err, r.ok, r.detail)
+
+
+def verify(config: Config, seed: int = 0) -> list[Row]:
+    cap = Capability.detect(config.torch_device)
+    rows: list[Row] = []
+    modes = {
+        "decode": (ForwardMode.DECODE, 1),
+        "verify": (ForwardMode.TARGET_VERIFY, 3),
+        "extend": (ForwardMode.EXTEND, 0),
+    }
+    for name in available_backends():
+        cfg = _runnable_config(config, name, cap, "decode")
+        if cfg is None:
+            continue
+        for dt in _dtype_keys(cfg):
+            act, kv = DTYPE_PAIRS[dt]
+            probe = dataclasses.replace(cfg, kv_dtype=kv, dtype=act)
+            if get_backend_class(name).supports(probe, cap, "decode") is not None:
+                continue
+            for mode_name, (mode, q) in modes.items():
+                if mode is ForwardMode.EXTEND and get_backend_class(name).supports(
+                    probe, cap, "prefill"
+                ):
+                    continue
+                case = Case(
+                    name,
+                    mode,
+                    cfg.page_size,
+                    cfg.model.num_heads,
+                    kv,
+                    act,
+                    q,
+                    edge_kv_lens(cfg.page_size, max(q, 1), long=120),
+                    dims=cfg.model,
+                    seed=seed,
+                )
+                rows.append(_row(run_case(case, cfg.torch_device), name, mode_name, dt))
+        pcfg = _runnable_config(config, name, cap, "prefill")
+        if pcfg is not None:
+            act = config.dtype
+            r = run_mha_case(
+                name,
+                [1, 9, 30],
+                [1, 9, 30],
+                True,
+                act,
+                cfg.model.num_heads,
+                cfg.model,
+                cfg.torch_device,
+                seed,
+            )
+            rows.append(_row(r, name, "mha-prefill", act))
+            r = run_mha_case(
+                name,
+                [4, 7, 2],
+                [0, 20, 5],
+                False,
+                act,
+                cfg.model.num_heads,
+                cfg.model,
+                cfg.torch_device,
+                seed,
+            )
+            rows.append(_row(r, name, "mha-prefix-chunk", act))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'backend':<16}{'mode':<18}{'dtype':<10}{'out err':>11}{'lse err':>11}  verdict"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        verdict = "PASS" if r.ok else f"FAIL {r.detail}"
+        lines.append(
+            f"{r.backend:<16}{r.mode:<18}{r.dtype:<10}"
+            f"{r.out_err:>11.2e}{r.lse_err:>11.2e}  {verdict}"
+        )
+    return "\n".join(lines)

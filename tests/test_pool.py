@@ -1,0 +1,112 @@
+"""The latent pool: round trips, FP8 scale contract, views without copies, accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_backends.checks import ShapeError
+from mla_backends.pool import FP8_MAX, MLATokenToKVPool, ReqToTokenPool
+
+
+def _pool(dtype: torch.dtype, page: int = 16, pages: int = 8) -> MLATokenToKVPool:
+    return MLATokenToKVPool(2, pages, page, 512, 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_load_round_trip_is_bitwise(dtype: torch.dtype) -> None:
+    pool = _pool(dtype)
+    loc = torch.randperm(pool.num_slots - 16)[:40] + 16  # never the dummy page
+    k_nope = torch.randn(40, 512).to(dtype)
+    k_rope = torch.randn(40, 64).to(dtype)
+    pool.set_mla_kv_buffer(1, loc, k_nope, k_rope)
+    rows = pool.get_kv_buffer(1)[loc]
+    assert torch.equal(rows[:, :512], k_nope) and torch.equal(rows[:, 512:], k_rope)
+    assert torch.equal(pool.get_kv_buffer(0), torch.zeros_like(pool.get_kv_buffer(0)))
+
+
+def test_fp8_round_trip_within_e4m3_precision_and_scale_applies() -> None:
+    pool = _pool(torch.float8_e4m3fn)
+    k_nope = torch.randn(64, 512) * 3.0
+    k_rope = torch.randn(64, 64) * 40.0  # rope range much larger than latent
+    scale = pool.calibrate_scale(0, k_nope, k_rope)
+    assert scale == pytest.approx(max(k_nope.abs().max(), k_rope.abs().max()).item() / FP8_MAX)
+    loc = torch.arange(16, 80)
+    pool.set_mla_kv_buffer(0, loc, k_nope, k_rope)
+    raw = pool.get_kv_buffer(0)[loc]
+    assert raw.dtype == torch.float8_e4m3fn
+    back = pool.load_rows(0, loc)
+    want = torch.cat([k_nope, k_rope], -1)
+    # e4m3 has 3 mantissa bits: relative error <= 2^-4 for normals, plus the subnormal step.
+    tol = want.abs() * 2.0**-4 + scale * 2.0**-9
+    assert ((back - want).abs() <= tol).all()
+    assert not torch.isnan(back).any()  # calibrated over the whole row: rope not saturated
+    # stored = value / scale: the raw fp8 numbers are the values divided by the scale.
+    torch.testing.assert_close(raw.float() * scale, back)
+
+
+def test_fp8_latent_only_calibration_would_saturate_rope() -> None:
+    """The hazard the whole-row calibration exists for: a latent-only scale clips the rope."""
+    pool = _pool(torch.float8_e4m3fn)
+    k_nope, k_rope = torch.randn(8, 512), torch.randn(8, 64) * 50.0
+    pool.set_scale(0, k_nope.abs().max().item() / FP8_MAX)
+    pool.set_mla_kv_buffer(0, torch.arange(16, 24), k_nope, k_rope)
+    back = pool.load_rows(0, torch.arange(16, 24))[:, 512:]
+    assert (back - k_rope).abs().max() > 10.0
+
+
+def test_non_unit_scale_requires_fp8_and_positive() -> None:
+    with pytest.raises(ValueError, match="needs an FP8 pool"):
+        _pool(torch.bfloat16).set_scale(0, 0.5)
+    with pytest.raises(ValueError, match="must be > 0"):
+        _pool(torch.float8_e4m3fn).set_scale(0, 0.0)
+
+
+def test_views_share_storage_and_have_kernel_shapes() -> None:
+    pool = _pool(torch.bfloat16, page=64, pages=3)
+    buf = pool.get_kv_buffer(0)
+    assert buf.shape == (4 * 64, 576)
+    paged = pool.get_paged_buffer(0)
+    assert paged.shape == (4, 64, 1, 576) and paged.data_ptr() == buf.data_ptr()
+    ckv, kpe = pool.get_ckv_kpe(0)
+    assert ckv.shape == (4, 64, 512) and kpe.shape == (4, 64, 64)
+    assert ckv.data_ptr() == buf.data_ptr()
+    assert kpe.data_ptr() == buf.data_ptr() + 512 * buf.element_size()
+    v = pool.get_value_buffer(0)
+    assert v.shape == (256, 512) and v.data_ptr() == buf.data_ptr()
+    buf[70, 3] = 5.0
+    buf[70, 512 + 2] = 7.0
+    assert paged[1, 6, 0, 3] == 5.0 and ckv[1, 6, 3] == 5.0 and kpe[1, 6, 2] == 7.0
+
+
+def test_memory_accounting() -> None:
+    pool = MLATokenToKVPool(61, 100, 64, 512, 64, torch.float8_e4m3fn)
+    assert pool.bytes_per_token == 576 * 61
+    assert pool.total_bytes == 576 * 61 * 101 * 64
+    assert sum(b.numel() * b.element_size() for b in pool.kv_buffer) == pool.total_bytes
+
+
+def test_store_rejects_bad_shapes_naming_the_tensor() -> None:
+    pool = _pool(torch.bfloat16)
+    loc = torch.arange(16, 20)
+    with pytest.raises(ShapeError, match=r"k_nope: expected shape \[4, 512\], got \[4, 500\]"):
+        pool.set_mla_kv_buffer(0, loc, torch.zeros(4, 500), torch.zeros(4, 64))
+    with pytest.raises(ShapeError, match=r"k_rope: expected shape \[4, 64\]"):
+        pool.set_mla_kv_buffer(0, loc, torch.zeros(4, 512), torch.zeros(3, 64))
+    with pytest.raises(ShapeError, match="loc: expected dtype"):
+        pool.set_mla_kv_buffer(0, loc.float(), torch.zeros(4, 512), torch.zeros(4, 64))
+
+
+def test_req_to_token_rows() -> None:
+    rp = ReqToTokenPool(3, 32, "cpu")
+    assert rp.req_to_token.shape == (4, 32) and rp.req_to_token.dtype == torch.int32
+    rows = rp.alloc(3)
+    assert sorted(rows) == [1, 2, 3]  # row 0 reserved
+    with pytest.raises(MemoryError, match="requested 1 request rows, 0 free"):
+        rp.alloc()
+    rp.free(2)
+    with pytest.raises(ValueError, match="not an allocated"):
+        rp.free(2)
+    with pytest.raises(ValueError, match="not an allocated"):
+        rp.free(0)
+    assert rp.alloc() == [2]

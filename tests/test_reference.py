@@ -1,0 +1,85 @@
+"""The references: absorbed equals MHA-expanded in fp64; conventions (scale, causal, empty rows)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_backends.config import DEEPSEEK_V3, MLADims
+from mla_backends.reference import absorb_q, absorbed, merge_states, mha, mha_expanded, project_v
+
+
+def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    finite = torch.isfinite(b)
+    return float((a - b)[finite].norm() / b[finite].norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
+@pytest.mark.parametrize("n,s", [(1, 1), (1, 37), (4, 37), (37, 37), (5, 0)], ids=lambda x: str(x))
+@pytest.mark.parametrize("heads", [16, 128])
+def test_absorbed_equals_expanded_fp64(n: int, s: int, heads: int, yarn: bool) -> None:
+    """n < s: q_len > 1 over a cached prefix; n == s: no prefix; s == 0: empty row."""
+    if s == 0:
+        n = 0
+    dims = DEEPSEEK_V3 if yarn else MLADims(rope_scaling_factor=1.0)
+    gen = torch.Generator().manual_seed(n * 100 + s)
+    p, r, lat, v = dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.kv_lora_rank, dims.v_head_dim
+    q_nope, q_rope = _rand(gen, n, heads, p), _rand(gen, n, heads, r)
+    latent, k_rope = _rand(gen, s, lat), _rand(gen, s, r)
+    w_kc, w_vc = _rand(gen, heads, p, lat) / p**0.5, _rand(gen, heads, lat, v) / lat**0.5
+    out_e, lse_e = mha_expanded(q_nope, q_rope, latent, k_rope, w_kc, w_vc, dims.softmax_scale)
+    o_lat, lse_a = absorbed(absorb_q(q_nope, w_kc), q_rope, latent, k_rope, dims.softmax_scale)
+    out_a = project_v(o_lat, w_vc)
+    assert out_e.shape == (n, heads, v) and lse_e.shape == (n, heads)
+    if n:
+        assert _rel(out_a, out_e) < 1e-10
+        assert _rel(lse_a, lse_e) < 1e-10
+
+
+def test_deepseek_v3_softmax_scale_has_yarn_mscale_squared() -> None:
+    mscale = 0.1 * 1.0 * math.log(40.0) + 1.0
+    assert DEEPSEEK_V3.mscale == pytest.approx(mscale)
+    assert DEEPSEEK_V3.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    assert DEEPSEEK_V3.softmax_scale != pytest.approx(576**-0.5)  # FlashMLA's default is wrong
+    assert MLADims(rope_scaling_factor=1.0, mscale_all_dim=1.0).softmax_scale == 192**-0.5
+
+
+def test_causal_is_bottom_right() -> None:
+    """Query j of n sees s - n + j + 1 keys: the last query sees everything."""
+    gen = torch.Generator().manual_seed(0)
+    s, n, h = 9, 3, 2
+    q, k, v = _rand(gen, n, h, 8), _rand(gen, s, h, 8), _rand(gen, s, h, 4)
+    out, lse = mha(q, k, v, 0.3, causal=True)
+    for j in range(n):
+        o_j, l_j = mha(q[j : j + 1], k[: s - n + j + 1], v[: s - n + j + 1], 0.3, causal=False)
+        torch.testing.assert_close(out[j : j + 1], o_j, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse[j : j + 1], l_j, rtol=0, atol=1e-12)
+
+
+def test_zero_length_rows_give_zero_and_neg_inf() -> None:
+    q = torch.randn(3, 2, 8, dtype=torch.float64)
+    out, lse = mha(q, torch.zeros(0, 2, 8), torch.zeros(0, 2, 4), 0.5, causal=False)
+    assert torch.equal(out, torch.zeros(3, 2, 4, dtype=torch.float64))
+    assert torch.isneginf(lse).all()
+
+
+def test_merge_states_equals_full_attention_and_ignores_empty_side() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _rand(gen, 4, 2, 8), _rand(gen, 10, 2, 8), _rand(gen, 10, 2, 4)
+    full_o, full_lse = mha(q, k, v, 0.4, causal=False)
+    o1, l1 = mha(q, k[:6], v[:6], 0.4, causal=False)
+    o2, l2 = mha(q, k[6:], v[6:], 0.4, causal=False)
+    o, lse = merge_states(o1, l1, o2, l2)
+    torch.testing.assert_close(o, full_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, full_lse, rtol=1e-12, atol=1e-12)
+    e_o, e_l = mha(q, k[:0], v[:0], 0.4, causal=False)
+    o, lse = merge_states(e_o, e_l, full_o, full_lse)
+    torch.testing.assert_close(o, full_o, rtol=0, atol=0)
+    o, lse = merge_states(e_o, e_l, e_o, e_l)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
