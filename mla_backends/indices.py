@@ -94,6 +94,10 @@ def build_page_table(
 
     `width` comes from the host (max pages over the batch, or the static graph maximum),
     padded by the caller to whatever multiple its kernel needs (see `page_table_width`)."""
+    if req_to_token.is_cuda:  # one launch instead of a chain of gathers
+        from mla_backends.kernels.index import page_table
+
+        return page_table(req_to_token, req_pool_indices, seq_lens, page_size, width, fill, out)
     b = req_pool_indices.numel()
     max_ctx = req_to_token.shape[1]
     cols = torch.arange(width, device=req_to_token.device, dtype=torch.int64)

@@ -1,0 +1,242 @@
+"""The `triton` backend: our own kernels (mla_backends/kernels), every mode, page sizes 1-128,
+FP8 KV dequantized in registers. Runs on any CUDA GPU with Triton, and on CPU under
+TRITON_INTERPRET=1 (tests only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mla_backends.backends.base import BackendContext, Capability, MLABackend
+from mla_backends.backends.registry import register_backend
+from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.config import Config
+from mla_backends.indices import build_page_table, cumsum_indptr, page_table_width
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+@dataclass
+class TritonMetadata:
+    qo_indptr: torch.Tensor  # [B + 1] int32, device
+    table: torch.Tensor  # [B, W] int32, device: page ids, tail = dummy page 0 (never read)
+    max_q_len: int  # host
+    num_splits: int  # host
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials (out, lse), device
+
+
+def choose_num_splits(programs: int, max_kv_len: int, sms: int, max_splits: int = 16) -> int:
+    """Split KV until the grid covers the GPU about twice, keeping >= 256 keys per split.
+    A power of two (the merge kernel's arange needs it)."""
+    want = max(1, -(-2 * sms // max(programs, 1)))
+    want = min(want, max(1, max_kv_len // 256), max_splits)
+    return 1 << (want.bit_length() - 1)
+
+
+@register_backend("triton")
+class TritonBackend(MLABackend):
+    name = "triton"
+    supports_graphs = True
+
+    @classmethod
+    def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "the triton package is not installed (pip install triton)"
+        if cap.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton on a CPU runs only under TRITON_INTERPRET=1 (tests), no GPU found"
+        if cap.sm is not None and cap.sm < (8, 0):
+            return f"triton MLA kernels need SM80 or newer, found {cap.describe()}"
+        if cap.sm is not None and config.kv_dtype == "float8_e4m3fn" and cap.sm < (8, 9):
+            return f"FP8 KV needs SM89 or newer, found {cap.describe()}"
+        d = config.model
+        if not (_pow2(d.kv_lora_rank) and _pow2(d.qk_rope_head_dim)):
+            return (
+                f"triton MLA kernels need kv_lora_rank and qk_rope_head_dim to be powers of "
+                f"two >= 16, got {d.kv_lora_rank} and {d.qk_rope_head_dim}"
+            )
+        return None
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        from mla_backends.kernels import common, mha_prefill, mla_attention, store
+
+        self._k_attn, self._k_mha, self._k_store = mla_attention, mha_prefill, store
+        self._dot_f32 = common.interpreting()
+        self._sms = common.num_sms(self.device)
+        self.metadata: TritonMetadata | None = None
+        self._graph: TritonMetadata | None = None
+
+    # ------------------------------------------------------------------ tuning
+    def _block_m(self, rows: int) -> int:
+        return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+    def _launch_cfg(self, block_m: int) -> dict[str, int]:
+        if self._dot_f32:
+            return {"block_n": 16, "num_warps": 4, "num_stages": 1}
+        if block_m >= 64:
+            return {"block_n": 32, "num_warps": 8, "num_stages": 2}
+        return {"block_n": 64, "num_warps": 4, "num_stages": 2}
+
+    # ------------------------------------------------------------------ metadata
+    def _build(
+        self,
+        batch: ForwardBatch,
+        max_q: int,
+        max_kv: int,
+        width: int,
+        static: TritonMetadata | None,
+    ) -> TritonMetadata:
+        ps = self.pool.page_size
+        qo = cumsum_indptr(batch.extend_seq_lens, None if static is None else static.qo_indptr)
+        table = build_page_table(
+            self.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            ps,
+            width,
+            0,
+            None if static is None else static.table,
+        )
+        h = self.dims.num_heads
+        m_blocks = -(-max_q * h // self._block_m(max_q * h))
+        if static is not None:
+            return TritonMetadata(qo, table, max_q, static.num_splits, static.workspace)
+        splits = 1
+        if batch.mode.is_decode_or_verify:
+            splits = choose_num_splits(batch.batch_size * m_blocks, max_kv, self._sms)
+        ws = None
+        if splits > 1:
+            rows = batch.num_tokens * h * splits
+            ws = (
+                torch.empty(rows, self.dims.kv_lora_rank, dtype=torch.float32, device=self.device),
+                torch.empty(rows, dtype=torch.float32, device=self.device),
+            )
+        return TritonMetadata(qo, table, max_q, splits, ws)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.batch_size == 0:
+            self.metadata = None
+            return
+        max_q = int(batch.extend_seq_lens_cpu.max())
+        max_kv = int(batch.seq_lens_cpu.max())
+        width = page_table_width(max_kv, self.pool.page_size)
+        self.metadata = self._build(batch, max_q, max_kv, width, None)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        ps, max_ctx = self.pool.page_size, self.req_to_token.shape[1]
+        self._graph_width = page_table_width(max_ctx, ps)
+        self._graph_max_bs, self._graph_max_tokens = max_bs, max_num_tokens
+        self._graph_qo = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_table = torch.zeros(
+            max_bs, self._graph_width, dtype=torch.int32, device=self.device
+        )
+        self._graph_splits = 16
+        rows = max_num_tokens * self.dims.num_heads * self._graph_splits
+        self._graph_ws = (
+            torch.empty(rows, self.dims.kv_lora_rank, dtype=torch.float32, device=self.device),
+            torch.empty(rows, dtype=torch.float32, device=self.device),
+        )
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        bs, max_q = batch.batch_size, max(batch.num_draft_tokens, 1)
+        h = self.dims.num_heads
+        m_blocks = -(-max_q * h // self._block_m(max_q * h))
+        # Splits are fixed per captured size, for the longest context the graph may see.
+        splits = choose_num_splits(bs * m_blocks, self.req_to_token.shape[1], self._sms)
+        rows = batch.num_tokens * h * splits
+        ws = (self._graph_ws[0][:rows], self._graph_ws[1][:rows]) if splits > 1 else None
+        static = TritonMetadata(self._graph_qo[: bs + 1], self._graph_table[:bs], max_q, splits, ws)
+        self._graph = self._build(batch, max_q, 0, self._graph_width, static)
+        self.metadata = self._graph
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        if self._graph is None:
+            raise RuntimeError("init_forward_metadata_replay before capture")
+        # Refill the captured buffers in place: same pointers, new contents.
+        self._build(batch, self._graph.max_q_len, 0, self._graph_width, self._graph)
+        self.metadata = self._graph
+
+    @property
+    def cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------------ attention
+    def store_kv(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        d = self.dims
+        from mla_backends.checks import check_tensor
+
+        t = loc.shape[0]
+        check_tensor("k_nope", k_nope, (t, d.kv_lora_rank), None, self.device)
+        check_tensor("k_rope", k_rope, (t, d.qk_rope_head_dim), None, self.device)
+        self._k_store.store_latent_rows(
+            self.pool.kv_buffer[layer],
+            self.pool.scales[layer],
+            loc,
+            k_nope,
+            k_rope,
+            self.pool.is_fp8,
+        )
+
+    def _attend_absorbed(
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, h, lat = q_nope.shape
+        out = torch.empty_like(q_nope)
+        lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
+        md = self.metadata
+        if md is None:
+            if batch.batch_size == 0:
+                return out, lse
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        block_m = self._block_m(md.max_q_len * h)
+        self._k_attn.mla_attention(
+            q_nope,
+            q_rope,
+            self.pool.kv_buffer[layer],
+            md.table,
+            md.qo_indptr,
+            batch.seq_lens,
+            self.pool.page_size,
+            self.scale,
+            self.pool.scale(layer),
+            md.max_q_len,
+            md.num_splits,
+            out,
+            lse,
+            md.workspace,
+            block_m=block_m,
+            dot_f32=self._dot_f32,
+            **self._launch_cfg(block_m),
+        )
+        return out, lse
+
+    def _attend_mha(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RaggedLayout, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        cfg = (
+            {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1} if self._dot_f32 else {}
+        )
+        self._k_mha.mha_prefill(
+            q,
+            k,
+            v,
+            layout.qo_indptr,
+            layout.kv_indptr,
+            layout.max_q_len,
+            self.scale,
+            causal,
+            out,
+            lse,
+            dot_f32=self._dot_f32,
+            **cfg,
+        )
+        return out, lse

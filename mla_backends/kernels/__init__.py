@@ -1,0 +1,1 @@
+"""Our Triton kernels. Import triton only through these modules (lazily, from backends)."""

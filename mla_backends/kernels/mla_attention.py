@@ -1,0 +1,259 @@
+"""Absorbed MLA attention over the paged latent cache, in Triton (decode, verify, extend).
+
+A program owns one request, one block of BLOCK_M query rows and one KV split. Query rows are
+(token, head) pairs of the request, head fastest: all heads of a request share the program,
+so each split reads a latent tile once and uses it twice (QK^T over L + R, then P @ V over
+L). Causality is per row: query j of n sees `seq_len - n + j + 1` keys (bottom-right).
+
+With NUM_SPLITS > 1 each program writes a partial (out, lse) and `_merge_kernel` reduces
+them with log-sum-exp; with one split the program writes the final result directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _mla_attn_kernel(
+    QNope,
+    QRope,
+    KV,
+    Table,
+    QoIndptr,
+    SeqLens,
+    Out,
+    Lse,
+    PartOut,
+    PartLse,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qr_t,
+    stride_qr_h,
+    stride_kv,
+    stride_tab,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    qk_scale_log2,
+    out_scale,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    mblk = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    if mblk * BLOCK_M >= q_len * H:
+        return
+    seq = tl.load(SeqLens + b)
+
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * H
+    tok = rows // H
+    head = rows % H
+    visible = tl.minimum(tl.maximum(seq - q_len + tok + 1, 0), seq)
+    # keys any row of this block may see: [0, kv_end)
+    last_tok = tl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1) // H
+    kv_end = tl.minimum(tl.maximum(seq - q_len + last_tok + 1, 0), seq)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    t_idx = (q_start + tok).to(tl.int64)
+    qn = tl.load(
+        QNope + t_idx[:, None] * stride_qn_t + head[:, None] * stride_qn_h + offs_l[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    qr = tl.load(
+        QRope + t_idx[:, None] * stride_qr_t + head[:, None] * stride_qr_h + offs_r[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if DOT_F32:
+        qn = qn.to(tl.float32)
+        qr = qr.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, L], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(Table + b * stride_tab + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        slot = page * PAGE + n % PAGE
+        # Masked loads give 0 for keys past the range, so NaN-poisoned or stale rows are
+        # never read, and never reach P @ V.
+        k = tl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
+        kr = tl.load(
+            KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
+        )
+        k = k.to(qn.dtype)
+        kr = kr.to(qr.dtype)
+        s = tl.dot(qn, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=PRECISION)
+        s = s * qk_scale_log2
+        s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (out_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    if NUM_SPLITS == 1:
+        o_ptr = Out + t_idx[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_l[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(Lse + t_idx * stride_lse_t + head, lse, mask=row_ok)
+    else:
+        prow = (q_start * H + rows).to(tl.int64) * NUM_SPLITS + split
+        tl.store(PartOut + prow[:, None] * L + offs_l[None, :], out, mask=row_ok[:, None])
+        tl.store(PartLse + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    PartOut,
+    PartLse,
+    Out,
+    Lse,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # token * H + head
+    t = row // H
+    h = row % H
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_l = tl.arange(0, L)
+    lse = tl.load(PartLse + row * NUM_SPLITS + offs_s)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # empty splits: exp(-inf) = 0
+    total = tl.sum(w, 0)
+    parts = tl.load(PartOut + (row * NUM_SPLITS + offs_s)[:, None] * L + offs_l[None, :])
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(parts * (w / total_safe)[:, None], 0)
+    tl.store(Out + t * stride_o_t + h * stride_o_h + offs_l, out.to(Out.dtype.element_ty))
+    tl.store(
+        Lse + t * stride_lse_t + h,
+        tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)),
+    )
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    kv_scale: float,
+    max_q_len: int,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    dot_f32: bool = False,
+) -> None:
+    """q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], table [B, W] page ids,
+    qo_indptr [B + 1], seq_lens [B] (KV length incl. new tokens) -> out [T, H, L], lse [T, H].
+
+    `max_q_len` and `num_splits` come from the host (never read off the device). FP8 KV:
+    `kv_scale` multiplies scores and output, so rows are dequantized in registers only.
+    workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32)."""
+    t, h, lat = q_nope.shape
+    r = q_rope.shape[2]
+    b = seq_lens.numel()
+    if t == 0 or b == 0:
+        return
+    m_blocks = triton.cdiv(max_q_len * h, block_m)
+    if num_splits > 1:
+        if workspace is None:
+            workspace = (
+                torch.empty(t * h * num_splits, lat, dtype=torch.float32, device=q_nope.device),
+                torch.empty(t * h * num_splits, dtype=torch.float32, device=q_nope.device),
+            )
+        part_out, part_lse = workspace
+    else:
+        part_out, part_lse = out, lse  # unused
+    precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
+    _mla_attn_kernel[(b, m_blocks, num_splits)](
+        q_nope,
+        q_rope,
+        kv,
+        table,
+        qo_indptr,
+        seq_lens,
+        out,
+        lse,
+        part_out,
+        part_lse,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        kv.stride(0),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        sm_scale * kv_scale * LOG2E,
+        kv_scale,
+        H=h,
+        L=lat,
+        R=r,
+        PAGE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_F32=dot_f32,
+        PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_kernel[(t * h,)](
+            part_out,
+            part_lse,
+            out,
+            lse,
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            H=h,
+            L=lat,
+            NUM_SPLITS=num_splits,
+            num_warps=4,
+        )

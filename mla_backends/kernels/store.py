@@ -1,0 +1,95 @@
+"""Fused latent-row store: concat(k_nope, k_rope) -> pool rows, quantized under the layer scale."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_backends.kernels.common import interpreting
+
+
+@triton.jit
+def _round_e4m3(x):
+    """Round fp32 to the nearest float8_e4m3fn value (ties to even), staying in fp32.
+    Only used under the Triton interpreter, whose own fp8 cast mis-rounds (124.0 -> 64.0);
+    GPUs convert with cvt.rn (the same rounding), so the cast that follows is then exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)  # subnormals share the smallest normal's step
+    step = tl.exp2((e - 3).to(tl.float32))
+    y = x / step
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    r = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
+    return r * step
+
+
+@triton.jit
+def _store_kernel(
+    KNope,
+    KRope,
+    Loc,
+    Buf,
+    Scale,
+    stride_kn,
+    stride_kr,
+    stride_buf,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    EXACT_FP8_ROUND: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    kn = tl.load(KNope + t * stride_kn + offs_l, mask=offs_l < L).to(tl.float32)
+    kr = tl.load(KRope + t * stride_kr + offs_r, mask=offs_r < R).to(tl.float32)
+    if IS_FP8:
+        inv = 1.0 / tl.load(Scale)
+        # e4m3fn has no inf: out-of-range values would become NaN, so saturate first.
+        kn = tl.clamp(kn * inv, -448.0, 448.0)
+        kr = tl.clamp(kr * inv, -448.0, 448.0)
+        if EXACT_FP8_ROUND:
+            kn = _round_e4m3(kn)
+            kr = _round_e4m3(kr)
+    dst = Buf + slot * stride_buf
+    tl.store(dst + offs_l, kn.to(Buf.dtype.element_ty), mask=offs_l < L)
+    tl.store(dst + L + offs_r, kr.to(Buf.dtype.element_ty), mask=offs_r < R)
+
+
+def store_latent_rows(
+    buf: torch.Tensor,
+    scale: torch.Tensor,
+    loc: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    is_fp8: bool,
+) -> None:
+    """buf [slots, L + R]; scale [] fp32 (device); loc [T]; k_nope [T, L]; k_rope [T, R]."""
+    t, lat = k_nope.shape
+    r = k_rope.shape[1]
+    if t == 0:
+        return
+    if k_nope.stride(1) != 1 or k_rope.stride(1) != 1:
+        k_nope, k_rope = k_nope.contiguous(), k_rope.contiguous()
+    _store_kernel[(t,)](
+        k_nope,
+        k_rope,
+        loc,
+        buf,
+        scale,
+        k_nope.stride(0),
+        k_rope.stride(0),
+        buf.stride(0),
+        L=lat,
+        R=r,
+        BLOCK_L=triton.next_power_of_2(lat),
+        BLOCK_R=triton.next_power_of_2(max(r, 1)),
+        IS_FP8=is_fp8,
+        EXACT_FP8_ROUND=is_fp8 and interpreting(),
+    )

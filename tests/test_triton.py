@@ -1,0 +1,185 @@
+"""The triton backend: interpreter parity at tiny shapes on CPU, the full matrix on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from mla_backends.batch import ForwardMode
+from mla_backends.config import MLADims
+from mla_backends.indices import build_page_indices, build_page_table, build_token_indices
+from mla_backends.pool import MLATokenToKVPool
+from mla_backends.testing import (
+    DTYPE_PAIRS,
+    MODES,
+    Case,
+    build_case,
+    edge_kv_lens,
+    parity_cases,
+    run_case,
+    run_mha_case,
+)
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+GPU = torch.cuda.is_available()
+interp_only = pytest.mark.skipif(not INTERP, reason="CPU path: needs TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(not GPU or INTERP, reason="needs a CUDA GPU (not the interpreter)")
+# Smallest shapes the kernels take (tl.dot needs dims >= 16); distinct so swapped axes show.
+SMALL = MLADims(
+    num_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    rope_scaling_factor=4.0,
+    mscale_all_dim=0.7,
+)
+CPU = torch.device("cpu")
+
+
+def _small_cases() -> list[Case]:
+    cases = []
+    for page in (1, 16, 64):
+        for dt in DTYPE_PAIRS:
+            for m, (mode, q) in MODES.items():
+                act, kv = DTYPE_PAIRS[dt]
+                heads = 16 if m == "verify" else 4
+                lens = edge_kv_lens(page, max(q, 1), long=70)
+                cases.append(Case("triton", mode, page, heads, kv, act, q, lens, dims=SMALL))
+    return cases
+
+
+@interp_only
+@pytest.mark.parametrize("case", _small_cases(), ids=lambda c: c.id)
+def test_interpreter_parity(case: Case) -> None:
+    r = run_case(case)
+    assert r.ok, f"{case.id}: {r.detail}"
+
+
+@interp_only
+@pytest.mark.parametrize("splits", [2, 4])
+def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
+    """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""
+    import mla_backends.backends.triton_backend as tb
+
+    monkeypatch.setattr(tb, "choose_num_splits", lambda *a, **k: splits)
+    for mode, q in [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 2)]:
+        case = Case(
+            "triton",
+            mode,
+            16,
+            4,
+            "float16",
+            "float16",
+            q,
+            (0, 1, 3, 17, 45),
+            dims=SMALL,
+            seed=splits,
+        )
+        r = run_case(case)
+        assert r.ok, r.detail
+
+
+@interp_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_interpreter_mha_prefill(causal: bool, dtype: str) -> None:
+    q_lens, kv_lens = [1, 19, 0, 5, 6], [1, 40, 3, 0, 6]
+    if causal:
+        kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
+    r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 4, SMALL)
+    assert r.ok, r.detail
+
+
+@interp_only
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_triton_index_builder_equals_torch(page: int) -> None:
+    from mla_backends.kernels import index
+
+    case = Case(
+        mode=ForwardMode.DECODE,
+        page_size=page,
+        kv_lens=edge_kv_lens(page, long=150),
+        layout="mixed",
+        dims=SMALL,
+        num_heads=4,
+        seed=3,
+    )
+    rt, batch = build_case(case, CPU)
+    r2t, rows, seq = rt.req_pool.req_to_token, batch.req_pool_indices, batch.seq_lens
+    lens = batch.seq_lens_cpu.tolist()
+    for fill in (0, -1):
+        width = -(-max(lens) // page) + 3
+        torch.testing.assert_close(
+            index.page_table(r2t, rows, seq, page, width, fill),
+            build_page_table(r2t, rows, seq, page, width, fill),
+            rtol=0,
+            atol=0,
+        )
+    want = build_token_indices(r2t, rows, seq, sum(lens))
+    got = index.token_indices(r2t, rows, seq, sum(lens), max(lens))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    n_pages = [-(-n // page) for n in lens]
+    want = build_page_indices(r2t, rows, seq, page, sum(n_pages))
+    got = index.page_indices(r2t, rows, seq, page, sum(n_pages), max(n_pages))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
+    from mla_backends.kernels.store import store_latent_rows
+
+    a, b = (MLATokenToKVPool(1, 4, 16, 32, 16, dtype) for _ in range(2))
+    for p in (a, b):
+        if p.is_fp8:
+            p.set_scale(0, 0.05)
+    loc = torch.tensor([17, 63, 20, 16])
+    k_nope, k_rope = torch.randn(4, 32) * 3, torch.randn(4, 16) * 30
+    if not a.is_fp8:  # rows arrive in the pool dtype: stored bitwise
+        k_nope, k_rope = k_nope.to(dtype), k_rope.to(dtype)
+    a.set_mla_kv_buffer(0, loc, k_nope, k_rope)
+    store_latent_rows(b.kv_buffer[0], b.scales[0], loc, k_nope, k_rope, b.is_fp8)
+    assert torch.equal(a.kv_buffer[0].view(torch.uint8), b.kv_buffer[0].view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------- GPU
+GPU_MATRIX = parity_cases(
+    "triton",
+    page_sizes=(1, 16, 64, 128),
+    heads=(16, 128),
+    dtypes=("bfloat16", "float16", "fp8"),
+    long=1100,
+)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", GPU_MATRIX, ids=lambda c: c.id)
+def test_gpu_parity_matrix(case: Case) -> None:
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"
+
+
+@gpu_only
+@pytest.mark.parametrize("batch", [1, 7, 130])
+def test_gpu_batch_sizes(batch: int) -> None:
+    for c in parity_cases("triton", (64,), (128,), ("bfloat16", "fp8"), ("decode", "verify")):
+        lens = c.kv_lens
+        r = run_case(
+            dataclasses.replace(c, kv_lens=tuple(lens[i % len(lens)] for i in range(batch))), "cuda"
+        )
+        assert r.ok, f"{c.id}: {r.detail}"
+
+
+@gpu_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_mha_prefill(causal: bool) -> None:
+    q_lens, kv_lens = [1, 300, 0, 77, 128], [1, 1000, 30, 0, 128]
+    if causal:
+        kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
+    for dtype in ("bfloat16", "float16"):
+        r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 16, device="cuda")
+        assert r.ok, r.detail
