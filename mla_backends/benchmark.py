@@ -47,7 +47,6 @@ def ceilings(device: torch.device) -> dict[str, float]:
     a = torch.randn(n, device=device, dtype=torch.bfloat16)
     b = torch.empty_like(a)
     copy_us = bench_us(lambda: b.copy_(a))
-    del a, b
     m = 8192
     x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
@@ -257,7 +256,8 @@ def main(out_dir: str, backends: list[str], peers: list[str], quick: bool = Fals
 def format_result(result: dict, backends: list[str], peers: list[str]) -> str:
     c = result["ceilings"]
     lines = [
-        f"{result['device']}: copy {c['copy_gbps']:.0f} GB/s, bf16 mm {c['matmul_tflops']:.0f} TFLOP/s"
+        f"{result['device']}: copy {c['copy_gbps']:.0f} GB/s, "
+        f"bf16 mm {c['matmul_tflops']:.0f} TFLOP/s"
     ]
     ref = peers[0] if peers else None
     head = "H    q  B    kv     " + "".join(f"{n + ' us':>16}" for n in backends + peers)
