@@ -148,9 +148,10 @@ def batch_reference(
         zip(batch.extend_seq_lens_cpu.tolist(), batch.seq_lens_cpu.tolist())
     ):
         latent, k_rope = request_kv(pool, layer, req_to_token, rows[b], s)
-        qn, qr = q_nope[start : start + n], q_rope[start : start + n]
+        dev = latent.device
+        qn, qr = q_nope[start : start + n].to(dev), q_rope[start : start + n].to(dev)
         if expanded:
-            o, lse = mha_expanded(qn, qr, latent, k_rope, w_kc, w_vc, scale)
+            o, lse = mha_expanded(qn, qr, latent, k_rope, w_kc.to(dev), w_vc.to(dev), scale)
         else:
             o, lse = absorbed(qn, qr, latent, k_rope, scale)
         outs.append(o)

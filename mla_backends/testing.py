@@ -223,9 +223,8 @@ def run_case(case: Case, device: torch.device | str = "cpu") -> Result:
     atol, rtol, lse_tol = TOLERANCES[case.dtype]
     lat_err, d1 = _compare("out(latent)", out, ref_lat, atol, rtol)
     lat_lse_err, d2 = _compare("lse(latent)", lse, ref_lat_lse, lse_tol, 0.0)
-    out_err, d3 = _compare(
-        "out(expanded)", project_v(out.double().cpu(), w_vc), ref_out, atol, rtol
-    )
+    out_v = project_v(out.double(), w_vc.to(out.device))
+    out_err, d3 = _compare("out(expanded)", out_v, ref_out, atol, rtol)
     lse_err, d4 = _compare("lse(expanded)", lse, ref_lse, lse_tol, 0.0)
     detail = "; ".join(x for x in (d1, d2, d3, d4) if x)
     return Result(case, out_err, max(lse_err, lat_lse_err), lat_err, not detail, detail)
