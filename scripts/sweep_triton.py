@@ -117,7 +117,6 @@ def decode_sweep() -> list[dict]:
             f" us (ratio {fm / best['us']:.2f}) bm{best['bm']} bn{best['bn']} w{best['warps']}"
             f" st{best['stages']} splits{best['splits']} (default splits {md.num_splits})"
         )
-        del s, be, md
         torch.cuda.empty_cache()
     return rows
 
