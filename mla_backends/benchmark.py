@@ -231,9 +231,22 @@ def prefill_table(tokens: int = 8192, heads: int = 128) -> dict:
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
 
+    def sdpa_lse() -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse_, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, True, False, scale=scale
+        )
+        return o, lse_
+
     ref = sdpa()[0].transpose(0, 1)
     ours()
     res["max_abs_diff_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
+    try:
+        o2, lse2 = sdpa_lse()
+        res["cudnn_lse_max_diff"] = float((lse2[0].transpose(0, 1).float() - lse).abs().max())
+        res["cudnn_out_max_diff"] = float((o2[0].transpose(0, 1).float() - out.float()).abs().max())
+        res["cudnn_lse_us"] = bench_us(sdpa_lse)
+    except Exception as e:
+        res["cudnn_lse_error"] = f"{type(e).__name__}: {e}"[:300]
     for name, fn in (("triton", ours), ("sdpa", sdpa)):
         us = bench_us(fn)
         res[f"{name}_us"], res[f"{name}_tflops"] = us, flops / us / 1e6

@@ -25,19 +25,13 @@ DECODE = [
 ]
 CFGS = [  # block_m (None = backend default), block_n, warps, stages
     (None, 32, 4, 2),
-    (None, 64, 4, 2),
     (None, 64, 4, 3),
-    (None, 32, 4, 4),
     (None, 64, 8, 3),
-    (None, 32, 8, 2),
+    (None, 32, 8, 3),
+    (None, 64, 4, 4),
     (None, 128, 8, 2),
-    (32, 64, 4, 2),
-    (32, 32, 4, 3),
-    (64, 64, 8, 2),
-    (64, 32, 4, 2),
-    (64, 16, 4, 3),
 ]
-SPLITS = [1, 2, 4, 8]
+SPLITS = [1, 2, 4]
 
 
 def decode_sweep() -> list[dict]:

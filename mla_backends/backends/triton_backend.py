@@ -30,10 +30,13 @@ class TritonMetadata:
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials (out, lse), device
 
 
-def choose_num_splits(programs: int, max_kv_len: int, sms: int, max_splits: int = 16) -> int:
-    """Split KV until the grid covers the GPU about twice, keeping >= 256 keys per split.
-    A power of two (the merge kernel's arange needs it)."""
-    want = max(1, -(-2 * sms // max(programs, 1)))
+def choose_num_splits(
+    programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = 16
+) -> int:
+    """Split KV until the grid covers the GPU `waves` times (2 when bandwidth-bound, 1 when
+    compute-bound), keeping >= 256 keys per split. A power of two (the merge kernel's
+    arange needs one). Measured on H200 (BENCHMARKS.md, launch-config sweep)."""
+    want = max(1, round(waves * sms / max(programs, 1)))
     want = min(want, max(1, max_kv_len // 256), max_splits)
     return 1 << (want.bit_length() - 1)
 
@@ -76,11 +79,17 @@ class TritonBackend(MLABackend):
         return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
     def _launch_cfg(self, block_m: int) -> dict[str, int]:
+        # From the H200 sweep (scripts/sweep_triton.py); the interpreter wants tiny tiles.
         if self._dot_f32:
             return {"block_n": 16, "num_warps": 4, "num_stages": 1}
         if block_m >= 64:
-            return {"block_n": 32, "num_warps": 8, "num_stages": 2}
-        return {"block_n": 64, "num_warps": 4, "num_stages": 2}
+            return {"block_n": 64, "num_warps": 8, "num_stages": 3}
+        if block_m == 32:
+            return {"block_n": 64, "num_warps": 4, "num_stages": 2}
+        return {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
+    def _waves(self, block_m: int) -> int:
+        return 1 if block_m >= 64 else 2
 
     # ------------------------------------------------------------------ metadata
     def _build(
@@ -108,7 +117,10 @@ class TritonBackend(MLABackend):
             return TritonMetadata(qo, table, max_q, static.num_splits, static.workspace)
         splits = 1
         if batch.mode.is_decode_or_verify:
-            splits = choose_num_splits(batch.batch_size * m_blocks, max_kv, self._sms)
+            bm = self._block_m(max_q * h)
+            splits = choose_num_splits(
+                batch.batch_size * m_blocks, max_kv, self._sms, self._waves(bm)
+            )
         ws = None
         if splits > 1:
             rows = batch.num_tokens * h * splits
@@ -147,7 +159,10 @@ class TritonBackend(MLABackend):
         h = self.dims.num_heads
         m_blocks = -(-max_q * h // self._block_m(max_q * h))
         # Splits are fixed per captured size, for the longest context the graph may see.
-        splits = choose_num_splits(bs * m_blocks, self.req_to_token.shape[1], self._sms)
+        bm = self._block_m(max_q * h)
+        splits = choose_num_splits(
+            bs * m_blocks, self.req_to_token.shape[1], self._sms, self._waves(bm)
+        )
         rows = batch.num_tokens * h * splits
         ws = (self._graph_ws[0][:rows], self._graph_ws[1][:rows]) if splits > 1 else None
         static = TritonMetadata(self._graph_qo[: bs + 1], self._graph_table[:bs], max_q, splits, ws)

@@ -7,15 +7,38 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_backends.kernels.mla_attention import _online_softmax
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _mha_block(
-    acc, m_i, l_i, q, q2, K, V, k_start, lo, hi, visible, h,
-    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale_log2,
-    offs_d, offs_e, offs_v, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q2,
+    K,
+    V,
+    k_start,
+    lo,
+    hi,
+    visible,
+    h,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    qk_scale_log2,
+    offs_d,
+    offs_e,
+    offs_v,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi). MASKED=False is the interior of the causal
     triangle (every row sees every key): no per-element mask, no bounds checks."""
@@ -27,10 +50,12 @@ def _mha_block(
         if MASKED:
             n_ok = n < hi
             k = tl.load(k_rows + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            k2 = tl.load(k_rows + offs_e[None, :], mask=n_ok[:, None] & (offs_e[None, :] < DQK),
-                         other=0.0)
-            v = tl.load(v_rows + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < DV),
-                        other=0.0)
+            k2 = tl.load(
+                k_rows + offs_e[None, :], mask=n_ok[:, None] & (offs_e[None, :] < DQK), other=0.0
+            )
+            v = tl.load(
+                v_rows + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < DV), other=0.0
+            )
         else:
             k = tl.load(k_rows + offs_d[None, :])
             k2 = tl.load(k_rows + offs_e[None, :], mask=offs_e[None, :] < DQK, other=0.0)
@@ -42,25 +67,39 @@ def _mha_block(
         s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=PRECISION) * qk_scale_log2
         if MASKED:
             s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
         acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=PRECISION)
-        m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
 def _mha_fwd_kernel(
-    Q, K, V, QoIndptr, KvIndptr, Out, Lse,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    Q,
+    K,
+    V,
+    QoIndptr,
+    KvIndptr,
+    Out,
+    Lse,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     qk_scale_log2,
-    DQK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
-    DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DQK: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     mblk = tl.program_id(1)
@@ -100,14 +139,58 @@ def _mha_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     acc, m_i, l_i = _mha_block(
-        acc, m_i, l_i, q, q2, K, V, k_start, 0, full, visible, h,
-        stride_kt, stride_kh, stride_vt, stride_vh, qk_scale_log2, offs_d, offs_e, offs_v,
-        DQK, DV, BLOCK_N, False, PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q2,
+        K,
+        V,
+        k_start,
+        0,
+        full,
+        visible,
+        h,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        qk_scale_log2,
+        offs_d,
+        offs_e,
+        offs_v,
+        DQK,
+        DV,
+        BLOCK_N,
+        False,
+        PRECISION,
     )
     acc, m_i, l_i = _mha_block(
-        acc, m_i, l_i, q, q2, K, V, k_start, full, hi, visible, h,
-        stride_kt, stride_kh, stride_vt, stride_vh, qk_scale_log2, offs_d, offs_e, offs_v,
-        DQK, DV, BLOCK_N, True, PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q2,
+        K,
+        V,
+        k_start,
+        full,
+        hi,
+        visible,
+        h,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        qk_scale_log2,
+        offs_d,
+        offs_e,
+        offs_v,
+        DQK,
+        DV,
+        BLOCK_N,
+        True,
+        PRECISION,
     )
 
     empty = l_i == 0.0
@@ -116,7 +199,8 @@ def _mha_fwd_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     tl.store(
         Out + rows[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
-        out.to(Out.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < DV),
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & (offs_v[None, :] < DV),
     )
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(Lse + rows * tl.num_programs(2) + h, lse, mask=m_ok)
