@@ -183,3 +183,30 @@ def test_gpu_mha_prefill(causal: bool) -> None:
     for dtype in ("bfloat16", "float16"):
         r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 16, device="cuda")
         assert r.ok, r.detail
+
+
+@gpu_only
+def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
+    """No LSE asked and q_len == kv_len: the SDPA route; it must equal the Triton route."""
+    from mla_backends.batch import RaggedLayout
+    from mla_backends.config import Config
+    from mla_backends.runtime import Runtime
+
+    dims = MLADims(num_heads=16)
+    cfg = Config(
+        model=dims,
+        prefill_backend="triton",
+        decode_backend="triton",
+        num_pages=1,
+        max_requests=1,
+        device="cuda",
+    )
+    be = Runtime.build(cfg).backend
+    lens = [1, 300, 0, 77]
+    layout = RaggedLayout.from_lens(lens, lens, "cuda")
+    q = torch.randn(layout.num_q, 16, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn(layout.num_q, 16, 128, device="cuda", dtype=torch.bfloat16)
+    plain = be.forward_mha(q, k, v, layout)
+    with_lse, _ = be.forward_mha(q, k, v, layout, return_lse=True)
+    torch.testing.assert_close(plain, with_lse, atol=2e-2, rtol=2e-2)

@@ -161,12 +161,21 @@ class MLABackend(ABC):
         check_tensor("q", q, (layout.num_q, h, dqk), act, self.device)
         check_tensor("k", k, (layout.num_kv, h, dqk), q.dtype, self.device)
         check_tensor("v", v, (layout.num_kv, h, d.v_head_dim), q.dtype, self.device)
-        out, lse = self._attend_mha(q, k, v, layout, causal)
+        out, lse = self._attend_mha(q, k, v, layout, causal, return_lse)
+        if return_lse and lse is None:
+            raise RuntimeError(f"backend {self.name!r} returned no LSE although it was asked")
         return (out, lse) if return_lse else out
 
     def _attend_mha(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RaggedLayout, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out [Tq, H, V], lse [Tq, H] fp32 or None when not `need_lse`)."""
         raise NotImplementedError(
             f"backend {self.name!r} has no MHA-mode prefill; set prefill_backend to one that has"
         )

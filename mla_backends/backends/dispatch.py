@@ -39,9 +39,15 @@ class DispatchBackend(MLABackend):
         return self._active._attend_absorbed(layer, q_nope, q_rope, batch)
 
     def _attend_mha(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RaggedLayout, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prefill._attend_mha(q, k, v, layout, causal)
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.prefill._attend_mha(q, k, v, layout, causal, need_lse)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.decode.init_cuda_graph_state(max_bs, max_num_tokens)

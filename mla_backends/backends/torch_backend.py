@@ -140,8 +140,14 @@ class TorchBackend(MLABackend):
         return out, lse
 
     def _attend_mha(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RaggedLayout, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.zeros(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         qo, kvp = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
