@@ -205,14 +205,15 @@ def decode_table(backends: list[str], peers: list[str], shapes=ANCHOR_SHAPES) ->
     return rows
 
 
-def prefill_table(tokens: int = 8192, heads: int = 128) -> dict:
-    """MHA-mode prefill, one causal request: our triton kernel vs torch SDPA, same inputs."""
+def prefill_table(backends: list[str], tokens: int = 8192, heads: int = 128) -> dict:
+    """MHA-mode prefill, one causal request of `tokens`: torch SDPA and FlashInfer's raw
+    ragged wrapper against our backends' `forward_mha` (no LSE) and our Triton kernel (LSE)."""
     import torch.nn.functional as F
 
     from mla_backends.batch import RaggedLayout
     from mla_backends.kernels.mha_prefill import mha_prefill
 
-    dims = DEEPSEEK_V3
+    dims = dataclasses.replace(DEEPSEEK_V3, num_heads=heads)
     q = torch.randn(tokens, heads, 192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, heads, 192, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(tokens, heads, 128, device="cuda", dtype=torch.bfloat16)
@@ -220,39 +221,60 @@ def prefill_table(tokens: int = 8192, heads: int = 128) -> dict:
     out = torch.empty(tokens, heads, 128, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(tokens, heads, device="cuda", dtype=torch.float32)
     scale = dims.softmax_scale
-    flops = 4 * tokens * tokens / 2 * heads * (192 + 128) / 2  # causal: half the matrix
+    flops = tokens * tokens * heads * (192 + 128)  # causal: half of 4 * T^2 * H * d / 2
     res: dict = {"tokens": tokens, "heads": heads, "flops": flops}
-
-    def ours() -> None:
-        mha_prefill(q, k, v, layout.qo_indptr, layout.kv_indptr, tokens, scale, True, out, lse)
-
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-
-    def sdpa() -> torch.Tensor:
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-
-    def sdpa_lse() -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse_, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qt, kt, vt, None, True, 0.0, True, False, scale=scale
-        )
-        return o, lse_
-
-    ref = sdpa()[0].transpose(0, 1)
-    ours()
-    res["max_abs_diff_vs_sdpa"] = float((out.float() - ref.float()).abs().max())
+    fns: dict[str, Callable[[], object]] = {
+        "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale),
+        "triton_kernel_lse": lambda: mha_prefill(
+            q, k, v, layout.qo_indptr, layout.kv_indptr, tokens, scale, True, out, lse
+        ),
+    }
     try:
-        o2, lse2 = sdpa_lse()
-        res["cudnn_lse_shape"] = list(lse2.shape)
-        lse2 = lse2.reshape(heads, tokens) if lse2.numel() == heads * tokens else lse2
-        res["cudnn_lse_max_diff"] = float((lse2[0].transpose(0, 1).float() - lse).abs().max())
-        res["cudnn_out_max_diff"] = float((o2[0].transpose(0, 1).float() - out.float()).abs().max())
-        res["cudnn_lse_us"] = bench_us(sdpa_lse)
+        import flashinfer
+
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        raw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        raw.plan(
+            layout.qo_indptr_cpu,
+            layout.kv_indptr_cpu,
+            heads,
+            heads,
+            192,
+            head_dim_vo=128,
+            causal=True,
+            sm_scale=scale,
+            q_data_type=torch.bfloat16,
+        )
+        fns["flashinfer_raw"] = lambda: raw.run(q, k, v)
     except Exception as e:
-        res["cudnn_lse_error"] = f"{type(e).__name__}: {e}"[:300]
-    for name, fn in (("triton", ours), ("sdpa", sdpa)):
-        us = bench_us(fn)
-        res[f"{name}_us"], res[f"{name}_tflops"] = us, flops / us / 1e6
+        res["flashinfer_raw_error"] = f"{type(e).__name__}: {e}"[:200]
+    for name in backends:
+        cfg = Config(
+            model=dims,
+            num_layers=1,
+            prefill_backend=name,
+            decode_backend=name,
+            num_pages=1,
+            max_requests=1,
+            device="cuda",
+        )
+        be = Runtime.build(cfg).backend
+        fns[f"{name}_backend"] = lambda be=be: be.forward_mha(q, k, v, layout)
+    ref = fns["sdpa"]()[0].transpose(0, 1).float()
+    for name, fn in fns.items():
+        try:
+            o = fn()
+            o = out if o is None else o
+            res[f"{name}_max_abs_diff_vs_sdpa"] = float((o.float() - ref).abs().max())
+            us = bench_us(fn)
+            res[f"{name}_us"], res[f"{name}_tflops"] = us, flops / us / 1e6
+        except Exception as e:
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
     return res
+
+
+RAW_PEER = {"triton": "flashmla", "flashmla": "flashmla", "flashinfer_mla": "flashinfer_fa3"}
 
 
 def main(out_dir: str, backends: list[str], peers: list[str], quick: bool = False) -> None:
@@ -263,7 +285,8 @@ def main(out_dir: str, backends: list[str], peers: list[str], quick: bool = Fals
     result["ceilings"] = ceilings(dev)
     shapes = ANCHOR_SHAPES[:3] if quick else ANCHOR_SHAPES
     result["decode"] = decode_table(backends, peers, shapes)
-    result["prefill"] = prefill_table(2048 if quick else 8192)
+    prefill_backends = [b for b in backends if b != "flashmla"]
+    result["prefill"] = prefill_table(prefill_backends, 2048 if quick else 8192)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     print(format_result(result, backends, peers))
 
@@ -274,28 +297,26 @@ def format_result(result: dict, backends: list[str], peers: list[str]) -> str:
         f"{result['device']}: copy {c['copy_gbps']:.0f} GB/s, "
         f"bf16 mm {c['matmul_tflops']:.0f} TFLOP/s"
     ]
-    ref = peers[0] if peers else None
-    head = "H    q  B    kv     " + "".join(f"{n + ' us':>16}" for n in backends + peers)
-    head += "".join(f"{n + '/' + ref:>18}" for n in backends) if ref else ""
-    head += "   GB/s(best ours) TFLOP/s"
-    lines.append(head)
+    ratio_names = [(b, RAW_PEER[b]) for b in backends if RAW_PEER.get(b) in peers]
+    head = "H    q  B    kv     " + "".join(f"{n + ' us':>18}" for n in backends + peers)
+    head += "".join(f"{b + '/' + p:>30}" for b, p in ratio_names)
+    lines.append(head + "   GB/s TFLOP/s (fastest of ours)")
     for r in result["decode"]:
-        cells = "".join(f"{r.get(n + '_us', math.nan):>16.1f}" for n in backends + peers)
-        ratios = ""
-        if ref:
-            for n in backends:
-                ratios += f"{r.get(ref + '_us', math.nan) / r[n + '_us']:>18.2f}"
+        cells = "".join(f"{r.get(n + '_us', math.nan):>18.1f}" for n in backends + peers)
+        ratios = "".join(
+            f"{r.get(p + '_us', math.nan) / r[b + '_us']:>30.2f}" for b, p in ratio_names
+        )
         best = min(r[n + "_us"] for n in backends)
         lines.append(
             f"{r['heads']:<5}{r['q_len']:<3}{r['batch']:<5}{r['kv_len']:<7}{cells}{ratios}"
-            f"{r['bytes'] / best / 1e3:>17.0f}{r['flops'] / best / 1e6:>8.0f}"
+            f"{r['bytes'] / best / 1e3:>7.0f}{r['flops'] / best / 1e6:>8.0f}"
         )
-    p = result.get("prefill")
-    if p:
+    p = result.get("prefill", {})
+    for key in sorted(k[:-3] for k in p if k.endswith("_us")):
         lines.append(
-            f"prefill {p['tokens']} tok x {p['heads']} heads causal: triton "
-            f"{p['triton_us']:.0f} us ({p['triton_tflops']:.0f} TFLOP/s), sdpa "
-            f"{p['sdpa_us']:.0f} us ({p['sdpa_tflops']:.0f} TFLOP/s), ratio "
-            f"{p['sdpa_us'] / p['triton_us']:.2f}, max|diff| {p['max_abs_diff_vs_sdpa']:.1e}"
+            f"prefill {p['tokens']} x {p['heads']} heads causal {key:<24} {p[key + '_us']:>8.0f} us"
+            f" {p[key + '_tflops']:>5.0f} TFLOP/s  vs sdpa {p['sdpa_us'] / p[key + '_us']:.2f}x"
+            f"  max|diff| {p.get(key + '_max_abs_diff_vs_sdpa', math.nan):.1e}"
         )
+    lines += [f"prefill {k}: {v}" for k, v in p.items() if k.endswith("_error")]
     return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""The `flashinfer_mla` backend: FlashInfer's MLA paged kernel (fa3 on SM90, fa2 on SM80/89)
+for decode, target-verify and extend over a prefix, at the pool's page size; FlashInfer's
+ragged prefill for MHA-mode prefill.
+
+Planning without a device sync: FlashInfer's `BatchMLAPagedAttentionWrapper.plan()` copies
+indptrs to the host (3.7 ms at batch 256). We call the generated module's plan directly with
+the CPU lengths the batch already carries and page indices built on the device by the shared
+index builder. Pinned staging buffers rotate so a plan never overwrites a buffer whose
+host-to-device copy may still be queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mla_backends.backends.base import BackendContext, Capability, MLABackend
+from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.backends.registry import register_backend
+from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.config import Config
+from mla_backends.indices import build_page_indices, cumsum_indptr
+
+WORKSPACE_BYTES = 128 << 20
+INT_WORKSPACE_BYTES = 8 << 20
+PINNED_RING = 4
+
+
+@dataclass
+class FlashInferMetadata:
+    plan_info: Any  # opaque host object from the kernel's plan
+    kv_indices: torch.Tensor  # [total pages] int32, device
+    causal: bool
+
+
+class _FaMLAKernel:
+    """Thin layer over FlashInfer's generated FA MLA module (flashinfer 0.7.2.post1)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        variant: str,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        lat: int,
+        rope: int,
+    ) -> None:
+        fa = require("flashinfer.mla._batch_mla._backends._fa_common")
+        self.mask_causal = require("flashinfer.utils").MaskMode.CAUSAL.value
+        self.mask_none = require("flashinfer.utils").MaskMode.NON_CAUSAL.value
+        self.module = fa.get_batch_mla_module(
+            variant, q_dtype, kv_dtype, q_dtype, torch.int32, lat, rope, False
+        )
+        self.float_ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.int_ws = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.pinned = [
+            torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+            for _ in range(PINNED_RING)
+        ]
+        self.events: list[torch.cuda.Event | None] = [None] * PINNED_RING
+        self.turn = 0
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_lens: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        causal: bool,
+    ) -> Any:
+        """All three tensors are int32 on the CPU. Host work plus one async copy: no sync."""
+        i = self.turn % PINNED_RING
+        self.turn += 1
+        ev = self.events[i]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # the copy that used this pinned buffer 4 plans ago: ~never waits
+        args = (
+            self.float_ws,
+            self.int_ws,
+            self.pinned[i],
+            qo_indptr,
+            kv_indptr,
+            kv_lens,
+            num_heads,
+            head_dim,
+            causal,
+        )
+        if hasattr(self.module, "plan_with_staged_workspace_bytes"):
+            info, _ = self.module.plan_with_staged_workspace_bytes(*args)
+        else:
+            info = self.module.plan(*args)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[i] = ev
+        return info
+
+    def run(
+        self,
+        md: FlashInferMetadata,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        page_size: int,
+        sm_scale: float,
+        kv_scale: float,
+    ) -> None:
+        mask = self.mask_causal if md.causal else self.mask_none
+        self.module.run(
+            self.float_ws,
+            self.int_ws,
+            md.plan_info,
+            q_nope,
+            q_pe,
+            ckv,
+            kpe,
+            md.kv_indices,
+            out,
+            lse,
+            mask,
+            q_nope.shape[1],
+            page_size,
+            sm_scale,
+            True,
+            kv_scale,
+            kv_scale,
+            None,
+        )
+
+
+@register_backend("flashinfer_mla")
+class FlashInferMLABackend(MLABackend):
+    name = "flashinfer_mla"
+    kv_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
+
+    @classmethod
+    def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
+        d = config.model
+        return (
+            missing("flashinfer")
+            or need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0)))
+            or (
+                None
+                if (d.kv_lora_rank, d.qk_rope_head_dim) == (512, 64)
+                else f"FlashInfer MLA is built for kv_lora_rank 512 + rope 64, config has "
+                f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
+            )
+            or (
+                None
+                if config.dtype in ("bfloat16", "float16")
+                else f"FlashInfer takes bf16/fp16 queries, config dtype is {config.dtype}"
+            )
+            or (
+                None
+                if config.kv_dtype != "float8_e4m3fn" or cap.sm == (9, 0)
+                else f"FlashInfer FP8 MLA needs fa3 (SM90), found {cap.describe()}"
+            )
+        )
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        require("flashinfer")
+        cap = torch.cuda.get_device_capability(self.device)
+        self._variant = "fa3" if cap == (9, 0) else "fa2"
+        self._kernel: _FaMLAKernel | None = None  # built (JIT) on first use
+        self.metadata: FlashInferMetadata | None = None
+        self._ragged: dict[int, Any] = {}
+
+    @property
+    def kernel(self) -> _FaMLAKernel:
+        if self._kernel is None:
+            d = self.dims
+            self._kernel = _FaMLAKernel(
+                self.device,
+                self._variant,
+                self.ctx.config.torch_dtype,
+                self.pool.dtype,
+                d.kv_lora_rank,
+                d.qk_rope_head_dim,
+            )
+        return self._kernel
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Host lengths from the batch's CPU copies; page indices built on the device."""
+        ps = self.pool.page_size
+        seq_cpu = batch.seq_lens_cpu
+        pages_cpu = (seq_cpu + ps - 1) // ps
+        kv_indptr = cumsum_indptr(pages_cpu.to(torch.int32))
+        qo_indptr = cumsum_indptr(batch.extend_seq_lens_cpu.to(torch.int32))
+        total_pages = int(kv_indptr[-1])
+        _, kv_indices = build_page_indices(
+            self.req_to_token, batch.req_pool_indices, batch.seq_lens, ps, total_pages
+        )
+        info = self.kernel.plan(
+            qo_indptr,
+            kv_indptr,
+            seq_cpu.to(torch.int32),
+            self.dims.num_heads,
+            self.dims.kv_lora_rank,
+            True,
+        )
+        self.metadata = FlashInferMetadata(info, kv_indices, True)
+
+    # ------------------------------------------------------------------ attention
+    def _attend_absorbed(
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        md = self.metadata
+        if md is None:
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        out = torch.empty_like(q_nope)
+        lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+        ckv, kpe = self.pool.get_ckv_kpe(layer)  # strided views of the 576-wide rows
+        self.kernel.run(
+            md,
+            q_nope,
+            q_rope,
+            ckv,
+            kpe,
+            out,
+            lse,
+            self.pool.page_size,
+            self.scale,
+            self.pool.scale(layer),
+        )
+        # Zero-length rows: out 0 and lse -inf by contract, whatever the kernel wrote.
+        empty = (batch.seq_lens == 0).repeat_interleave(
+            batch.extend_seq_lens.long(), output_size=batch.num_tokens
+        )
+        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
+            empty[:, None], float("-inf")
+        )
+
+    def _ragged_wrapper(self, layout: RaggedLayout, causal: bool) -> Any:
+        """FlashInfer's ragged prefill, planned once per layout (metadata built once)."""
+        key = (id(layout), causal)
+        if key not in self._ragged:
+            fi = require("flashinfer")
+            ws = self.kernel.float_ws
+            w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+            d = self.dims
+            w.plan(
+                layout.qo_indptr_cpu,
+                layout.kv_indptr_cpu,
+                d.num_heads,
+                d.num_heads,
+                d.qk_head_dim,
+                head_dim_vo=d.v_head_dim,
+                causal=causal,
+                sm_scale=self.scale,
+                q_data_type=self.ctx.config.torch_dtype,
+            )
+            if len(self._ragged) >= 4:  # a batch uses one or two layouts (prefix chunks)
+                self._ragged.clear()
+            self._ragged[key] = (w, layout)  # keeping the layout alive keeps its id unique
+        return self._ragged[key][0]
+
+    def _attend_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = self._ragged_wrapper(layout, causal)
+        if not need_lse:
+            return w.run(q, k, v), None
+        out, lse = w.run(q, k, v, return_lse=True, lse_base="ln")
+        # Requests with no keys: FlashInfer leaves them undefined; the contract says 0 / -inf.
+        kv_lens = layout.kv_indptr[1:] - layout.kv_indptr[:-1]
+        q_lens = (layout.qo_indptr[1:] - layout.qo_indptr[:-1]).long()
+        empty = (kv_lens == 0).repeat_interleave(q_lens, output_size=q.shape[0])
+        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
+            empty[:, None], float("-inf")
+        )

@@ -1,0 +1,44 @@
+"""Importing the kernel packages: one place, clear errors that say how to install them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+from mla_backends.backends.base import Capability
+
+INSTALL = {
+    "flashinfer": "pip install flashinfer-python==0.7.2.post1 (or mla-backends[gpu])",
+    "sgl_kernel": "pip install sglang-kernel==0.4.3 (or mla-backends[gpu])",
+    "flash_mla": "build deepseek-ai/FlashMLA, or pip install sglang-kernel==0.4.3",
+}
+
+
+def missing(*modules: str) -> str | None:
+    """Reason string if none of `modules` is importable (without importing it), else None."""
+    if any(importlib.util.find_spec(m.split(".")[0]) is not None for m in modules):
+        return None
+    hints = "; ".join(INSTALL.get(m.split(".")[0], f"install {m}") for m in modules)
+    return f"package {' or '.join(modules)} is not installed ({hints})"
+
+
+def require(module: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        hint = INSTALL.get(module.split(".")[0], f"install {module}")
+        raise ImportError(f"{module} could not be imported ({e}); {hint}") from e
+
+
+def need_sm(cap: Capability, name: str, allowed: tuple[tuple[int, int], ...]) -> str | None:
+    """Reason unless the device is a CUDA GPU of one of the `allowed` SM versions."""
+    if cap.sm is None:
+        return f"{name} needs a CUDA GPU with SM {_fmt(allowed)}, found {cap.describe()}"
+    if cap.sm not in allowed:
+        return f"{name} needs SM {_fmt(allowed)}, found {cap.describe()}"
+    return None
+
+
+def _fmt(allowed: tuple[tuple[int, int], ...]) -> str:
+    return " or ".join(f"{a}{b}" for a, b in allowed)
