@@ -6,10 +6,14 @@ dummy page: never handed out, the target of padded writes, what padded table row
 V is the first L columns of the same rows; it is never stored twice.
 
 FP8 contract: one fp32 scale per layer, `stored = value / scale`, `value = stored * scale`,
-calibrated over the whole D-wide row (latent and rope together).
+calibrated over the whole D-wide row (latent and rope together), and exactly representable
+in bf16 (`bf16_ceil`), so every backend, whatever precision it applies it in, reads the same
+values.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
@@ -17,6 +21,16 @@ from mla_backends.checks import check_tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def bf16_ceil(x: float) -> float:
+    """Smallest bf16-representable value >= x (x > 0).
+
+    Hazard: FlashInfer's FP8 MLA kernel multiplies by the scale in bf16; a scale that bf16
+    cannot represent (0.037 -> 0.03711) biases every score and output by up to 0.4%. Scales
+    are therefore bf16 values, rounded up so calibrated rows never saturate."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return struct.unpack("<f", struct.pack("<I", (bits + 0xFFFF) & 0xFFFF0000))[0]
 
 
 class MLATokenToKVPool:
@@ -72,15 +86,18 @@ class MLATokenToKVPool:
     def scale(self, layer: int) -> float:
         return self._scales_host[layer]
 
-    def set_scale(self, layer: int, scale: float) -> None:
+    def set_scale(self, layer: int, scale: float) -> float:
+        """Set the layer scale; returns the scale actually used (rounded up to bf16)."""
         if not scale > 0.0:
             raise ValueError(f"layer {layer}: kv scale must be > 0, got {scale}")
         if not self.is_fp8 and scale != 1.0:
             raise ValueError(
                 f"layer {layer}: a non-unit kv scale needs an FP8 pool, got {self.dtype}"
             )
-        self._scales_host[layer] = float(scale)
-        self.scales[layer] = float(scale)
+        scale = bf16_ceil(scale)
+        self._scales_host[layer] = scale
+        self.scales[layer] = scale
+        return scale
 
     def calibrate_scale(self, layer: int, k_nope: torch.Tensor, k_rope: torch.Tensor) -> float:
         """Set the layer scale from sample rows: amax over the whole row / FP8 max.
@@ -89,9 +106,7 @@ class MLATokenToKVPool:
         This reads a max back to the host; call it at calibration time, never in decode.
         """
         amax = max(k_nope.abs().max().item(), k_rope.abs().max().item() if k_rope.numel() else 0.0)
-        scale = max(amax, 1e-12) / FP8_MAX
-        self.set_scale(layer, scale)
-        return scale
+        return self.set_scale(layer, max(amax, 1e-12) / FP8_MAX)
 
     # ----------------------------------------------------------------- store / load
     def set_mla_kv_buffer(

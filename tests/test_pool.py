@@ -30,7 +30,9 @@ def test_fp8_round_trip_within_e4m3_precision_and_scale_applies() -> None:
     k_nope = torch.randn(64, 512) * 3.0
     k_rope = torch.randn(64, 64) * 40.0  # rope range much larger than latent
     scale = pool.calibrate_scale(0, k_nope, k_rope)
-    assert scale == pytest.approx(max(k_nope.abs().max(), k_rope.abs().max()).item() / FP8_MAX)
+    want = max(k_nope.abs().max(), k_rope.abs().max()).item() / FP8_MAX
+    assert want <= scale <= want * (1 + 2.0**-7)  # rounded up to a bf16 value
+    assert torch.tensor(scale).to(torch.bfloat16).item() == scale == pool.scale(0)
     loc = torch.arange(16, 80)
     pool.set_mla_kv_buffer(0, loc, k_nope, k_rope)
     raw = pool.get_kv_buffer(0)[loc]
@@ -53,6 +55,15 @@ def test_fp8_latent_only_calibration_would_saturate_rope() -> None:
     pool.set_mla_kv_buffer(0, torch.arange(16, 24), k_nope, k_rope)
     back = pool.load_rows(0, torch.arange(16, 24))[:, 512:]
     assert (back - k_rope).abs().max() > 10.0
+
+
+@pytest.mark.parametrize("x", [0.037, 1e-3, 0.5, 3.0, 1.0 / 448, 7.1e-5])
+def test_scales_are_bf16_values_rounded_up(x: float) -> None:
+    from mla_backends.pool import bf16_ceil
+
+    r = bf16_ceil(x)
+    assert r >= x and torch.tensor(r).to(torch.bfloat16).item() == r
+    assert bf16_ceil(r) == r and r <= x * (1 + 2.0**-7)
 
 
 def test_non_unit_scale_requires_fp8_and_positive() -> None:

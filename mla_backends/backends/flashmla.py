@@ -185,9 +185,10 @@ class FlashMLABackend(MLABackend):
         kwargs = {}
         if self.pool.is_fp8:
             q, descale_q = self.quantized_query(q)
+            # sgl_kernel 0.4.3 takes per-tensor descales of shape [1]
             kwargs = {
-                "descale_q": descale_q.expand(b).contiguous(),
-                "descale_k": self.pool.scales[layer : layer + 1].expand(b).contiguous(),
+                "descale_q": descale_q.reshape(1),
+                "descale_k": self.pool.scales[layer : layer + 1],
             }
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
