@@ -180,17 +180,6 @@ class MLABackend(ABC):
             f"backend {self.name!r} has no MHA-mode prefill; set prefill_backend to one that has"
         )
 
-    def effective_query(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query values the kernel really attends with. Identity unless the kernel
-        quantizes q (FlashMLA's FP8 path); references use this to check such kernels."""
-        return q_nope, q_rope
-
-    @property
-    def quantizes_query(self) -> bool:
-        return False
-
     # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")

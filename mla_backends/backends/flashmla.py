@@ -3,8 +3,7 @@
 Uses the `flash_mla` package when importable, else `sgl_kernel.flash_mla` (sglang-kernel
 0.4.3). Decode and target-verify only (uniform q_len); EXTEND goes to the prefill backend.
 Page table: `[B, W]` int32 from the shared index builder, tail filled with the dummy page 0.
-FP8: the kernel's dense FP8 path quantizes q too (per tensor, `descale_q`), and reads the
-pool with `descale_k` = the layer scale: no up-cast of the pool.
+bf16 / fp16 pools (see `kv_dtypes` for why FP8 is refused).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch
 from mla_backends.config import Config
 from mla_backends.indices import build_page_table, page_table_width
-from mla_backends.pool import FP8_MAX
 
 
 @dataclass
@@ -41,7 +39,10 @@ def _flash_mla_module():  # type: ignore[no-untyped-def]
 class FlashMLABackend(MLABackend):
     name = "flashmla"
     page_sizes = (64,)
-    kv_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
+    # FP8: sgl_kernel 0.4.3's dense FP8 path (fwd_kvcache_mla_fp8, q quantized per tensor)
+    # hit an illegal memory access on H200 with our pool (H=16, page 64); until that is
+    # understood an FP8 pool is refused here (flashinfer_mla and triton serve it).
+    kv_dtypes = ("bfloat16", "float16")
     roles = ("decode",)
     supports_graphs = True
 
@@ -62,11 +63,6 @@ class FlashMLABackend(MLABackend):
                 if config.dtype in ("bfloat16", "float16")
                 else f"FlashMLA takes bf16/fp16 queries, config dtype is {config.dtype}"
             )
-            or (
-                None
-                if config.kv_dtype != "float8_e4m3fn" or config.dtype == "bfloat16"
-                else "FlashMLA's FP8 path returns bf16: use dtype bfloat16 with an FP8 pool"
-            )
         )
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -81,10 +77,6 @@ class FlashMLABackend(MLABackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A device kernel (graph-capturable, no host sync); FlashMLA maps s_q * H query rows
         # onto one KV head.
-        if self.pool.is_fp8:
-            return self._fm.get_mla_metadata(
-                seq_lens, q_len * self.dims.num_heads, 1, is_fp8_kvcache=True
-            )
         return self._fm.get_mla_metadata(seq_lens, q_len * self.dims.num_heads, 1)
 
     def _check_mode(self, batch: ForwardBatch) -> int:
@@ -154,25 +146,6 @@ class FlashMLABackend(MLABackend):
         self.metadata = g
 
     # ------------------------------------------------------------------ attention
-    def quantized_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP8 path: per-tensor q quantization -> (q_fp8, descale_q []) on the device."""
-        descale = q.abs().amax().float().clamp_min(1e-12) / FP8_MAX
-        return (q.float() / descale).to(torch.float8_e4m3fn), descale
-
-    @property
-    def quantizes_query(self) -> bool:
-        return self.pool.is_fp8
-
-    def effective_query(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query values the kernel really attends with (FP8 rounds q); for references."""
-        if not self.pool.is_fp8:
-            return q_nope, q_rope
-        q8, descale = self.quantized_query(torch.cat([q_nope, q_rope], -1))
-        q = q8.float() * descale
-        return q[..., : self.dims.kv_lora_rank], q[..., self.dims.kv_lora_rank :]
-
     def _attend_absorbed(
         self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,14 +155,6 @@ class FlashMLABackend(MLABackend):
         t, h, lat = q_nope.shape
         b = batch.batch_size
         q = torch.cat([q_nope, q_rope], dim=-1).view(b, md.q_len, h, -1)
-        kwargs = {}
-        if self.pool.is_fp8:
-            q, descale_q = self.quantized_query(q)
-            # sgl_kernel 0.4.3 takes per-tensor descales of shape [1]
-            kwargs = {
-                "descale_q": descale_q.reshape(1),
-                "descale_k": self.pool.scales[layer : layer + 1],
-            }
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
             self.pool.get_paged_buffer(layer),
@@ -200,7 +165,6 @@ class FlashMLABackend(MLABackend):
             md.num_splits,
             softmax_scale=self.scale,
             causal=True,
-            **kwargs,
         )
         out = out.reshape(t, h, lat).to(q_nope.dtype)
         lse = lse.permute(0, 2, 1).reshape(t, h)
