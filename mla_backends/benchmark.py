@@ -184,7 +184,7 @@ def time_flashinfer(s: DecodeSetup) -> float:
 
 def decode_table(backends: list[str], peers: list[str], shapes=ANCHOR_SHAPES) -> list[dict]:  # type: ignore[no-untyped-def]
     rows = []
-    peer_fns = {"flashmla": time_flashmla, "flashinfer_fa3": time_flashinfer}
+    peer_fns = {"raw_flashmla": time_flashmla, "raw_flashinfer_fa3": time_flashinfer}
     for heads, q_len, batch, kv_len in shapes:
         row: dict = {"heads": heads, "q_len": q_len, "batch": batch, "kv_len": kv_len}
         setups = {}
@@ -225,7 +225,9 @@ def prefill_table(backends: list[str], tokens: int = 8192, heads: int = 128) -> 
     res: dict = {"tokens": tokens, "heads": heads, "flops": flops}
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     fns: dict[str, Callable[[], object]] = {
-        "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale),
+        "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)[
+            0
+        ].transpose(0, 1),
         "triton_kernel_lse": lambda: mha_prefill(
             q, k, v, layout.qo_indptr, layout.kv_indptr, tokens, scale, True, out, lse
         ),
@@ -261,7 +263,7 @@ def prefill_table(backends: list[str], tokens: int = 8192, heads: int = 128) -> 
         )
         be = Runtime.build(cfg).backend
         fns[f"{name}_backend"] = lambda be=be: be.forward_mha(q, k, v, layout)
-    ref = fns["sdpa"]()[0].transpose(0, 1).float()
+    ref = fns["sdpa"]().float()
     for name, fn in fns.items():
         try:
             o = fn()
@@ -274,7 +276,11 @@ def prefill_table(backends: list[str], tokens: int = 8192, heads: int = 128) -> 
     return res
 
 
-RAW_PEER = {"triton": "flashmla", "flashmla": "flashmla", "flashinfer_mla": "flashinfer_fa3"}
+RAW_PEER = {
+    "triton": "raw_flashmla",
+    "flashmla": "raw_flashmla",
+    "flashinfer_mla": "raw_flashinfer_fa3",
+}
 
 
 def main(out_dir: str, backends: list[str], peers: list[str], quick: bool = False) -> None:

@@ -129,8 +129,23 @@ class MLABackend(ABC):
             raise ValueError("k_nope and k_rope must both be given or both be None")
         if k_nope is not None and k_rope is not None:
             self.store_kv(layer, batch.out_cache_loc, k_nope, k_rope)
-        out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch)
+        out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch, return_lse)
         return (out, lse) if return_lse else out
+
+    @staticmethod
+    def mask_empty_rows(
+        out: torch.Tensor, lse: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Contract for zero-length KV rows: out 0, lse -inf, whatever a kernel wrote there.
+        Decided on the host from the CPU lengths, so batches without such rows (all decode
+        steps, every padded graph batch) pay nothing."""
+        if not bool((batch.seq_lens_cpu == 0).any()):
+            return out, lse
+        empty = (batch.seq_lens == 0).repeat_interleave(
+            batch.extend_seq_lens.long(), output_size=batch.num_tokens
+        )
+        out = out.masked_fill(empty[:, None, None], 0.0)
+        return out, None if lse is None else lse.masked_fill(empty[:, None], float("-inf"))
 
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
@@ -140,8 +155,13 @@ class MLABackend(ABC):
 
     @abstractmethod
     def _attend_absorbed(
-        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [T, H, L], lse [T, H] fp32) over the cached rows, bottom-right causal."""
 
     def forward_mha(

@@ -34,9 +34,14 @@ class DispatchBackend(MLABackend):
         self._active.store_kv(layer, loc, k_nope, k_rope)
 
     def _attend_absorbed(
-        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._active._attend_absorbed(layer, q_nope, q_rope, batch)
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._active._attend_absorbed(layer, q_nope, q_rope, batch, need_lse)
 
     def _attend_mha(
         self,

@@ -209,13 +209,20 @@ class FlashInferMLABackend(MLABackend):
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(
-        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         md = self.metadata
         if md is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
         out = torch.empty_like(q_nope)
-        lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+        lse = None
+        if need_lse:
+            lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
         ckv, kpe = self.pool.get_ckv_kpe(layer)  # strided views of the 576-wide rows
         self.kernel.run(
             md,
@@ -229,13 +236,7 @@ class FlashInferMLABackend(MLABackend):
             self.scale,
             self.pool.scale(layer),
         )
-        # Zero-length rows: out 0 and lse -inf by contract, whatever the kernel wrote.
-        empty = (batch.seq_lens == 0).repeat_interleave(
-            batch.extend_seq_lens.long(), output_size=batch.num_tokens
-        )
-        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
-            empty[:, None], float("-inf")
-        )
+        return self.mask_empty_rows(out, lse, batch)
 
     def _ragged_wrapper(self, layout: RaggedLayout, causal: bool) -> Any:
         """FlashInfer's ragged prefill, planned once per layout (metadata built once)."""

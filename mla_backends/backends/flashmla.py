@@ -147,8 +147,13 @@ class FlashMLABackend(MLABackend):
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(
-        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         md = self.metadata
         if md is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
@@ -168,8 +173,4 @@ class FlashMLABackend(MLABackend):
         )
         out = out.reshape(t, h, lat).to(q_nope.dtype)
         lse = lse.permute(0, 2, 1).reshape(t, h)
-        # Zero-length rows: the contract says out 0, lse -inf, whatever the kernel wrote.
-        empty = (batch.seq_lens == 0).repeat_interleave(md.q_len, output_size=t)
-        out = out.masked_fill(empty[:, None, None], 0.0)
-        lse = lse.masked_fill(empty[:, None], float("-inf"))
-        return out, lse
+        return self.mask_empty_rows(out, lse, batch)

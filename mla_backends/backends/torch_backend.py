@@ -89,8 +89,13 @@ class TorchBackend(MLABackend):
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(
-        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if batch.mode is ForwardMode.EXTEND:
             return self._attend_absorbed_ragged(layer, q_nope, q_rope, batch)
         md = self.metadata
