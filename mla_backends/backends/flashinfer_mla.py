@@ -88,10 +88,16 @@ class _FaMLAKernel:
             head_dim,
             causal,
         )
-        if hasattr(self.module, "plan_with_staged_workspace_bytes"):
+        raw = getattr(self.module, "_module", None)
+        if raw is None:  # not the 0.7.2 module layout: its own staging (may synchronize)
             info, _ = self.module.plan_with_staged_workspace_bytes(*args)
         else:
-            info = self.module.plan(*args)
+            # The C++ planner only fills our pinned buffer; FlashInfer's Python adapter then
+            # copies it through a freshly allocated pinned tensor, which can synchronize the
+            # device. We copy from the ring buffer instead: asynchronous, no allocation.
+            info, staged = raw.plan(*args)
+            staged = int(staged)
+            self.int_ws[:staged].copy_(self.pinned[i][:staged], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         self.events[i] = ev
