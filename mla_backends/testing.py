@@ -46,6 +46,7 @@ class Case:
     layout: str = "mixed"
     dims: MLADims = field(default_factory=lambda: MLADims())
     seed: int = 0
+    joined_query: bool = False  # q_nope / q_rope as views of one [T, H, L + R] buffer
 
     @property
     def id(self) -> str:
@@ -207,6 +208,9 @@ def run_case(case: Case, device: torch.device | str = "cpu") -> Result:
     w_vc /= d.kv_lora_rank**0.5
     q_latent = absorb_q(q_nope, w_kc).to(device, act)
     q_rope_in = q_rope.to(device, act)
+    if case.joined_query:
+        joined = torch.cat([q_latent, q_rope_in], dim=-1)
+        q_latent, q_rope_in = joined[..., : d.kv_lora_rank], joined[..., d.kv_lora_rank :]
     k_nope, k_rope = _random_rows(t, case, gen, device)
 
     rt.backend.init_forward_metadata(batch)

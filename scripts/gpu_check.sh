@@ -26,7 +26,7 @@ if [ "$mode" != "tests" ]; then
   quick=$([ "$mode" = quick ] && echo True || echo False)
   timeout ${BENCH_TIMEOUT:-300} python3 -c "
 from mla_backends.benchmark import main
-main('$out', ['triton', 'flashinfer_mla', 'flashmla'], ['raw_flashmla', 'raw_flashinfer_fa3'], quick=$quick)
+main('$out', ['triton', 'flashinfer_mla', 'flashmla'], ['raw_flashmla', 'raw_flashinfer_fa3'], quick=$quick, prefill=${PREFILL:-True})
 " 2>&1 | grep -v Warning | tee "$out/bench.log" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

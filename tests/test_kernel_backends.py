@@ -89,13 +89,23 @@ def test_flashmla_has_no_prefill_path() -> None:
 FI_MATRIX = parity_cases(
     "flashinfer_mla", (1, 16, 64, 128), (16, 128), ("bfloat16", "float16", "fp8"), long=1100
 )
+FM_JOINED = [
+    dataclasses.replace(c, joined_query=True)
+    for c in parity_cases(
+        "flashmla", (64,), (16, 128), ("bfloat16",), ("decode", "verify"), long=300
+    )
+]
 FM_MATRIX = parity_cases(
     "flashmla", (64,), (16, 128), ("bfloat16", "float16"), ("decode", "verify"), long=1100
 )
 
 
 @gpu_only
-@pytest.mark.parametrize("case", FI_MATRIX + FM_MATRIX, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    FI_MATRIX + FM_MATRIX + FM_JOINED,
+    ids=lambda c: c.id + ("-joined" if c.joined_query else ""),
+)
 def test_gpu_parity_matrix(case) -> None:  # type: ignore[no-untyped-def]
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"

@@ -60,6 +60,26 @@ def test_interpreter_parity(case: Case) -> None:
 
 
 @interp_only
+def test_interpreter_strided_query_views() -> None:
+    """q_nope / q_rope as column ranges of one buffer (non-contiguous): strides honoured."""
+    for mode, q in [(ForwardMode.DECODE, 1), (ForwardMode.EXTEND, 0)]:
+        case = Case(
+            "triton",
+            mode,
+            16,
+            4,
+            "float16",
+            "float16",
+            q,
+            (1, 17, 40),
+            dims=SMALL,
+            joined_query=True,
+        )
+        r = run_case(case)
+        assert r.ok, r.detail
+
+
+@interp_only
 @pytest.mark.parametrize("splits", [2, 4])
 def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""

@@ -133,6 +133,22 @@ class MLABackend(ABC):
         return (out, lse) if return_lse else out
 
     @staticmethod
+    def joined_query(q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """[T, H, L + R] query for kernels that take it whole (FlashMLA). Zero-copy when the
+        caller passed q_nope / q_rope as the two column ranges of one [T, H, L + R] buffer
+        (what a model writing both projections into one buffer gets); otherwise a copy."""
+        lat = q_nope.shape[-1]
+        if (
+            q_rope.data_ptr() == q_nope.data_ptr() + lat * q_nope.element_size()
+            and q_nope.stride() == q_rope.stride()
+            and q_nope.stride(-1) == 1
+            and q_nope.stride(1) == lat + q_rope.shape[-1]
+            and q_nope.stride(0) == q_nope.shape[1] * q_nope.stride(1)
+        ):
+            return q_nope.as_strided((*q_nope.shape[:2], q_nope.stride(1)), q_nope.stride())
+        return torch.cat([q_nope, q_rope], dim=-1)
+
+    @staticmethod
     def mask_empty_rows(
         out: torch.Tensor, lse: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -159,7 +159,7 @@ class FlashMLABackend(MLABackend):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         t, h, lat = q_nope.shape
         b = batch.batch_size
-        q = torch.cat([q_nope, q_rope], dim=-1).view(b, md.q_len, h, -1)
+        q = self.joined_query(q_nope, q_rope).view(b, md.q_len, h, -1)
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
             self.pool.get_paged_buffer(layer),
