@@ -72,6 +72,7 @@ class MLABackend(ABC):
     kv_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16", "float8_e4m3fn")
     roles: ClassVar[tuple[str, ...]] = ROLES
     supports_graphs: ClassVar[bool] = False
+    provides_lse: ClassVar[bool] = True  # False: forward_absorbed(return_lse=True) raises
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -131,6 +132,17 @@ class MLABackend(ABC):
             self.store_kv(layer, batch.out_cache_loc, k_nope, k_rope)
         out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch, return_lse)
         return (out, lse) if return_lse else out
+
+    def effective_query(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query values the kernel really attends with: identity unless the kernel takes
+        q in FP8 (TRT-LLM with an FP8 pool). References use this to check such kernels."""
+        return q_nope, q_rope
+
+    @property
+    def quantizes_query(self) -> bool:
+        return False
 
     @staticmethod
     def joined_query(q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,19 @@ class DispatchBackend(MLABackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.prefill._attend_mha(q, k, v, layout, causal, need_lse)
 
+    @property
+    def provides_lse(self) -> bool:  # type: ignore[override]
+        return self._active.provides_lse
+
+    def effective_query(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._active.effective_query(q_nope, q_rope)
+
+    @property
+    def quantizes_query(self) -> bool:
+        return self._active.quantizes_query
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
 

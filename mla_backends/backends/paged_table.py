@@ -1,0 +1,87 @@
+"""Shared base for decode kernels that take a dense page table `[B, W]` (CUTLASS, TRT-LLM):
+the table from the shared index builder, its width padded to the kernel's block multiple, and
+the CUDA-graph state (one static table for the largest batch, refilled in place on replay)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from mla_backends.backends.base import BackendContext, MLABackend
+from mla_backends.batch import ForwardBatch
+from mla_backends.indices import build_page_table, page_table_width
+
+
+@dataclass
+class PageTableMetadata:
+    table: torch.Tensor  # [B, W] int32, device; tail entries = `table_fill`
+    max_seq_len: int  # host: longest KV length the kernel may be asked to schedule
+    q_len: int  # host: query tokens per request (1 decode, n verify)
+
+
+class PageTableBackend(MLABackend):
+    roles = ("decode",)
+    supports_graphs = True
+    table_fill: ClassVar[int] = 0  # the dummy page: always a valid page to point at
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.metadata: PageTableMetadata | None = None
+        self._graph: PageTableMetadata | None = None
+
+    @property
+    def table_align(self) -> int:
+        """Blocks per row must be a multiple of this (128 / page_size for these kernels)."""
+        return max(1, 128 // self.pool.page_size)
+
+    def _q_len(self, batch: ForwardBatch) -> int:
+        if not batch.mode.is_decode_or_verify:
+            raise ValueError(
+                f"{self.name} serves DECODE and TARGET_VERIFY only, got {batch.mode.name}; "
+                "EXTEND batches go to the configured prefill backend"
+            )
+        return max(batch.num_draft_tokens, 1)
+
+    def _table(self, batch: ForwardBatch, width: int, out: torch.Tensor | None) -> torch.Tensor:
+        return build_page_table(
+            self.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            self.pool.page_size,
+            width,
+            self.table_fill,
+            out,
+        )
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        q_len = self._q_len(batch)
+        max_seq = int(batch.seq_lens_cpu.max()) if batch.batch_size else 0
+        width = page_table_width(max_seq, self.pool.page_size, self.table_align)
+        self.metadata = PageTableMetadata(self._table(batch, width, None), max(max_seq, 1), q_len)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        max_ctx = self.req_to_token.shape[1]
+        self._graph_width = page_table_width(max_ctx, self.pool.page_size, self.table_align)
+        self._graph_table = torch.full(
+            (max_bs, self._graph_width), self.table_fill, dtype=torch.int32, device=self.device
+        )
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        q_len = self._q_len(batch)
+        table = self._table(batch, self._graph_width, self._graph_table)
+        # Scheduled for the longest context the graph may ever see, not the capture batch.
+        self._graph = PageTableMetadata(table, self.req_to_token.shape[1], q_len)
+        self.metadata = self._graph
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        if self._graph is None:
+            raise RuntimeError("init_forward_metadata_replay before capture")
+        self._table(batch, self._graph_width, self._graph.table)
+        self.metadata = self._graph
+
+    def _require_metadata(self) -> PageTableMetadata:
+        if self.metadata is None:
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        return self.metadata
