@@ -29,7 +29,6 @@ class PageTableBackend(MLABackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self.metadata: PageTableMetadata | None = None
-        self._graph: PageTableMetadata | None = None
 
     @property
     def table_align(self) -> int:
@@ -69,17 +68,19 @@ class PageTableBackend(MLABackend):
         )
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        q_len = self._q_len(batch)
-        table = self._table(batch, self._graph_width, self._graph_table)
-        # Scheduled for the longest context the graph may ever see, not the capture batch.
-        self._graph = PageTableMetadata(table, self.req_to_token.shape[1], q_len)
-        self.metadata = self._graph
+        self._bind_graph(batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        if self._graph is None:
-            raise RuntimeError("init_forward_metadata_replay before capture")
-        self._table(batch, self._graph_width, self._graph.table)
-        self.metadata = self._graph
+        if not hasattr(self, "_graph_table"):
+            raise RuntimeError("init_forward_metadata_replay before init_cuda_graph_state")
+        self._bind_graph(batch)
+
+    def _bind_graph(self, batch: ForwardBatch) -> None:
+        """Every captured size reads rows [:bs] of the one static table: refilling it in
+        place serves all graphs. Scheduled for the longest context the graph may see."""
+        q_len, bs = self._q_len(batch), batch.batch_size
+        self._table(batch, self._graph_width, self._graph_table)
+        self.metadata = PageTableMetadata(self._graph_table[:bs], self.req_to_token.shape[1], q_len)
 
     def _require_metadata(self) -> PageTableMetadata:
         if self.metadata is None:

@@ -55,7 +55,7 @@ class TorchBackend(MLABackend):
     def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
         super().__init__(ctx)
         self.metadata: TorchMetadata | None = None
-        self._graph: TorchMetadata | None = None
+        self._graphs: dict[tuple[int, int], TorchMetadata] = {}
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -75,14 +75,16 @@ class TorchBackend(MLABackend):
         return build_torch_metadata(self.req_to_token, batch, q_max, self._graph_kv_max)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        # Static storage: the tensors built here are the ones the captured graph reads.
-        self._graph = self._graph_metadata(batch)
-        self.metadata = self._graph
+        # Static storage per captured (batch, q_len): the tensors built here are the ones
+        # that graph reads; replay copies new contents into them.
+        key = (batch.batch_size, max(batch.num_draft_tokens, 1))
+        self._graphs[key] = self.metadata = self._graph_metadata(batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        if self._graph is None:
-            raise RuntimeError("init_forward_metadata_replay before capture")
-        new, static = self._graph_metadata(batch), self._graph
+        key = (batch.batch_size, max(batch.num_draft_tokens, 1))
+        if key not in self._graphs:
+            raise RuntimeError(f"no graph captured for (batch, q_len) = {key}")
+        new, static = self._graph_metadata(batch), self._graphs[key]
         for name in ("token_b", "token_j", "kv_slots", "kv_valid", "visible"):
             getattr(static, name).copy_(getattr(new, name))
         self.metadata = static

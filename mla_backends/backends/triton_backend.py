@@ -72,7 +72,7 @@ class TritonBackend(MLABackend):
         self._dot_f32 = common.interpreting()
         self._sms = common.num_sms(self.device)
         self.metadata: TritonMetadata | None = None
-        self._graph: TritonMetadata | None = None
+        self._graphs: dict[tuple[int, int], TritonMetadata] = {}
 
     # ------------------------------------------------------------------ tuning
     def _block_m(self, rows: int) -> int:
@@ -157,24 +157,25 @@ class TritonBackend(MLABackend):
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         bs, max_q = batch.batch_size, max(batch.num_draft_tokens, 1)
         h = self.dims.num_heads
-        m_blocks = -(-max_q * h // self._block_m(max_q * h))
-        # Splits are fixed per captured size, for the longest context the graph may see.
         bm = self._block_m(max_q * h)
+        m_blocks = -(-max_q * h // bm)
+        # Splits are fixed per captured size, for the longest context the graph may see.
         splits = choose_num_splits(
             bs * m_blocks, self.req_to_token.shape[1], self._sms, self._waves(bm)
         )
         rows = batch.num_tokens * h * splits
         ws = (self._graph_ws[0][:rows], self._graph_ws[1][:rows]) if splits > 1 else None
+        # Every captured size reads the leading rows of the same static buffers.
         static = TritonMetadata(self._graph_qo[: bs + 1], self._graph_table[:bs], max_q, splits, ws)
-        self._graph = self._build(batch, max_q, 0, self._graph_width, static)
-        self.metadata = self._graph
+        self._graphs[(bs, max_q)] = static
+        self.metadata = self._build(batch, max_q, 0, self._graph_width, static)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        if self._graph is None:
-            raise RuntimeError("init_forward_metadata_replay before capture")
+        key = (batch.batch_size, max(batch.num_draft_tokens, 1))
+        if key not in self._graphs:
+            raise RuntimeError(f"no graph captured for (batch, q_len) = {key}")
         # Refill the captured buffers in place: same pointers, new contents.
-        self._build(batch, self._graph.max_q_len, 0, self._graph_width, self._graph)
-        self.metadata = self._graph
+        self.metadata = self._build(batch, key[1], 0, self._graph_width, self._graphs[key])
 
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
