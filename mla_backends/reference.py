@@ -133,8 +133,8 @@ def batch_reference(
     batch: ForwardBatch,
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    w_kc: torch.Tensor,
-    w_vc: torch.Tensor,
+    w_kc: torch.Tensor | None,
+    w_vc: torch.Tensor | None,
     scale: float,
     expanded: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +151,8 @@ def batch_reference(
         dev = latent.device
         qn, qr = q_nope[start : start + n].to(dev), q_rope[start : start + n].to(dev)
         if expanded:
+            if w_kc is None or w_vc is None:
+                raise ValueError("the expanded reference needs w_kc and w_vc")
             o, lse = mha_expanded(qn, qr, latent, k_rope, w_kc.to(dev), w_vc.to(dev), scale)
         else:
             o, lse = absorbed(qn, qr, latent, k_rope, scale)

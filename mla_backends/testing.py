@@ -348,3 +348,86 @@ def parity_cases(
                         Case(backend, mode, p, h, kv, act, q, edge_kv_lens(p, max(q, 1), long))
                     )
     return cases
+
+
+class DecodeStream:
+    """A stream of decode / verify batches over one poisoned pool, for graph tests: requests
+    with random prompt lengths, each step a random subset of them (so batch sizes, lengths
+    and page tables change from step to step) grows by q_len tokens."""
+
+    def __init__(
+        self,
+        case: Case,
+        device: torch.device | str,
+        num_requests: int = 12,
+        max_prompt: int = 300,
+        max_context: int = 2048,
+    ) -> None:
+        self.case, self.device = case, torch.device(device)
+        self.rng = random.Random(case.seed)
+        self.gen = torch.Generator().manual_seed(case.seed)
+        pages = num_requests * -(-max_context // case.page_size) + 1
+        cfg = Config(
+            model=case.dims.with_heads(case.num_heads),
+            num_layers=1,
+            prefill_backend=case.backend,
+            decode_backend=case.backend,
+            page_size=case.page_size,
+            kv_dtype=case.kv_dtype,
+            dtype=case.dtype,
+            num_pages=pages,
+            max_requests=num_requests,
+            max_context_len=max_context,
+            device=str(self.device),
+        )
+        self.rt = Runtime.build(cfg, _page_order(case, pages, self.rng))
+        self.rt.kv_pool.kv_buffer[0].fill_(float("nan"))
+        if self.rt.kv_pool.is_fp8:
+            self.rt.kv_pool.set_scale(0, FP8_SCALE)
+        self.rows = self.rt.req_pool.alloc(num_requests)
+        prompts = [self.rng.randint(1, max_prompt) for _ in self.rows]
+        _fill_prefix(self.rt, self.rows, prompts, case, self.gen, self.rng)
+
+    def step(self, n: int) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        d, q, act = self.case.dims, max(self.case.q_len, 1), KV_DTYPES[self.case.dtype]
+        rows = self.rng.sample(self.rows, n)
+        prefix = [self.rt.allocator.seq_len(r) for r in rows]
+        loc = self.rt.allocator.alloc_extend(rows, [q] * n)
+        mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
+        batch = ForwardBatch.build(mode, rows, prefix, [q] * n, loc, self.device)
+        t, h = n * q, self.case.num_heads
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=self.gen).to(self.device, act)
+
+        inputs = {
+            "q_nope": rnd(t, h, d.kv_lora_rank),
+            "q_rope": rnd(t, h, d.qk_rope_head_dim),
+            "k_nope": rnd(t, d.kv_lora_rank),
+            "k_rope": rnd(t, d.qk_rope_head_dim),
+        }
+        return batch, inputs
+
+    def reference(self, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Absorbed fp64 reference over the pool as it is now (new rows already stored)."""
+        be = self.rt.backend
+        q = be.effective_query(inputs["q_nope"], inputs["q_rope"])
+        out, _ = batch_reference(
+            self.rt.kv_pool,
+            0,
+            self.rt.req_pool.req_to_token,
+            batch,
+            *q,
+            None,
+            None,
+            self.rt.config.model.softmax_scale,
+            expanded=False,
+        )
+        return out
+
+
+def absorbed_forward(backend, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The forward a graph runner captures in tests: store the new rows, attend, layer 0."""
+    return backend.forward_absorbed(
+        0, inputs["q_nope"], inputs["q_rope"], inputs["k_nope"], inputs["k_rope"], batch
+    )

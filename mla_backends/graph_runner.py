@@ -1,0 +1,179 @@
+"""CUDA-graph runner for decode and target-verify, backend-agnostic.
+
+It captures `forward(batch, inputs) -> out` once per batch size, over static buffers sized for
+the largest, and replays a batch of `n` real requests on the smallest captured size `bs >= n`.
+The padding contract (DESIGN.md): `n` is passed explicitly (a real length-1 request looks like
+padding), padded rows use request row 0, seq_len = the backend's fill value, and output slots
+in the dummy page (slot 0); outputs are sliced to the real tokens. The runner calls only the
+backend's graph hooks; it knows nothing about any particular backend.
+
+`use_graphs=False` runs the same padded, static-buffer path eagerly (CPU tests of the padding
+logic and the backends' replay hooks).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mla_backends.backends.base import MLABackend
+from mla_backends.batch import ForwardBatch, ForwardMode
+
+Forward = Callable[[ForwardBatch, dict[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One per-token input: `[tokens, *shape]` of `dtype` (e.g. q_nope `[T, H, L]`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        backend: MLABackend,
+        forward: Forward,
+        inputs: dict[str, InputSpec],
+        batch_sizes: Sequence[int],
+        q_len: int = 1,
+        device: torch.device | str = "cuda",
+        use_graphs: bool = True,
+    ) -> None:
+        if not backend.supports_graphs:
+            raise ValueError(f"backend {backend.name!r} does not support CUDA graphs")
+        self.backend, self.forward, self.q_len = backend, forward, q_len
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.device = torch.device(device)
+        self.use_graphs = use_graphs
+        self.mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
+        max_bs = self.batch_sizes[-1]
+        max_t = max_bs * q_len
+        dev = self.device
+        i32 = {"dtype": torch.int32, "device": dev}
+        self._rows = torch.zeros(max_bs, **i32)
+        self._seq = torch.full((max_bs,), backend.cuda_graph_seq_len_fill_value, **i32)
+        self._ext = torch.full((max_bs,), q_len, **i32)
+        self._pre = torch.zeros(max_bs, **i32)
+        self._loc = torch.zeros(max_t, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(max_t, dtype=torch.int64, device=dev)
+        self._inputs = {
+            k: torch.zeros(max_t, *s.shape, dtype=s.dtype, device=dev) for k, s in inputs.items()
+        }
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pointers: dict[int, dict[str, int]] = {}  # per size, after capture
+        backend.init_cuda_graph_state(max_bs, max_t)
+
+    # ------------------------------------------------------------------ batches
+    def _static_batch(self, bs: int, real: ForwardBatch | None) -> ForwardBatch:
+        """The batch over the static buffers' leading `bs` rows; CPU copies padded alike."""
+        fill = self.backend.cuda_graph_seq_len_fill_value
+        n = 0 if real is None else real.batch_size
+        seq_cpu = torch.full((bs,), fill, dtype=torch.int32)
+        if real is not None:
+            seq_cpu[:n] = real.seq_lens_cpu
+        ext_cpu = torch.full((bs,), self.q_len, dtype=torch.int32)
+        t = bs * self.q_len
+        return ForwardBatch(
+            mode=self.mode,
+            req_pool_indices=self._rows[:bs],
+            seq_lens=self._seq[:bs],
+            seq_lens_cpu=seq_cpu,
+            extend_prefix_lens=self._pre[:bs],
+            extend_prefix_lens_cpu=seq_cpu - ext_cpu,
+            extend_seq_lens=self._ext[:bs],
+            extend_seq_lens_cpu=ext_cpu,
+            out_cache_loc=self._loc[:t],
+            positions=self._pos[:t],
+            num_draft_tokens=self.q_len if self.q_len > 1 else 0,
+        )
+
+    def _load(self, batch: ForwardBatch, inputs: dict[str, torch.Tensor], bs: int) -> None:
+        """Copy n real requests into the static buffers; rows n..bs become padding. Device
+        copies and fills only: no host sync."""
+        n, t, fill = batch.batch_size, batch.num_tokens, self.backend.cuda_graph_seq_len_fill_value
+        self._rows[:n].copy_(batch.req_pool_indices)
+        self._rows[n:bs].zero_()  # request row 0: points at the dummy page
+        self._seq[:n].copy_(batch.seq_lens)
+        self._seq[n:bs].fill_(fill)
+        self._pre[:n].copy_(batch.extend_prefix_lens)
+        self._pre[n:bs].fill_(fill - self.q_len)
+        self._loc[:t].copy_(batch.out_cache_loc)
+        self._loc[t : bs * self.q_len].zero_()  # padded tokens write the dummy page's slot 0
+        self._pos[:t].copy_(batch.positions)
+        self._pos[t : bs * self.q_len].zero_()
+        for k, buf in self._inputs.items():
+            buf[:t].copy_(inputs[k])
+            buf[t : bs * self.q_len].zero_()
+
+    # ------------------------------------------------------------------ capture / replay
+    def capture(self) -> None:
+        for bs in reversed(self.batch_sizes):  # largest first: the pool sees its peak early
+            batch = self._static_batch(bs, None)
+            self.backend.init_forward_metadata_capture(batch)
+            self._pointers[bs] = self.pointer_snapshot()
+            inputs = {k: v[: bs * self.q_len] for k, v in self._inputs.items()}
+            if not self.use_graphs:
+                self._graphs[bs] = None  # type: ignore[assignment]
+                continue
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: JIT, autotune, allocator
+                    self.forward(batch, inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._outputs[bs] = self.forward(batch, inputs)
+            self._graphs[bs] = graph
+
+    def pointer_snapshot(self) -> dict[str, int]:
+        """data_ptr of every tensor the backend holds for the current batch (its metadata
+        object's fields and its own tensor attributes)."""
+        snap = {}
+        for owner, obj in (
+            ("metadata.", getattr(self.backend, "metadata", None)),
+            ("", self.backend),
+        ):
+            for k, v in (vars(obj) if obj is not None else {}).items():
+                if isinstance(v, torch.Tensor):
+                    snap[owner + k] = v.data_ptr()
+        return snap
+
+    def padded_size(self, n: int) -> int:
+        i = bisect.bisect_left(self.batch_sizes, n)
+        if i == len(self.batch_sizes):
+            raise ValueError(
+                f"batch of {n} exceeds the largest captured size {self.batch_sizes[-1]}"
+            )
+        return self.batch_sizes[i]
+
+    def replay(
+        self, batch: ForwardBatch, inputs: dict[str, torch.Tensor], check_pointers: bool = False
+    ) -> torch.Tensor:
+        """Run `batch` (n real requests) on the captured graph of the next size; returns the
+        real tokens' outputs (a view of the static output, valid until the next replay)."""
+        if batch.mode is not self.mode or max(batch.num_draft_tokens, 1) != self.q_len:
+            raise ValueError(
+                f"runner captured {self.mode.name} q_len={self.q_len}, got "
+                f"{batch.mode.name} q_len={max(batch.num_draft_tokens, 1)}"
+            )
+        if not self._graphs:
+            raise RuntimeError("capture() first")
+        bs = self.padded_size(batch.batch_size)
+        self._load(batch, inputs, bs)
+        static = self._static_batch(bs, batch)
+        self.backend.init_forward_metadata_replay(static)
+        if check_pointers and self.pointer_snapshot() != self._pointers[bs]:
+            raise RuntimeError(f"backend buffers moved after capture of batch size {bs}")
+        if self.use_graphs:
+            self._graphs[bs].replay()
+            out = self._outputs[bs]
+        else:
+            out = self.forward(static, {k: v[: bs * self.q_len] for k, v in self._inputs.items()})
+        return out[: batch.num_tokens]
