@@ -15,7 +15,7 @@ import torch
 
 from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.config import DEEPSEEK_V3, Config
+from mla_backends.config import DEEPSEEK_V3, Config, MLADims
 from mla_backends.runtime import Runtime
 
 # (heads, q_len, batch, kv_len): the decode table of ../shared/ANCHORS.md.
@@ -36,22 +36,42 @@ ANCHOR_SHAPES: list[tuple[int, int, int, int]] = [
 ]
 
 
-def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    import triton.testing
+def bench_us(
+    fn: Callable[[], object],
+    warmup_ms: int = 25,
+    rep_ms: int = 100,
+    device: torch.device | None = None,
+) -> float:
+    """Median microseconds per call: CUDA events (do_bench) on a GPU, perf_counter on CPU."""
+    if device is None or device.type == "cuda":
+        import triton.testing
 
-    return 1000.0 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return 1000.0 * triton.testing.do_bench(
+            fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"
+        )
+    import time
+
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000.0
+    while time.perf_counter() < deadline or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * sorted(times)[len(times) // 2]
 
 
 def ceilings(device: torch.device) -> dict[str, float]:
     """Device copy GB/s (read + write) and bf16 matmul TFLOP/s, measured now."""
-    n = 1 << 28  # 512 MiB of bf16 per side
+    gpu = device.type == "cuda"
+    n = 1 << (28 if gpu else 22)
     a = torch.randn(n, device=device, dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    copy_us = bench_us(lambda: b.copy_(a))
-    m = 8192
+    copy_us = bench_us(lambda: b.copy_(a), device=device)
+    m = 8192 if gpu else 512
     x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    mm_us = bench_us(lambda: x @ y)
+    mm_us = bench_us(lambda: x @ y, device=device)
     return {"copy_gbps": 2 * n * 2 / copy_us / 1e3, "matmul_tflops": 2 * m**3 / mm_us / 1e6}
 
 
@@ -75,9 +95,12 @@ def decode_setup(
     page_size: int = 64,
     kv_dtype: str = "bfloat16",
     seed: int = 0,
+    dims: MLADims = DEEPSEEK_V3,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
 ) -> DecodeSetup:
     """A pool filled with random rows, pages handed out shuffled, one decode/verify batch."""
-    dims = dataclasses.replace(DEEPSEEK_V3, num_heads=heads)
+    dims = dataclasses.replace(dims, num_heads=heads)
     pages = batch * -(-kv_len // page_size) + 1
     cfg = Config(
         model=dims,
@@ -86,26 +109,28 @@ def decode_setup(
         decode_backend=backend,
         page_size=page_size,
         kv_dtype=kv_dtype,
-        dtype="bfloat16",
+        dtype=dtype,
         num_pages=pages,
         max_requests=batch,
         max_context_len=kv_len,
-        device="cuda",
+        device=device,
     )
     order = list(range(1, pages + 1))
     random.Random(seed).shuffle(order)
     rt = Runtime.build(cfg, order)
     buf = rt.kv_pool.kv_buffer[0]
     buf.copy_(torch.randn(buf.shape, device=buf.device).to(buf.dtype))
+    if rt.kv_pool.is_fp8:
+        rt.kv_pool.set_scale(0, 0.05)
     rows = rt.req_pool.alloc(batch)
     rt.allocator.alloc_extend(rows, [kv_len - q_len] * batch)
     loc = rt.allocator.alloc_extend(rows, [q_len] * batch)
     mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
-    fb = ForwardBatch.build(mode, rows, [kv_len - q_len] * batch, [q_len] * batch, loc, "cuda")
+    fb = ForwardBatch.build(mode, rows, [kv_len - q_len] * batch, [q_len] * batch, loc, device)
     t = batch * q_len
     # One [T, H, L + R] buffer, q_nope / q_rope its column ranges: how a model lays out the
     # absorbed query (FlashMLA reads it whole, with no concatenation copy).
-    q = torch.randn(t, heads, dims.kv_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(t, heads, dims.kv_dim, device=device).to(getattr(torch, dtype))
     q_nope, q_rope = q[..., : dims.kv_lora_rank], q[..., dims.kv_lora_rank :]
     if backend == "flashinfer_mla":  # its parity tests cover contiguous halves only
         q_nope, q_rope = q_nope.contiguous(), q_rope.contiguous()
@@ -113,11 +138,13 @@ def decode_setup(
 
 
 def traffic(s: DecodeSetup) -> tuple[float, float]:
-    """(bytes, FLOPs) of one decode call, as ANCHORS.md counts them."""
-    b = s.batch.batch_size
+    """(bytes, FLOPs) of one decode call, as ANCHORS.md counts them (576 + 512 = 1088 at
+    DeepSeek dims: the cache row once; q in and out once)."""
+    b, d = s.batch.batch_size, s.rt.config.model
     elem = s.rt.kv_pool.kv_buffer[0].element_size()
-    nbytes = 576 * elem * b * s.kv_len + b * s.q_len * s.heads * (576 + 512) * 2
-    flops = 2 * b * s.q_len * s.heads * s.kv_len * 1088
+    width = d.kv_dim + d.kv_lora_rank
+    nbytes = d.kv_dim * elem * b * s.kv_len + b * s.q_len * s.heads * width * 2
+    flops = 2 * b * s.q_len * s.heads * s.kv_len * width
     return float(nbytes), float(flops)
 
 
@@ -125,7 +152,30 @@ def time_backend(s: DecodeSetup) -> float:
     """Our backend call: metadata built once for the batch, the store excluded."""
     be = s.rt.backend
     be.init_forward_metadata(s.batch)
-    return bench_us(lambda: be.forward_absorbed(0, s.q_nope, s.q_rope, None, None, s.batch))
+    return bench_us(
+        lambda: be.forward_absorbed(0, s.q_nope, s.q_rope, None, None, s.batch),
+        device=s.q_nope.device,
+    )
+
+
+def time_graph(s: DecodeSetup) -> float:
+    """The same call through a captured CUDA graph, timed per `runner.replay` (host work:
+    loading the static buffers and refilling the backend's metadata, then the replay)."""
+    from mla_backends.graph_runner import CudaGraphRunner, InputSpec
+
+    be, b = s.rt.backend, s.batch.batch_size
+    specs = {
+        "q_nope": InputSpec(tuple(s.q_nope.shape[1:]), s.q_nope.dtype),
+        "q_rope": InputSpec(tuple(s.q_rope.shape[1:]), s.q_rope.dtype),
+    }
+
+    def fwd(batch: ForwardBatch, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return be.forward_absorbed(0, x["q_nope"], x["q_rope"], None, None, batch)
+
+    runner = CudaGraphRunner(be, fwd, specs, [b], q_len=s.q_len, device=s.q_nope.device)
+    runner.capture()
+    inputs = {"q_nope": s.q_nope, "q_rope": s.q_rope}
+    return bench_us(lambda: runner.replay(s.batch, inputs), device=s.q_nope.device)
 
 
 def time_flashmla(s: DecodeSetup) -> float:

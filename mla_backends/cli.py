@@ -30,6 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_verify)
+    from mla_backends import bench
+
+    b = sub.add_parser(
+        "bench",
+        help="time the config's backends over a grid; table, JSON, roofline plot",
+        description=bench.__doc__,
+    )
+    bench.add_arguments(b)
+    b.set_defaults(func=lambda a: bench.run(a) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

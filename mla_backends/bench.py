@@ -1,0 +1,211 @@
+"""`bench`: decode / verify timings (eager, through CUDA graphs, and the raw peer kernels) for
+the backends of a config over a grid, plus MHA-mode prefill on a GPU, against the copy and
+matmul ceilings measured at the start of the same run. Writes a table (stdout), `bench.json`
+and a roofline plot `roofline.png` under `--out`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from mla_backends.backends.base import Capability
+from mla_backends.backends.registry import get_backend_class
+from mla_backends.benchmark import (
+    RAW_PEER,
+    ceilings,
+    decode_setup,
+    prefill_table,
+    time_backend,
+    time_flashinfer,
+    time_flashmla,
+    time_graph,
+    traffic,
+)
+from mla_backends.config import Config, load_config
+
+RAW = {"raw_flashmla": time_flashmla, "raw_flashinfer_fa3": time_flashinfer}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument(
+        "--backends",
+        default="",
+        help="comma list (default: the config's decode backend); each must be able to run here",
+    )
+    p.add_argument("--batch", default="1,8,64", help="batch sizes, comma list")
+    p.add_argument("--kv-len", default="1024,4096", help="KV lengths, comma list")
+    p.add_argument("--heads", default="", help="query heads (default: the config's)")
+    p.add_argument("--q-len", default="1", help="1 = decode, >1 = target-verify")
+    p.add_argument("--graphs", action="store_true", help="also time through CUDA graphs")
+    p.add_argument("--raw", action="store_true", help="add raw FlashMLA / FlashInfer rows")
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=0,
+        help="GPU: also time one causal MHA-mode prefill of this many tokens",
+    )
+    p.add_argument("--out", default="bench-out", help="folder for bench.json, roofline.png")
+
+
+def _backend_config(config: Config, name: str, cap: Capability) -> Config:
+    """The config with `name` as decode backend, at a page size it takes."""
+    cls = get_backend_class(name)
+    for page in (config.page_size, *cls.page_sizes):
+        cfg = dataclasses.replace(config, page_size=page, decode_backend=name)
+        if cls.supports(cfg, cap, "decode") is None:
+            return cfg
+    raise SystemExit(
+        f"bench: backend {name!r} cannot run here: {cls.supports(config, cap, 'decode')}"
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    config = load_config(args.config)
+    dev = config.torch_device
+    cap = Capability.detect(dev)
+    names = [n for n in args.backends.split(",") if n] or [config.decode_backend]
+    cfgs = {n: _backend_config(config, n, cap) for n in names}
+    heads = _ints(args.heads) or [config.model.num_heads]
+    grid = list(itertools.product(heads, _ints(args.q_len), _ints(args.batch), _ints(args.kv_len)))
+    graphs = args.graphs and dev.type == "cuda"
+    raws = [r for r in RAW if args.raw and dev.type == "cuda"]
+    result: dict = {
+        "device": cap.describe(),
+        "torch": torch.__version__,
+        "config": args.config,
+        "ceilings": ceilings(dev),
+        "rows": [],
+    }
+    progress = _progress(len(grid) * len(names))
+    for h, q, b, kv in grid:
+        row: dict = {"heads": h, "q_len": q, "batch": b, "kv_len": kv}
+        for name, cfg in cfgs.items():
+            s = decode_setup(
+                name,
+                h,
+                q,
+                b,
+                kv,
+                cfg.page_size,
+                cfg.kv_dtype,
+                dims=cfg.model,
+                device=str(dev),
+                dtype=cfg.dtype,
+            )
+            row["bytes"], row["flops"] = traffic(s)
+            row[f"{name}_us"] = time_backend(s)
+            if graphs and get_backend_class(name).supports_graphs:
+                row[f"{name}_graph_us"] = time_graph(s)
+            for raw in raws:
+                if f"{raw}_us" not in row and RAW_PEER.get(name) == raw:
+                    row[f"{raw}_us"] = RAW[raw](s)
+            del s
+            progress(f"H{h} q{q} B{b} kv{kv} {name}")
+        result["rows"].append(row)
+    if args.prefill_tokens and dev.type == "cuda":
+        pre = [n for n in names if get_backend_class(n).supports(cfgs[n], cap, "prefill") is None]
+        result["prefill"] = prefill_table(pre, args.prefill_tokens, heads[0])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    plot_roofline(result, out / "roofline.png")
+    print(f"wrote {out / 'bench.json'} and {out / 'roofline.png'}")
+    return result
+
+
+def _progress(total: int):  # type: ignore[no-untyped-def]
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="case")
+
+        def step(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+            if bar.n == total:
+                bar.close()
+    except ImportError:
+        done = [0]
+
+        def step(label: str) -> None:
+            done[0] += 1
+            print(f"[{done[0]}/{total}] {label}", flush=True)
+
+    return step
+
+
+def _timings(row: dict) -> list[tuple[str, float]]:
+    return [(k[:-3], v) for k, v in row.items() if k.endswith("_us") and v == v]
+
+
+def format_table(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [
+        f"{result['device']}: copy {c['copy_gbps']:.0f} GB/s, "
+        f"bf16 matmul {c['matmul_tflops']:.1f} TFLOP/s (measured at the start of this run)",
+        f"{'H':>4}{'q':>3}{'B':>5}{'kv':>7}  {'path':<28}{'us':>10}{'GB/s':>9}"
+        f"{'% copy':>8}{'TFLOP/s':>9}{'% mm':>7}",
+    ]
+    for r in result["rows"]:
+        for name, us in _timings(r):
+            gbps, tflops = r["bytes"] / us / 1e3, r["flops"] / us / 1e6
+            lines.append(
+                f"{r['heads']:>4}{r['q_len']:>3}{r['batch']:>5}{r['kv_len']:>7}  "
+                f"{name:<28}{us:>10.1f}{gbps:>9.0f}{100 * gbps / c['copy_gbps']:>7.0f}%"
+                f"{tflops:>9.1f}{100 * tflops / c['matmul_tflops']:>6.0f}%"
+            )
+    return "\n".join(lines)
+
+
+def plot_roofline(result: dict, path: Path) -> None:
+    """Achieved TFLOP/s against arithmetic intensity, with both ceilings drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result["ceilings"]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ai_all = [r["flops"] / r["bytes"] for r in result["rows"]]
+    lo, hi = min(ai_all) / 2, max(ai_all) * 4
+    xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
+    bw = [c["copy_gbps"] * x / 1e3 for x in xs]
+    ax.plot(xs, bw, "b--", lw=1, label=f"copy ceiling {c['copy_gbps']:.3g} GB/s")
+    ax.axhline(
+        c["matmul_tflops"],
+        color="r",
+        ls="--",
+        lw=1,
+        label=f"bf16 matmul ceiling {c['matmul_tflops']:.3g} TFLOP/s",
+    )
+    ax.plot(xs, [min(b, c["matmul_tflops"]) for b in bw], "k-", lw=2, label="roofline")
+    markers = itertools.cycle("osD^v<>ph*")
+    names = sorted({n for r in result["rows"] for n, _ in _timings(r)})
+    for name, m in zip(names, markers):
+        pts = [
+            (r["flops"] / r["bytes"], r["flops"] / r[f"{name}_us"] / 1e6)
+            for r in result["rows"]
+            if f"{name}_us" in r
+        ]
+        ax.scatter(*zip(*pts), marker=m, label=name, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of KV cache + q + out)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"MLA decode on {result['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
