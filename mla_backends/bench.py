@@ -46,7 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-len", default="1024,4096", help="KV lengths, comma list")
     p.add_argument("--heads", default="", help="query heads (default: the config's)")
     p.add_argument("--q-len", default="1", help="1 = decode, >1 = target-verify")
-    p.add_argument("--graphs", action="store_true", help="also time through CUDA graphs")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time whole decode steps, eager vs one CUDA graph (see --layers)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="attention layers per decode step for --graphs (eager step: metadata "
+        "+ L calls; graph step: input staging + metadata refill + one replay)",
+    )
     p.add_argument("--raw", action="store_true", help="add raw FlashMLA / FlashInfer rows")
     p.add_argument(
         "--prefill-tokens",
@@ -105,7 +116,9 @@ def run(args: argparse.Namespace) -> dict:
             row["bytes"], row["flops"] = traffic(s)
             row[f"{name}_us"] = time_backend(s)
             if graphs and get_backend_class(name).supports_graphs:
-                row[f"{name}_graph_us"] = time_graph(s)
+                # whole decode steps of --layers calls: bytes and FLOPs scale with L
+                row[f"{name}_step_eager_us"] = time_backend(s, args.layers) / args.layers
+                row[f"{name}_step_graph_us"] = time_graph(s, args.layers) / args.layers
             for raw in raws:
                 if f"{raw}_us" not in row and RAW_PEER.get(name) == raw:
                     row[f"{raw}_us"] = RAW[raw](s)

@@ -148,19 +148,30 @@ def traffic(s: DecodeSetup) -> tuple[float, float]:
     return float(nbytes), float(flops)
 
 
-def time_backend(s: DecodeSetup) -> float:
-    """Our backend call: metadata built once for the batch, the store excluded."""
+def time_backend(s: DecodeSetup, layers: int = 0) -> float:
+    """Our backend call, store excluded. layers = 0: one attention call with the metadata
+    built once for the batch. layers = L: one eager decode step, the metadata built for the
+    step and then L attention calls (what a graph replaces)."""
     be = s.rt.backend
-    be.init_forward_metadata(s.batch)
-    return bench_us(
-        lambda: be.forward_absorbed(0, s.q_nope, s.q_rope, None, None, s.batch),
-        device=s.q_nope.device,
-    )
+
+    def call() -> object:
+        return be.forward_absorbed(0, s.q_nope, s.q_rope, None, None, s.batch)
+
+    if layers == 0:
+        be.init_forward_metadata(s.batch)
+        return bench_us(call, device=s.q_nope.device)
+
+    def step() -> None:
+        be.init_forward_metadata(s.batch)
+        for _ in range(layers):
+            call()
+
+    return bench_us(step, device=s.q_nope.device)
 
 
-def time_graph(s: DecodeSetup) -> float:
-    """The same call through a captured CUDA graph, timed per `runner.replay` (host work:
-    loading the static buffers and refilling the backend's metadata, then the replay)."""
+def time_graph(s: DecodeSetup, layers: int = 1) -> float:
+    """One decode step through a captured CUDA graph of `layers` attention calls, timed per
+    `runner.replay`: staging the inputs, refilling the backend's metadata, the replay."""
     from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 
     be, b = s.rt.backend, s.batch.batch_size
@@ -170,7 +181,9 @@ def time_graph(s: DecodeSetup) -> float:
     }
 
     def fwd(batch: ForwardBatch, x: dict[str, torch.Tensor]) -> torch.Tensor:
-        return be.forward_absorbed(0, x["q_nope"], x["q_rope"], None, None, batch)
+        for _ in range(layers):
+            out = be.forward_absorbed(0, x["q_nope"], x["q_rope"], None, None, batch)
+        return out
 
     runner = CudaGraphRunner(be, fwd, specs, [b], q_len=s.q_len, device=s.q_nope.device)
     runner.capture()
