@@ -11,8 +11,13 @@ ROOT = Path(__file__).parent.parent
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mla_backends", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mla_backends", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_bench_help() -> None:
@@ -23,8 +28,19 @@ def test_bench_help() -> None:
 def test_tiny_bench_run_with_torch(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: tiny\ndecode_backend: torch\nprefill_backend: torch\ndevice: cpu\n")
-    proc = _cli("bench", "--config", str(cfg), "--batch", "1,3", "--kv-len", "40,100",
-                "--q-len", "1,2", "--out", str(tmp_path / "out"))
+    proc = _cli(
+        "bench",
+        "--config",
+        str(cfg),
+        "--batch",
+        "1,3",
+        "--kv-len",
+        "40,100",
+        "--q-len",
+        "1,2",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(result["rows"]) == 8

@@ -1,0 +1,306 @@
+"""DeepSeek-V3 on the MLA backends. The maths of `inference/model.py`, the weight names of the
+HF checkpoint, attention through one backend object and nothing else.
+
+Token-major throughout: hidden [T, D] for all tokens of a ForwardBatch. Attention:
+- EXTEND without a cached prefix: MHA mode (c_kv expanded through kv_b_proj), rows stored;
+- otherwise (decode, verify, extend over a prefix): absorbed, q_nope folded into w_kc, the
+  latent output projected through w_vc.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_backends.backends.base import MLABackend
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import MLADims
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """The fields of an HF `config.json` this model reads (others are ignored)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # yarn: factor, mscale, ...
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> DeepseekV3Config:
+        raw = dict(raw)
+        # transformers >= 5 writes `rope_parameters`; checkpoints carry `rope_scaling`.
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        raw["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        raw["rope_scaling"] = dict(rope) if kind == "yarn" else {}
+        names = {f.name for f in fields(cls)}
+        missing = sorted(n for n in names if n not in raw and f_default_missing(cls, n))
+        if missing:
+            raise ValueError(f"config.json lacks {missing}")
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    @property
+    def attention_dims(self) -> MLADims:
+        rs = self.rope_scaling
+        return MLADims(
+            num_heads=self.num_attention_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope_scaling_factor=float(rs.get("factor", 1.0)),
+            mscale_all_dim=float(rs.get("mscale_all_dim", 0.0) or 0.0),
+        )
+
+
+def f_default_missing(cls: type, name: str) -> bool:
+    from dataclasses import MISSING
+
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+# ---------------------------------------------------------------------------- RoPE (YaRN)
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_tables(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [R / 2], cos/sin scaling): YaRN as DeepSeek's reference computes it."""
+    dim, base, rs = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if not rs:
+        return freqs, 1.0
+    factor, orig = float(rs["factor"]), rs["original_max_position_embeddings"]
+
+    def corr(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr(rs.get("beta_fast", 32))), 0)
+    high = min(math.ceil(corr(rs.get("beta_slow", 1))), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = freqs / factor * (1 - extrapolate) + freqs * extrapolate
+    m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    scale = _mscale(factor, m) / _mscale(factor, m_all) if m and m_all else _mscale(factor)
+    return inv_freq, scale
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """x [T, ..., R]; cos / sin [T, R / 2]. Interleaved checkpoints pair (x0, x1), (x2, x3)...
+    and, like HF, write the result half-split: [rotated evens | rotated odds]."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---------------------------------------------------------------------------- blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid scores, grouped top-k on bias-corrected scores, weights from raw scores."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(x.shape[0], c.n_group, -1).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(c.topk_group, dim=-1)[1], 1.0)
+        choice = choice.masked_fill(
+            ~keep.bool().repeat_interleave(c.n_routed_experts // c.n_group, 1), float("-inf")
+        )
+        idx = choice.topk(c.num_experts_per_tok, dim=-1)[1]  # [T, k]
+        w = scores.gather(1, idx)
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * c.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x)
+        out = torch.zeros_like(x)
+        # Host loop over the experts hit (reference MoE, not a grouped GEMM).
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, (self.experts[e](x[tok]) * w[tok, slot, None]).to(x.dtype))
+        return out + self.shared_experts(x)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        h, p, r, v = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
+        qk = p + r
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + r, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (p + v), bias=False)
+        self.o_proj = nn.Linear(h * v, cfg.hidden_size, bias=False)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj [H * (P + V), L] -> w_kc [H, P, L], w_vc [H, L, V] (views, no copies)."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :].transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        backend: MLABackend,
+    ) -> torch.Tensor:
+        c, t = self.cfg, x.shape[0]
+        h, p, lat = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
+        q = q.view(t, h, -1)
+        q_nope, q_pe = q[..., :p], apply_rope(q[..., p:], cos, sin, c.rope_interleave)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[:, :lat])
+        k_pe = apply_rope(kv[:, lat:], cos, sin, c.rope_interleave)
+        if batch.mode is ForwardMode.EXTEND and not batch.has_prefix:
+            k_nope, v = self.kv_b_proj(c_kv).view(t, h, -1).split([p, c.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
+            backend.store_kv(self.layer_id, batch.out_cache_loc, c_kv, k_pe)
+            out = backend.forward_mha(torch.cat([q_nope, q_pe], -1), k, v, batch.extend_layout())
+        else:
+            w_kc, w_vc = self.absorbed_weights()
+            q_abs = torch.einsum("thp,hpl->thl", q_nope, w_kc)
+            o_lat = backend.forward_absorbed(self.layer_id, q_abs, q_pe, c_kv, k_pe, batch)
+            out = torch.einsum("thl,hlv->thv", o_lat, w_vc)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_id)
+        dense = layer_id < cfg.first_k_dense_replace
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        backend: MLABackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        inv_freq, self.rope_scale = rope_tables(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, backend: MLABackend
+    ) -> torch.Tensor:
+        """input_ids [T] (the batch's new tokens, request-major) -> logits [T, vocab] fp32.
+        The caller has built `backend`'s metadata for `batch` (once, for every layer)."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        ang = batch.positions.float()[:, None] * m.inv_freq[None, :]
+        cos = (ang.cos() * m.rope_scale).to(x.dtype)
+        sin = (ang.sin() * m.rope_scale).to(x.dtype)
+        for layer in m.layers:
+            x = layer(x, cos, sin, batch, backend)
+        return self.lm_head(m.norm(x)).float()

@@ -1,0 +1,42 @@
+"""A minimal serving loop over the pool, allocator and backend: prefill, extend over a cached
+prefix, decode, verify. Used by the model tests and the `run` command."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.runtime import Runtime
+from models.deepseek_v3 import DeepseekV3ForCausalLM
+
+
+class Engine:
+    def __init__(self, model: DeepseekV3ForCausalLM, runtime: Runtime) -> None:
+        self.model, self.rt = model, runtime
+        self.device = runtime.kv_pool.device
+
+    def new_requests(self, n: int) -> list[int]:
+        return self.rt.req_pool.alloc(n)
+
+    def step(
+        self, mode: ForwardMode, rows: Sequence[int], tokens: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Append `tokens[i]` to request `rows[i]` and run them: logits [sum len, vocab]."""
+        lens = [len(t) for t in tokens]
+        prefix = [self.rt.allocator.seq_len(r) for r in rows]
+        loc = self.rt.allocator.alloc_extend(rows, lens)
+        batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
+        self.rt.backend.init_forward_metadata(batch)  # once for every layer
+        return self.model(ids, batch, self.rt.backend)
+
+    def extend(self, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self.step(ForwardMode.EXTEND, rows, tokens)
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        return self.step(ForwardMode.DECODE, rows, [[t] for t in tokens])
+
+    def verify(self, rows: Sequence[int], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self.step(ForwardMode.TARGET_VERIFY, rows, drafts)

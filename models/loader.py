@@ -1,0 +1,85 @@
+"""Load HF-layout safetensors (one file or shards with an index) into our DeepSeek-V3.
+
+DeepSeek's block-scaled FP8 weights (`W` float8_e4m3fn with `W_scale_inv` per 128 x 128
+block) are dequantized on load. Every tensor the model needs must be present with the right
+shape and a floating dtype; errors name the tensor. Extra tensors (the MTP layer, say) are
+left out and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+
+BLOCK = 128
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, mis-shaped or of the wrong dtype (the message names it)."""
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        out.update(load_file(str(path / shard)))
+    return out
+
+
+def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+    """w [out, in] float8 with scale_inv [ceil(out / 128), ceil(in / 128)] -> fp32."""
+    rows, cols = w.shape
+    want = (-(-rows // BLOCK), -(-cols // BLOCK))
+    if tuple(scale_inv.shape) != want:
+        raise CheckpointError(
+            f"{name}_scale_inv: shape {list(scale_inv.shape)}, expected "
+            f"{list(want)} for a {[rows, cols]} weight in {BLOCK}x{BLOCK} blocks"
+        )
+    s = scale_inv.float().repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return w.float() * s
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DeepseekV3ForCausalLM:
+    path = Path(path)
+    cfg = DeepseekV3Config.from_hf(json.loads((path / "config.json").read_text()))
+    model = DeepseekV3ForCausalLM(cfg)
+    tensors = read_tensors(path)
+    want = model.state_dict()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
+    loaded = {}
+    for name, ref in want.items():
+        if name not in tensors:
+            raise CheckpointError(f"{path}: checkpoint lacks tensor {name!r} {list(ref.shape)}")
+        t = tensors[name]
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors.get(name + "_scale_inv")
+            if scale is None:
+                raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
+            t = dequant_fp8_blocks(t, scale, name)
+        if not t.is_floating_point():
+            raise CheckpointError(f"{name}: dtype {t.dtype}, expected a floating dtype")
+        if t.shape != ref.shape:
+            raise CheckpointError(
+                f"{name}: checkpoint shape {list(t.shape)}, model expects {list(ref.shape)}"
+            )
+        loaded[name] = t.to(dtype)
+    model.load_state_dict(loaded, strict=True)
+    model.extra_tensors = sorted(  # type: ignore[attr-defined]
+        k for k in tensors if k not in want and not k.endswith("_scale_inv")
+    )
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,247 @@
+"""DeepSeek-V3 on the backends: HF transformers parity (fp32), incremental == full forward,
+checkpoint loading errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_backends.config import Config
+from mla_backends.runtime import Runtime
+from models.deepseek_v3 import DeepseekV3Config, rope_tables
+from models.engine import Engine
+from models.loader import CheckpointError, load_model
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+TINY_HF = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny random DeepseekV3ForCausalLM saved by transformers as safetensors."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(**TINY_HF)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # make routing non-trivial: random gates and correction biases
+        for layer in model.model.layers[cfg.first_k_dense_replace :]:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.2, 0.2)
+    path = tmp_path_factory.mktemp("tiny-dsv3")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _engine(model, backend: str = "torch", page: int = 16) -> Engine:  # type: ignore[no-untyped-def]
+    c = model.cfg
+    rt = Runtime.build(
+        Config(
+            model=c.attention_dims,
+            num_layers=c.num_hidden_layers,
+            prefill_backend=backend,
+            decode_backend=backend,
+            page_size=page,
+            kv_dtype="float32",
+            dtype="float32",
+            num_pages=64,
+            max_requests=8,
+            max_context_len=256,
+            device="cpu",
+        )
+    )
+    return Engine(model, rt)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_yarn_tables_match_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.DeepseekV3Config(**TINY_HF)
+    inv_hf, scale_hf = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    ours = DeepseekV3Config.from_hf(hf.to_dict())
+    inv, scale = rope_tables(ours)
+    torch.testing.assert_close(inv, inv_hf.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(scale_hf)
+
+
+def test_logits_equal_hf_transformers_prefill_and_every_decode_step(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    path, hf = hf_checkpoint
+    model = load_model(path)
+    eng = _engine(model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (7, 19, 1)]
+    rows = eng.new_requests(len(prompts))
+    logits = eng.extend(rows, prompts)  # MHA-mode prefill (no prefix)
+    seqs = [list(p) for p in prompts]
+    start = 0
+    for p in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        assert _rel(logits[start : start + len(p)], ref) <= 1e-4
+        start += len(p)
+    for step in range(6):  # incremental decode, absorbed attention over the pool
+        nxt = [int(torch.randint(0, 96, (1,), generator=gen)) for _ in rows]
+        out = eng.decode(rows, nxt)
+        for i, s in enumerate(seqs):
+            s.append(nxt[i])
+            with torch.no_grad():
+                ref = hf(torch.tensor([s])).logits[0, -1].float()
+            assert _rel(out[i], ref) <= 1e-4, f"decode step {step}, request {i}"
+
+
+def _incremental_equals_full(model, backend: str, page: int, tol: float) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(2)
+    seq = torch.randint(0, 96, (40,), generator=gen).tolist()
+    full = _engine(model, backend, page)
+    [r] = full.new_requests(1)
+    want = full.extend([r], [seq])  # one MHA-mode prefill of the whole sequence
+    inc = _engine(model, backend, page)
+    a, b = inc.new_requests(2)  # b: a second request joins halfway, interleaving pages
+    got = [inc.extend([a], [seq[:13]])]  # prefill part
+    got.append(inc.extend([a], [seq[13:21]]))  # extend over a cached prefix (absorbed)
+    inc.extend([b], [seq[:5]])
+    for i in range(21, 30):  # decode, with another request in the batch
+        got.append(inc.decode([a, b], [seq[i], seq[i - 16]])[:1])
+    got.append(inc.verify([a, b], [seq[30:33], seq[14:17]])[:3])  # q_len 3 verify
+    got.append(inc.extend([a], [seq[33:]]))
+    got_all = torch.cat(got)
+    assert got_all.shape == want.shape
+    assert _rel(got_all, want) <= tol, _rel(got_all, want)
+
+
+def test_incremental_decode_equals_full_forward_torch(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    model = load_model(hf_checkpoint[0])
+    for page in (1, 16):
+        _incremental_equals_full(model, "torch", page, 1e-4)
+
+
+@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+def test_incremental_decode_equals_full_forward_triton_interpreted(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    _incremental_equals_full(load_model(hf_checkpoint[0]), "triton", 16, 1e-4)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (
+            "drop",
+            r"checkpoint lacks tensor 'model.layers.1.self_attn.kv_b_proj.weight' \[128, 32\]",
+        ),
+        (
+            "shape",
+            r"model.layers.1.self_attn.kv_b_proj.weight: checkpoint shape \[128, 31\], "
+            r"model expects \[128, 32\]",
+        ),
+        (
+            "dtype",
+            r"model.layers.1.self_attn.kv_b_proj.weight: dtype torch.int32, expected a floating",
+        ),
+    ],
+)
+def test_bad_checkpoints_fail_naming_the_tensor(
+    hf_checkpoint, tmp_path: Path, change: str, pattern: str
+) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    _copy(hf_checkpoint[0], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    if change == "drop":
+        del tensors[name]
+    elif change == "shape":
+        tensors[name] = tensors[name][:, :31].contiguous()
+    else:
+        tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(bad)
+
+
+def test_fp8_block_scaled_weights_dequantize_on_load(hf_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek's checkpoint format: float8 weights with per-128x128-block `_scale_inv`."""
+    from safetensors.torch import load_file, save_file
+
+    fp8 = tmp_path / "fp8"
+    _copy(hf_checkpoint[0], fp8)
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    name = "model.layers.2.self_attn.q_b_proj.weight"
+    w = tensors[name]
+    scale = torch.tensor([[w.abs().max() / 448.0]])
+    tensors[name] = (w / scale).to(torch.float8_e4m3fn)
+    tensors[name + "_scale_inv"] = scale
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    model = load_model(fp8)
+    got = model.state_dict()[name]
+    torch.testing.assert_close(got, tensors[name].float() * scale, rtol=0, atol=0)
+    assert (got - w).abs().max() <= w.abs().max() * 2**-4
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name}: float8 weight without"):
+        load_model(fp8)
+
+
+def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
+    raw = {k: v for k, v in TINY_HF.items() if k != "rope_scaling"}
+    old = DeepseekV3Config.from_hf(
+        {
+            **raw,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        }
+    )
+    assert old.attention_dims.rope_scaling_factor == 40
+    with pytest.raises(ValueError, match="lacks"):
+        DeepseekV3Config.from_hf({"vocab_size": 3})
+    assert json.dumps(old.rope_scaling)
