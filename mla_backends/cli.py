@@ -39,6 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_arguments(b)
     b.set_defaults(func=lambda a: bench.run(a) and 0)
+    from models import run as run_model
+
+    r = sub.add_parser(
+        "run",
+        help="serve a batch through a DeepSeek-V3 model on the backends",
+        description=run_model.__doc__,
+    )
+    run_model.add_arguments(r)
+    r.set_defaults(func=run_model.run)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

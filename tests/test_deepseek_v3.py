@@ -245,3 +245,37 @@ def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
     with pytest.raises(ValueError, match="lacks"):
         DeepseekV3Config.from_hf({"vocab_size": 3})
     assert json.dumps(old.rope_scaling)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_run_command_serves_a_batch(tmp_path: Path, backend: str) -> None:
+    import subprocess
+    import sys
+
+    if backend == "triton" and not INTERP:
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"decode_backend: {backend}\nprefill_backend: {backend}\ndevice: cpu\n"
+        "kv_dtype: float32\ndtype: float32\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mla_backends",
+            "run",
+            "--config",
+            str(cfg),
+            "--requests",
+            "3",
+            "--max-new",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tokens/s" in proc.stdout and ": agree" in proc.stdout
