@@ -258,6 +258,7 @@ def test_run_command_serves_a_batch(tmp_path: Path, backend: str) -> None:
     cfg.write_text(
         f"decode_backend: {backend}\nprefill_backend: {backend}\ndevice: cpu\n"
         "kv_dtype: float32\ndtype: float32\n"
+        "model: {base: tiny, qk_rope_head_dim: 16, v_head_dim: 16}\n"
     )
     proc = subprocess.run(
         [
