@@ -1,0 +1,117 @@
+"""Hybrid routing: linear-attention layers (GDN / KDA) and full MLA layers in one model.
+
+A layer-kind map (layer id -> kind and index in that kind's pool) is built once from the
+model's layer list; every call translates the model's layer id into the pool index. Layers are
+never mutated (a peer remaps by rewriting `layer.layer_id`). Metadata and graph hooks go to
+both sides once per batch; the full side is any MLA backend chosen in YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mla_backends.backends.base import MLABackend
+from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.linear.backend import LinearAttentionBackend
+
+KINDS = ("full", "linear")
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    kind: str  # "full" | "linear"
+    index: int  # index of the layer in its kind's pool
+
+
+def layer_map(kinds: Sequence[str]) -> dict[int, LayerSlot]:
+    """["linear", "linear", "linear", "full", ...] -> {layer id: LayerSlot}."""
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad:
+        raise ValueError(f"layer kinds {bad} are not among {KINDS}")
+    count = dict.fromkeys(KINDS, 0)
+    out = {}
+    for i, kind in enumerate(kinds):
+        out[i] = LayerSlot(kind, count[kind])
+        count[kind] += 1
+    return out
+
+
+def ratio_kinds(num_layers: int, linear_per_full: int) -> list[str]:
+    """Kimi-Linear / Qwen3-Next layout: `linear_per_full` linear layers, then one full."""
+    return ["full" if (i + 1) % (linear_per_full + 1) == 0 else "linear" for i in range(num_layers)]
+
+
+class HybridBackend:
+    def __init__(
+        self, full: MLABackend, linear: LinearAttentionBackend, kinds: Sequence[str]
+    ) -> None:
+        self.full, self.linear = full, linear
+        self.layers = layer_map(kinds)
+        n_full = sum(s.kind == "full" for s in self.layers.values())
+        n_lin = len(self.layers) - n_full
+        if full.pool.num_layers != n_full:
+            raise ValueError(f"MLA pool has {full.pool.num_layers} layers, the map {n_full} full")
+        if linear.pool.num_layers != n_lin:
+            raise ValueError(f"state pool has {linear.pool.num_layers} layers, map {n_lin} linear")
+
+    def _slot(self, layer_id: int, kind: str) -> int:
+        slot = self.layers.get(layer_id)
+        if slot is None or slot.kind != kind:
+            got = None if slot is None else slot.kind
+            raise ValueError(f"layer {layer_id} is {got!r}, called as a {kind!r} layer")
+        return slot.index
+
+    # ------------------------------------------------------------------ per batch
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.full.init_forward_metadata(batch)
+        self.linear.init_forward_metadata(batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.full.init_cuda_graph_state(max_bs, max_num_tokens)
+        self.linear.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.full.init_forward_metadata_capture(batch)
+        self.linear.init_forward_metadata_capture(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self.full.init_forward_metadata_replay(batch)
+        self.linear.init_forward_metadata_replay(batch)
+
+    @property
+    def cuda_graph_seq_len_fill_value(self) -> int:
+        return self.full.cuda_graph_seq_len_fill_value
+
+    # ------------------------------------------------------------------ per layer
+    def forward_absorbed(self, layer_id: int, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.full.forward_absorbed(self._slot(layer_id, "full"), *args, **kwargs)
+
+    def store_kv(
+        self, layer_id: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        self.full.store_kv(self._slot(layer_id, "full"), loc, k_nope, k_rope)
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool = True,
+        return_lse: bool = False,
+    ):  # type: ignore[no-untyped-def]
+        return self.full.forward_mha(q, k, v, layout, causal, return_lse)
+
+    def forward_linear(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.linear.forward(self._slot(layer_id, "linear"), q, k, v, g, beta)

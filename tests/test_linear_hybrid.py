@@ -1,0 +1,158 @@
+"""Linear-attention layers and the hybrid router, CPU paths (the fla kernels are not wired yet)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_backends.backends.hybrid import HybridBackend, layer_map, ratio_kinds
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import TINY, Config
+from mla_backends.linear.backend import LinearAttentionBackend
+from mla_backends.linear.recurrence import gated_delta_rule
+from mla_backends.linear.state_pool import LinearStatePool
+from mla_backends.runtime import Runtime
+
+H, K, V = 3, 8, 6
+
+
+def _inputs(t: int, gen: torch.Generator, kda: bool = False):  # type: ignore[no-untyped-def]
+    q = torch.nn.functional.normalize(torch.randn(t, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(t, H, K, generator=gen), dim=-1)
+    v = torch.randn(t, H, V, generator=gen)
+    g = -torch.rand(t, H, K if kda else 1, generator=gen).squeeze(-1) * 0.5
+    beta = torch.rand(t, H, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_recurrence_split_anywhere_equals_one_pass(kda: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = _inputs(11, gen, kda)
+    s0 = torch.randn(H, K, V, generator=gen)
+    o, s = gated_delta_rule(*x, s0)
+    o1, s1 = gated_delta_rule(*(a[:4] for a in x), s0)
+    o2, s2 = gated_delta_rule(*(a[4:] for a in x), s1)
+    torch.testing.assert_close(torch.cat([o1, o2]), o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s2, s, rtol=1e-6, atol=1e-6)
+
+
+def test_recurrence_closed_forms_and_kda_generalises_gdn() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g, beta = _inputs(1, gen)
+    o, s = gated_delta_rule(q, k, v, g, beta, torch.zeros(H, K, V))
+    want_s = beta[0][:, None, None] * torch.einsum("hk,hv->hkv", k[0], v[0])
+    torch.testing.assert_close(s, want_s)
+    want_o = K**-0.5 * beta[0][:, None] * (k[0] * q[0]).sum(-1, keepdim=True) * v[0]
+    torch.testing.assert_close(o[0], want_o)
+    q, k, v, g, beta = _inputs(5, gen)
+    s0 = torch.randn(H, K, V, generator=gen)
+    gdn = gated_delta_rule(q, k, v, g, beta, s0)
+    kda = gated_delta_rule(q, k, v, g[..., None].expand(-1, -1, K), beta, s0)
+    torch.testing.assert_close(gdn[0], kda[0])
+    # beta = 0: nothing is written, the state only decays
+    _, s = gated_delta_rule(q, k, v, g, torch.zeros_like(beta), s0)
+    torch.testing.assert_close(s, s0 * g.sum(0).exp()[:, None, None])
+
+
+def _batch(mode: ForwardMode, rows: list[int], prefix: list[int], n: list[int]) -> ForwardBatch:
+    loc = torch.zeros(sum(n), dtype=torch.int64)
+    return ForwardBatch.build(mode, rows, prefix, n, loc, "cpu")
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_backend_prefill_then_decode_equals_one_pass_with_joins_and_leaves(kda: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    pool = LinearStatePool(2, 6, H, K, V, 16, 4, "cpu")
+    be = LinearAttentionBackend(pool)
+    seqs = {r: _inputs(9, gen, kda) for r in (1, 2, 3)}
+    lens = {1: 0, 2: 0, 3: 0}
+    outs: dict[int, list[torch.Tensor]] = {r: [] for r in seqs}
+
+    def run(mode: ForwardMode, rows: list[int], n: list[int]) -> None:
+        b = _batch(mode, rows, [lens[r] for r in rows], n)
+        be.init_forward_metadata(b)
+        cat = [
+            torch.cat([seqs[r][j][lens[r] : lens[r] + m] for r, m in zip(rows, n)])
+            for j in range(5)
+        ]
+        o = be.forward(1, *cat)
+        start = 0
+        for r, m in zip(rows, n):
+            outs[r].append(o[start : start + m])
+            lens[r] += m
+            start += m
+
+    pool.reset([1, 2])
+    run(ForwardMode.EXTEND, [1, 2], [4, 2])
+    run(ForwardMode.DECODE, [1, 2], [1, 1])
+    pool.reset([3])  # request 3 joins
+    run(ForwardMode.EXTEND, [3], [5])
+    run(ForwardMode.DECODE, [2, 3, 1], [1, 1, 1])
+    run(ForwardMode.EXTEND, [1], [3])  # request 2 left; 1 extends over its state
+    for r in seqs:
+        n = lens[r]
+        want, _ = gated_delta_rule(*(a[:n] for a in seqs[r]), torch.zeros(H, K, V))
+        torch.testing.assert_close(torch.cat(outs[r]), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.recurrent[0], torch.zeros_like(pool.recurrent[0]))  # layer 0 idle
+
+
+def test_padded_decode_rows_never_change_a_real_state() -> None:
+    gen = torch.Generator().manual_seed(3)
+    pool = LinearStatePool(1, 4, H, K, V, 16, 4, "cpu")
+    be = LinearAttentionBackend(pool)
+    pool.recurrent[0, 1:].normal_(generator=gen)
+    pool.recurrent[0, 0] = float("nan")  # the dummy slot: whatever padding leaves there
+    before = pool.recurrent[0, 1:].clone()
+    b = _batch(ForwardMode.DECODE, [2, 0, 0], [5, 0, 0], [1, 1, 1])  # 1 real + 2 padded
+    be.init_forward_metadata(b)
+    o = be.forward(0, *_inputs(3, gen))
+    assert torch.isfinite(o[0]).all()
+    assert torch.equal(pool.recurrent[0, [1, 3, 4]], before[[0, 2, 3]])
+    assert not torch.equal(pool.recurrent[0, 2], before[1])  # the real row advanced
+
+
+def test_hybrid_routes_by_layer_kind_without_mutating_layers() -> None:
+    kinds = ratio_kinds(8, 3)
+    assert kinds == ["linear"] * 3 + ["full"] + ["linear"] * 3 + ["full"]
+    m = layer_map(kinds)
+    assert m[3].kind == "full" and m[3].index == 0 and m[7].index == 1 and m[6].index == 5
+    rt = Runtime.build(
+        Config(
+            model=TINY,
+            num_layers=2,
+            prefill_backend="torch",
+            decode_backend="torch",
+            device="cpu",
+            kv_dtype="float32",
+            dtype="float32",
+            num_pages=8,
+            max_requests=4,
+        )
+    )
+    lin = LinearAttentionBackend(LinearStatePool(6, 4, H, K, V, 16, 4, "cpu"))
+    hy = HybridBackend(rt.backend, lin, kinds)
+    rows = rt.req_pool.alloc(1)
+    loc = rt.allocator.alloc_extend(rows, [3])
+    b = ForwardBatch.build(ForwardMode.EXTEND, rows, [0], [3], loc, "cpu")
+    hy.init_forward_metadata(b)
+    d = TINY
+    args = (
+        torch.randn(3, d.num_heads, d.kv_lora_rank),
+        torch.randn(3, d.num_heads, d.qk_rope_head_dim),
+        torch.randn(3, d.kv_lora_rank),
+        torch.randn(3, d.qk_rope_head_dim),
+    )
+    hy.forward_absorbed(7, *args, b)  # layer 7 -> MLA pool layer 1
+    assert (
+        torch.equal(rt.kv_pool.kv_buffer[1][loc].float(), torch.cat(args[2:], -1))
+        and (rt.kv_pool.kv_buffer[0] == 0).all()
+    )
+    lin.pool.reset(rows)
+    gen = torch.Generator().manual_seed(4)
+    hy.forward_linear(4, *_inputs(3, gen))  # layer 4 -> linear pool layer 3
+    assert lin.pool.recurrent[3, rows[0]].abs().sum() > 0 and (lin.pool.recurrent[2] == 0).all()
+    with pytest.raises(ValueError, match="layer 4 is 'linear', called as a 'full' layer"):
+        hy.forward_absorbed(4, *args, b)
+    with pytest.raises(ValueError, match="MLA pool has 2 layers, the map 1 full"):
+        HybridBackend(rt.backend, lin, ratio_kinds(4, 3))
