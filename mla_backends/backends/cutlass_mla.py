@@ -14,7 +14,12 @@ from collections.abc import Callable
 import torch
 
 from mla_backends.backends.base import BackendContext, Capability
-from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.backends.kernel_packages import (
+    missing,
+    need_deepseek_dims,
+    need_sm,
+    require,
+)
 from mla_backends.backends.paged_table import PageTableBackend
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch
@@ -44,11 +49,7 @@ class CutlassMLABackend(PageTableBackend):
         return (
             missing("sgl_kernel")
             or need_sm(cap, "CUTLASS MLA", ((10, 0),))
-            or (
-                None
-                if (d.kv_lora_rank, d.qk_rope_head_dim) == (512, 64)
-                else "CUTLASS MLA is built for kv_lora_rank 512 + rope 64"
-            )
+            or need_deepseek_dims(config, "CUTLASS MLA")
             or (
                 None if d.num_heads <= 128 else f"CUTLASS MLA takes <= 128 heads, got {d.num_heads}"
             )

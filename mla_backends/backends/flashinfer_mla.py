@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import BackendContext, Capability, MLABackend
-from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.backends.kernel_packages import (
+    missing,
+    need_deepseek_dims,
+    need_dtype,
+    need_sm,
+    require,
+)
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config
@@ -146,21 +152,11 @@ class FlashInferMLABackend(MLABackend):
 
     @classmethod
     def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
-        d = config.model
         return (
             missing("flashinfer")
             or need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0)))
-            or (
-                None
-                if (d.kv_lora_rank, d.qk_rope_head_dim) == (512, 64)
-                else f"FlashInfer MLA is built for kv_lora_rank 512 + rope 64, config has "
-                f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
-            )
-            or (
-                None
-                if config.dtype in ("bfloat16", "float16")
-                else f"FlashInfer takes bf16/fp16 queries, config dtype is {config.dtype}"
-            )
+            or need_deepseek_dims(config, "FlashInfer MLA")
+            or need_dtype(config, "FlashInfer MLA", ("bfloat16", "float16"))
             or (
                 None
                 if config.kv_dtype != "float8_e4m3fn" or cap.sm == (9, 0)

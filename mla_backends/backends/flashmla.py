@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 
 from mla_backends.backends.base import BackendContext, Capability
-from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.backends.kernel_packages import (
+    missing,
+    need_deepseek_dims,
+    need_dtype,
+    need_sm,
+    require,
+)
 from mla_backends.backends.paged_table import PageTableBackend
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch
@@ -36,21 +42,11 @@ class FlashMLABackend(PageTableBackend):
 
     @classmethod
     def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
-        d = config.model
         return (
             missing("flash_mla", "sgl_kernel")
             or need_sm(cap, "FlashMLA", ((9, 0),))
-            or (
-                None
-                if (d.kv_lora_rank, d.qk_rope_head_dim) == (512, 64)
-                else f"FlashMLA is built for kv_lora_rank 512 + rope 64, config has "
-                f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
-            )
-            or (
-                None
-                if config.dtype in ("bfloat16", "float16")
-                else f"FlashMLA takes bf16/fp16 queries, config dtype is {config.dtype}"
-            )
+            or need_deepseek_dims(config, "FlashMLA")
+            or need_dtype(config, "FlashMLA", ("bfloat16", "float16"))
         )
 
     def __init__(self, ctx: BackendContext) -> None:

@@ -7,6 +7,7 @@ import importlib.util
 from types import ModuleType
 
 from mla_backends.backends.base import Capability
+from mla_backends.config import Config
 
 INSTALL = {
     "flashinfer": "pip install flashinfer-python==0.7.2.post1 (or mla-backends[gpu])",
@@ -38,6 +39,23 @@ def need_sm(cap: Capability, name: str, allowed: tuple[tuple[int, int], ...]) ->
     if cap.sm not in allowed:
         return f"{name} needs SM {_fmt(allowed)}, found {cap.describe()}"
     return None
+
+
+def need_deepseek_dims(config: Config, name: str) -> str | None:
+    """The vendor kernels are compiled for kv_lora_rank 512 + rope 64 only."""
+    d = config.model
+    if (d.kv_lora_rank, d.qk_rope_head_dim) == (512, 64):
+        return None
+    return (
+        f"{name} is built for kv_lora_rank 512 + rope 64, config has "
+        f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
+    )
+
+
+def need_dtype(config: Config, name: str, allowed: tuple[str, ...]) -> str | None:
+    if config.dtype in allowed:
+        return None
+    return f"{name} takes {'/'.join(allowed)} activations, config dtype is {config.dtype}"
 
 
 def _fmt(allowed: tuple[tuple[int, int], ...]) -> str:

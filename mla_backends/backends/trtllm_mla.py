@@ -14,7 +14,13 @@ from collections.abc import Callable
 import torch
 
 from mla_backends.backends.base import BackendContext, Capability
-from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.backends.kernel_packages import (
+    missing,
+    need_deepseek_dims,
+    need_dtype,
+    need_sm,
+    require,
+)
 from mla_backends.backends.paged_table import PageTableBackend
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch
@@ -37,20 +43,11 @@ class TrtllmMLABackend(PageTableBackend):
 
     @classmethod
     def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
-        d = config.model
         return (
             missing("flashinfer")
             or need_sm(cap, "TRT-LLM MLA", ((10, 0), (10, 3)))
-            or (
-                None
-                if (d.kv_lora_rank, d.qk_rope_head_dim) == (512, 64)
-                else "TRT-LLM MLA is built for kv_lora_rank 512 + rope 64"
-            )
-            or (
-                None
-                if config.dtype == "bfloat16"
-                else f"TRT-LLM MLA takes bf16 activations, config dtype is {config.dtype}"
-            )
+            or need_deepseek_dims(config, "TRT-LLM MLA")
+            or need_dtype(config, "TRT-LLM MLA", ("bfloat16",))
         )
 
     def __init__(self, ctx: BackendContext) -> None:
