@@ -60,7 +60,12 @@ def test_choosing_a_gpu_kernel_here_fails_at_load_saying_what_is_missing(name: s
             H100,
             r"built for kv_lora_rank 512 \+ rope 64",
         ),
-        ("flashmla", {"dtype": "float32"}, H100, r"takes bfloat16/float16 activations, config dtype is float32"),
+        (
+            "flashmla",
+            {"dtype": "float32"},
+            H100,
+            r"takes bfloat16/float16 activations, config dtype is float32",
+        ),
         ("flashinfer_mla", {"kv_dtype": "float8_e4m3fn"}, A100, r"FP8 MLA needs fa3 \(SM90\)"),
         ("flashinfer_mla", {}, Capability("cpu"), r"needs a CUDA GPU"),
     ],
