@@ -431,3 +431,22 @@ def absorbed_forward(backend, batch: ForwardBatch, inputs: dict[str, torch.Tenso
     return backend.forward_absorbed(
         0, inputs["q_nope"], inputs["q_rope"], inputs["k_nope"], inputs["k_rope"], batch
     )
+
+
+def ragged_prefill_lens(causal: bool, long: bool = True) -> tuple[list[int], list[int]]:
+    """Ragged MHA-prefill requests: one with no keys, one with no queries, one long. Causal
+    (bottom-right) needs kv_len >= q_len, so kv lengths are raised to the query lengths."""
+    q_lens, kv_lens = (
+        ([1, 300, 0, 77, 128], [1, 1000, 30, 0, 128])
+        if long
+        else ([1, 19, 0, 5, 6], [1, 40, 3, 0, 6])
+    )
+    if causal:
+        kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
+    return q_lens, kv_lens
+
+
+def with_batch(case: Case, batch: int) -> Case:
+    """The case with `batch` requests, cycling through its kv lengths."""
+    lens = case.kv_lens
+    return dataclasses.replace(case, kv_lens=tuple(lens[i % len(lens)] for i in range(batch)))

@@ -13,7 +13,13 @@ import torch
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.config import DEEPSEEK_V3, Config, ConfigError, config_from_dict
-from mla_backends.testing import parity_cases, run_case, run_mha_case
+from mla_backends.testing import (
+    parity_cases,
+    ragged_prefill_lens,
+    run_case,
+    run_mha_case,
+    with_batch,
+)
 
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
@@ -122,17 +128,14 @@ def test_gpu_parity_matrix(case) -> None:  # type: ignore[no-untyped-def]
 def test_gpu_batch_sizes(name: str, batch: int) -> None:
     dtypes = ("bfloat16", "fp8") if name == "flashinfer_mla" else ("bfloat16",)
     for c in parity_cases(name, (64,), (128,), dtypes, ("decode", "verify")):
-        lens = tuple(c.kv_lens[i % len(c.kv_lens)] for i in range(batch))
-        r = run_case(dataclasses.replace(c, kv_lens=lens), "cuda")
+        r = run_case(with_batch(c, batch), "cuda")
         assert r.ok, f"{c.id}: {r.detail}"
 
 
 @gpu_only
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_flashinfer_mha_prefill(causal: bool) -> None:
-    q_lens, kv_lens = [1, 300, 0, 77, 128], [1, 1000, 30, 0, 128]
-    if causal:
-        kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
+    q_lens, kv_lens = ragged_prefill_lens(causal)
     for dtype in ("bfloat16", "float16"):
         r = run_mha_case("flashinfer_mla", q_lens, kv_lens, causal, dtype, 16, device="cuda")
         assert r.ok, r.detail

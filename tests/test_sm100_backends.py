@@ -10,8 +10,6 @@ real-kernel tests at the end run only where SM100 is present.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.batch import ForwardMode
 from mla_backends.config import DEEPSEEK_V3, Config
-from mla_backends.testing import Case, build_case, parity_cases, run_case
+from mla_backends.testing import Case, build_case, parity_cases, run_case, with_batch
 
 CPU = torch.device("cpu")
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
@@ -59,8 +57,7 @@ def test_contract_parity(emulated: None, case: Case) -> None:
 @pytest.mark.parametrize("batch", [1, 7, 130])
 def test_contract_batch_sizes(emulated: None, name: str, page: int, batch: int) -> None:
     for c in parity_cases(name, (page,), (16,), ("bfloat16",), ("decode", "verify"), long=90):
-        lens = tuple(c.kv_lens[i % len(c.kv_lens)] for i in range(batch))
-        r = run_case(dataclasses.replace(c, kv_lens=lens), CPU)
+        r = run_case(with_batch(c, batch), CPU)
         assert r.ok, f"{c.id}: {r.detail}"
 
 

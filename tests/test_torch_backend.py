@@ -15,6 +15,7 @@ from mla_backends.testing import (
     parity_cases,
     run_case,
     run_mha_case,
+    with_batch,
 )
 
 MATRIX = parity_cases("torch", page_sizes=(1, 16, 64, 128), heads=(16, 128), long=300)
@@ -35,9 +36,8 @@ def test_parity_matrix(case: Case) -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
 def test_batch_sizes(batch: int, kind: str, dtype: str) -> None:
     q = 1 if kind == "decode" else 2
-    lens = edge_kv_lens(16, q, long=70)
     base = next(c for c in parity_cases("torch", (16,), (16,), (dtype,), (kind,)))
-    _check(dataclasses.replace(base, kv_lens=tuple(lens[i % len(lens)] for i in range(batch))))
+    _check(with_batch(dataclasses.replace(base, kv_lens=edge_kv_lens(16, q, long=70)), batch))
 
 
 @pytest.mark.parametrize("layout", ["monotonic", "shuffled", "interleaved", "mixed"])

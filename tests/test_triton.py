@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -19,8 +18,10 @@ from mla_backends.testing import (
     build_case,
     edge_kv_lens,
     parity_cases,
+    ragged_prefill_lens,
     run_case,
     run_mha_case,
+    with_batch,
 )
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -107,9 +108,7 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_interpreter_mha_prefill(causal: bool, dtype: str) -> None:
-    q_lens, kv_lens = [1, 19, 0, 5, 6], [1, 40, 3, 0, 6]
-    if causal:
-        kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
+    q_lens, kv_lens = ragged_prefill_lens(causal, long=False)
     r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 4, SMALL)
     assert r.ok, r.detail
 
@@ -187,19 +186,14 @@ def test_gpu_parity_matrix(case: Case) -> None:
 @pytest.mark.parametrize("batch", [1, 7, 130])
 def test_gpu_batch_sizes(batch: int) -> None:
     for c in parity_cases("triton", (64,), (128,), ("bfloat16", "fp8"), ("decode", "verify")):
-        lens = c.kv_lens
-        r = run_case(
-            dataclasses.replace(c, kv_lens=tuple(lens[i % len(lens)] for i in range(batch))), "cuda"
-        )
+        r = run_case(with_batch(c, batch), "cuda")
         assert r.ok, f"{c.id}: {r.detail}"
 
 
 @gpu_only
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_mha_prefill(causal: bool) -> None:
-    q_lens, kv_lens = [1, 300, 0, 77, 128], [1, 1000, 30, 0, 128]
-    if causal:
-        kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
+    q_lens, kv_lens = ragged_prefill_lens(causal)
     for dtype in ("bfloat16", "float16"):
         r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 16, device="cuda")
         assert r.ok, r.detail
