@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from mla_backends.batch import ForwardBatch
+from mla_backends.merge import merge_states  # noqa: F401  (re-exported: used with references)
 from mla_backends.pool import MLATokenToKVPool
 
 
@@ -103,18 +104,6 @@ def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
 def project_v(o_latent: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
     """o_latent [n, h, l] @ w_vc [h, l, v] -> [n, h, v]."""
     return torch.einsum("nhl,hlv->nhv", o_latent, w_vc.to(o_latent.dtype))
-
-
-def merge_states(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attentions over disjoint key sets: o [n, h, d], lse [n, h].
-    A side with lse = -inf (no keys) contributes nothing; both empty gives 0 / -inf."""
-    lse = torch.logaddexp(lse1, lse2)
-    w1 = torch.nan_to_num(torch.exp(lse1 - lse), nan=0.0)[..., None]
-    w2 = torch.nan_to_num(torch.exp(lse2 - lse), nan=0.0)[..., None]
-    acc = torch.promote_types(o1.dtype, torch.float32)
-    return (o1.to(acc) * w1 + o2.to(acc) * w2).to(o1.dtype), lse
 
 
 def request_kv(

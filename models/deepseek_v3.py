@@ -3,8 +3,10 @@ HF checkpoint, attention through one backend object and nothing else.
 
 Token-major throughout: hidden [T, D] for all tokens of a ForwardBatch. Attention:
 - EXTEND without a cached prefix: MHA mode (c_kv expanded through kv_b_proj), rows stored;
-- otherwise (decode, verify, extend over a prefix): absorbed, q_nope folded into w_kc, the
-  latent output projected through w_vc.
+- EXTEND over a prefix of >= `chunked_prefix_min` tokens: MHA over the prefix and over the new
+  tokens, merged by LSE;
+- otherwise (decode, verify, extend over a shorter prefix): absorbed, q_nope folded into
+  w_kc, the latent output projected through w_vc.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_backends.backends.base import MLABackend
-from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.config import MLADims
+from mla_backends.merge import merge_states
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,14 @@ class MoE(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_id: int) -> None:
+    def __init__(
+        self, cfg: DeepseekV3Config, layer_id: int, chunked_prefix_min: int | None
+    ) -> None:
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
+        # EXTEND over a cached prefix of at least this many tokens runs MHA mode in two
+        # parts (prefix, new tokens) merged by LSE; shorter prefixes use absorbed attention.
+        self.chunked_prefix_min = chunked_prefix_min
         h, p, r, v = (
             cfg.num_attention_heads,
             cfg.qk_nope_head_dim,
@@ -239,10 +247,11 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(kv[:, :lat])
         k_pe = apply_rope(kv[:, lat:], cos, sin, c.rope_interleave)
         if batch.mode is ForwardMode.EXTEND and not batch.has_prefix:
-            k_nope, v = self.kv_b_proj(c_kv).view(t, h, -1).split([p, c.v_head_dim], dim=-1)
-            k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
             backend.store_kv(self.layer_id, batch.out_cache_loc, c_kv, k_pe)
+            k, v = self._expand(c_kv, k_pe)
             out = backend.forward_mha(torch.cat([q_nope, q_pe], -1), k, v, batch.extend_layout())
+        elif batch.mode is ForwardMode.EXTEND and self._long_prefix(batch):
+            out = self._chunked_prefix(torch.cat([q_nope, q_pe], -1), c_kv, k_pe, batch, backend)
         else:
             w_kc, w_vc = self.absorbed_weights()
             q_abs = torch.einsum("thp,hpl->thl", q_nope, w_kc)
@@ -250,11 +259,48 @@ class MLAttention(nn.Module):
             out = torch.einsum("thl,hlv->thv", o_lat, w_vc)
         return self.o_proj(out.reshape(t, -1))
 
+    def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows -> per-head K [N, H, P + R] and V [N, H, V] through kv_b_proj."""
+        c, n = self.cfg, c_kv.shape[0]
+        k_nope, v = (
+            self.kv_b_proj(c_kv)
+            .view(n, c.num_attention_heads, -1)
+            .split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        )
+        k_pe = k_pe[:, None, :].expand(-1, c.num_attention_heads, -1)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def _long_prefix(self, batch: ForwardBatch) -> bool:
+        m = self.chunked_prefix_min
+        return m is not None and int(batch.extend_prefix_lens_cpu.max()) >= m
+
+    def _chunked_prefix(
+        self,
+        q: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: ForwardBatch,
+        backend: MLABackend,
+    ) -> torch.Tensor:
+        """MHA over the cached prefix (no mask) and over the new tokens (causal), merged by
+        log-sum-exp; requests without a prefix contribute an empty part (lse -inf)."""
+        latent, rope, prefix_layout = backend.prefix_rows(self.layer_id, batch)
+        k, v = self._expand(latent.to(q.dtype), rope.to(q.dtype))
+        o1, lse1 = backend.forward_mha(q, k, v, prefix_layout, causal=False, return_lse=True)
+        backend.store_kv(self.layer_id, batch.out_cache_loc, c_kv, k_pe)
+        k, v = self._expand(c_kv, k_pe)
+        n = batch.extend_seq_lens_cpu.tolist()
+        new_layout = RaggedLayout.from_lens(n, n, q.device)
+        o2, lse2 = backend.forward_mha(q, k, v, new_layout, causal=True, return_lse=True)
+        return merge_states(o1, lse1, o2, lse2)[0]
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_id: int) -> None:
+    def __init__(
+        self, cfg: DeepseekV3Config, layer_id: int, chunked_prefix_min: int | None
+    ) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_id)
+        self.self_attn = MLAttention(cfg, layer_id, chunked_prefix_min)
         dense = layer_id < cfg.first_k_dense_replace
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -273,21 +319,23 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, chunked_prefix_min: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, chunked_prefix_min) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, self.rope_scale = rope_tables(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, chunked_prefix_min: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekV3Model(cfg)
+        self.model = DeepseekV3Model(cfg, chunked_prefix_min)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.no_grad()

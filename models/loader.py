@@ -52,11 +52,14 @@ def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, name: str) -> t
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    chunked_prefix_min: int | None = None,
 ) -> DeepseekV3ForCausalLM:
     path = Path(path)
     cfg = DeepseekV3Config.from_hf(json.loads((path / "config.json").read_text()))
-    model = DeepseekV3ForCausalLM(cfg)
+    model = DeepseekV3ForCausalLM(cfg, chunked_prefix_min)
     tensors = read_tensors(path)
     want = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:

@@ -160,6 +160,29 @@ def test_incremental_decode_equals_full_forward_triton_interpreted(hf_checkpoint
     _incremental_equals_full(load_model(hf_checkpoint[0]), "triton", 16, 1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunked_prefix_mha_equals_absorbed_and_full(hf_checkpoint, backend: str) -> None:  # type: ignore[no-untyped-def]
+    """Long-prefix EXTEND through MHA (prefix part + causal new part, merged by LSE) gives the
+    logits of the absorbed path and of one full prefill; a request without a prefix in the
+    same batch contributes an empty prefix part (lse -inf)."""
+    if backend == "triton" and not INTERP:
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(5)
+    a_seq = torch.randint(0, 96, (30,), generator=gen).tolist()
+    b_seq = torch.randint(0, 96, (6,), generator=gen).tolist()
+    results = []
+    for chunked in (None, 8):
+        model = load_model(hf_checkpoint[0], chunked_prefix_min=chunked)
+        eng = _engine(model, backend)
+        a, b = eng.new_requests(2)
+        eng.extend([a], [a_seq[:20]])
+        results.append(eng.extend([a, b], [a_seq[20:], b_seq]))
+    assert _rel(results[1], results[0]) <= 1e-4
+    full = _engine(load_model(hf_checkpoint[0]), backend)
+    [r] = full.new_requests(1)
+    assert _rel(results[1][:10], full.extend([r], [a_seq])[20:]) <= 1e-4
+
+
 def _copy(src: Path, dst: Path) -> None:
     dst.mkdir()
     for f in src.iterdir():

@@ -160,6 +160,26 @@ class MLABackend(ABC):
             return q_nope.as_strided((*q_nope.shape[:2], q_nope.stride(1)), q_nope.stride())
         return torch.cat([q_nope, q_rope], dim=-1)
 
+    def prefix_rows(
+        self, layer: int, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, RaggedLayout]:
+        """The cached prefix of every request in an EXTEND batch, dequantized:
+        (latent [N, L] fp32, k_rope [N, R] fp32, layout: q = new tokens, kv = prefix rows).
+        For chunked-prefix MHA prefill, where the prefix is expanded through kv_b_proj and
+        merged with the new tokens' causal part by LSE. Sizes from the CPU copies: no sync."""
+        from mla_backends.indices import build_token_indices
+
+        pre_cpu = batch.extend_prefix_lens_cpu
+        _, slots = build_token_indices(
+            self.req_to_token, batch.req_pool_indices, batch.extend_prefix_lens, int(pre_cpu.sum())
+        )
+        rows = self.pool.load_rows(layer, slots)
+        lat = self.dims.kv_lora_rank
+        layout = RaggedLayout.from_lens(
+            batch.extend_seq_lens_cpu.tolist(), pre_cpu.tolist(), self.device
+        )
+        return rows[:, :lat], rows[:, lat:], layout
+
     @staticmethod
     def mask_empty_rows(
         out: torch.Tensor, lse: torch.Tensor | None, batch: ForwardBatch
