@@ -59,6 +59,10 @@ class PagedTokenAllocator:
     def seq_len(self, row: int) -> int:
         return self._lens.get(row, 0)
 
+    def holds(self, row: int) -> bool:
+        """True if the request row has been allocated KV (even if truncated to 0 since)."""
+        return row in self._lens
+
     def pages(self, row: int) -> list[int]:
         return list(self._pages.get(row, []))
 

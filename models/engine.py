@@ -9,16 +9,27 @@ import torch
 
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.runtime import Runtime
-from models.deepseek_v3 import DeepseekV3ForCausalLM
 
 
 class Engine:
-    def __init__(self, model: DeepseekV3ForCausalLM, runtime: Runtime) -> None:
+    """`backend` defaults to the runtime's; a hybrid model passes its HybridBackend."""
+
+    def __init__(self, model: torch.nn.Module, runtime: Runtime, backend: object = None) -> None:
         self.model, self.rt = model, runtime
+        self.backend = runtime.backend if backend is None else backend
         self.device = runtime.kv_pool.device
 
     def new_requests(self, n: int) -> list[int]:
-        return self.rt.req_pool.alloc(n)
+        rows = self.rt.req_pool.alloc(n)
+        reset = getattr(self.backend, "reset_requests", None)
+        if reset is not None:  # recurrent state starts from zero for a new request
+            reset(rows)
+        return rows
+
+    def free(self, row: int) -> None:
+        if self.rt.allocator.holds(row):
+            self.rt.allocator.free(row)
+        self.rt.req_pool.free(row)
 
     def step(
         self, mode: ForwardMode, rows: Sequence[int], tokens: Sequence[Sequence[int]]
@@ -29,8 +40,8 @@ class Engine:
         loc = self.rt.allocator.alloc_extend(rows, lens)
         batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
-        self.rt.backend.init_forward_metadata(batch)  # once for every layer
-        return self.model(ids, batch, self.rt.backend)
+        self.backend.init_forward_metadata(batch)  # once for every layer
+        return self.model(ids, batch, self.backend)
 
     def extend(self, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         return self.step(ForwardMode.EXTEND, rows, tokens)

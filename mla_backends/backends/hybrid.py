@@ -64,6 +64,10 @@ class HybridBackend:
             raise ValueError(f"layer {layer_id} is {got!r}, called as a {kind!r} layer")
         return slot.index
 
+    def reset_requests(self, rows: list[int]) -> None:
+        """New requests start from zero recurrent and conv state."""
+        self.linear.pool.reset(rows)
+
     # ------------------------------------------------------------------ per batch
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.full.init_forward_metadata(batch)

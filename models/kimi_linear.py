@@ -1,0 +1,186 @@
+"""A Kimi-Linear-style hybrid model: KDA (Kimi Delta Attention) layers and NoPE MLA layers in
+a configured ratio (3 : 1 in Kimi-Linear), on `HybridBackend`.
+
+- KDA layer: q / k / v projections, a causal depthwise short convolution (kernel 4, SiLU)
+  with its state per request in the `LinearStatePool`, per-channel log-decay
+  `g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`, `beta = sigmoid(b(x))`, L2-normalised
+  q / k, the gated delta rule, an output RMSNorm gated by `sigmoid(g_b(g_a(x)))`, o_proj.
+- MLA layer: DeepSeek-V3's attention with no rotation (NoPE). The 64 "rope" columns are still
+  cached and attended, unrotated, so every MLA kernel keeps its 576-wide row.
+
+Layers are told their id once; the router maps it to a pool index (no mutation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_backends.backends.hybrid import HybridBackend, ratio_kinds
+from mla_backends.batch import ForwardBatch, ForwardMode
+from models.deepseek_v3 import MLP, DeepseekV3Config, MLAttention, RMSNorm
+
+
+@dataclass(frozen=True)
+class KimiLinearConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 8
+    linear_per_full: int = 3  # KDA layers per MLA layer
+    kda_heads: int = 4
+    kda_head_dim: int = 16
+    conv_kernel: int = 4
+    mla_heads: int = 4
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 16  # NoPE: cached and attended, never rotated
+    v_head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def kinds(self) -> list[str]:
+        return ratio_kinds(self.num_hidden_layers, self.linear_per_full)
+
+    def mla_config(self) -> DeepseekV3Config:
+        return DeepseekV3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            moe_intermediate_size=1,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.mla_heads,
+            q_lora_rank=None,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            n_routed_experts=1,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=self.num_hidden_layers,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_interleave=False,  # with cos = 1, sin = 0 the "rotation" is the identity
+        )
+
+
+def short_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv of one request: x [T, C], weight [C, W], state [C, W - 1] (the
+    previous W - 1 inputs) -> (silu(conv) [T, C], new state [C, W - 1])."""
+    w = weight.shape[1]
+    full = torch.cat([state.t().to(x.dtype), x], dim=0)  # [W - 1 + T, C]
+    windows = full.unfold(0, w, 1)  # [T, C, W]
+    out = F.silu((windows * weight.to(x.dtype)).sum(-1))
+    return out, full[-(w - 1) :].t().float() if w > 1 else state
+
+
+class KDALayer(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        h, d, hid = cfg.kda_heads, cfg.kda_head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(hid, h * d, bias=False)
+        self.k_proj = nn.Linear(hid, h * d, bias=False)
+        self.v_proj = nn.Linear(hid, h * d, bias=False)
+        self.conv_weight = nn.Parameter(torch.randn(3 * h * d, cfg.conv_kernel) * 0.3)
+        self.f_a_proj = nn.Linear(hid, d, bias=False)
+        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(h))
+        self.dt_bias = nn.Parameter(torch.zeros(h * d))
+        self.b_proj = nn.Linear(hid, h, bias=False)
+        self.g_a_proj = nn.Linear(hid, d, bias=False)
+        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.o_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(h * d, hid, bias=False)
+
+    def _conv(self, x: torch.Tensor, batch: ForwardBatch, backend: HybridBackend) -> torch.Tensor:
+        """Short conv over each request's tokens, continuing from / updating its conv state."""
+        pool = backend.linear.pool
+        layer = backend.layers[self.layer_id].index
+        out = torch.empty_like(x)
+        start = 0
+        for row, n in zip(batch.req_pool_indices.tolist(), batch.extend_seq_lens_cpu.tolist()):
+            out[start : start + n], pool.conv[layer, row] = short_conv(
+                x[start : start + n], self.conv_weight, pool.conv[layer, row]
+            )
+            start += n
+        return out
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, backend: HybridBackend) -> torch.Tensor:
+        c, t = self.cfg, x.shape[0]
+        h, d = c.kda_heads, c.kda_head_dim
+        qkv = self._conv(
+            torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch, backend
+        )
+        q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
+        q, k = F.normalize(q.float(), dim=-1), F.normalize(k.float(), dim=-1)
+        f = self.f_b_proj(self.f_a_proj(x)) + self.dt_bias
+        g = -self.A_log.float().exp()[:, None] * F.softplus(f.float()).view(t, h, d)  # [T, H, K]
+        beta = self.b_proj(x).float().sigmoid()
+        o = backend.forward_linear(self.layer_id, q, k, v, g, beta)  # [T, H, V] fp32
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d).float().sigmoid()
+        o = self.o_norm(o.to(x.dtype)) * gate.to(x.dtype)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig, layer_id: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.attn = (
+            KDALayer(cfg, layer_id)
+            if kind == "linear"
+            else MLAttention(cfg.mla_config(), layer_id, None)
+        )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        backend: HybridBackend,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        y = self.input_layernorm(x)
+        if self.kind == "linear":
+            y = self.attn(y, batch, backend)
+        else:
+            y = self.attn(y, cos, sin, batch, backend)
+        x = x + y
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i, k) for i, k in enumerate(cfg.kinds))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, backend: HybridBackend
+    ) -> torch.Tensor:
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            raise NotImplementedError("verify needs per-draft-token linear states (not built)")
+        x = self.embed_tokens(input_ids)
+        # NoPE: cos = 1, sin = 0 leaves the "rope" columns as they are (never rotated).
+        half = self.cfg.qk_rope_head_dim // 2
+        cos = torch.ones(x.shape[0], half, dtype=x.dtype, device=x.device)
+        sin = torch.zeros_like(cos)
+        for layer in self.layers:
+            x = layer(x, batch, backend, cos, sin)
+        return self.lm_head(self.norm(x)).float()
