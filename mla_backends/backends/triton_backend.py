@@ -91,6 +91,12 @@ class TritonBackend(MLABackend):
     def _waves(self, block_m: int) -> int:
         return 1 if block_m >= 64 else 2
 
+    def _num_splits(self, batch_size: int, max_q: int, max_kv: int) -> int:
+        """KV splits for a decode / verify grid of batch_size x head blocks."""
+        rows = max_q * self.dims.num_heads
+        bm = self._block_m(rows)
+        return choose_num_splits(batch_size * -(-rows // bm), max_kv, self._sms, self._waves(bm))
+
     # ------------------------------------------------------------------ metadata
     def _build(
         self,
@@ -111,19 +117,16 @@ class TritonBackend(MLABackend):
             0,
             None if static is None else static.table,
         )
-        h = self.dims.num_heads
-        m_blocks = -(-max_q * h // self._block_m(max_q * h))
         if static is not None:
             return TritonMetadata(qo, table, max_q, static.num_splits, static.workspace)
-        splits = 1
-        if batch.mode.is_decode_or_verify:
-            bm = self._block_m(max_q * h)
-            splits = choose_num_splits(
-                batch.batch_size * m_blocks, max_kv, self._sms, self._waves(bm)
-            )
+        splits = (
+            self._num_splits(batch.batch_size, max_q, max_kv)
+            if batch.mode.is_decode_or_verify
+            else 1
+        )
         ws = None
         if splits > 1:
-            rows = batch.num_tokens * h * splits
+            rows = batch.num_tokens * self.dims.num_heads * splits
             ws = (
                 torch.empty(rows, self.dims.kv_lora_rank, dtype=torch.float32, device=self.device),
                 torch.empty(rows, dtype=torch.float32, device=self.device),
@@ -157,12 +160,8 @@ class TritonBackend(MLABackend):
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         bs, max_q = batch.batch_size, max(batch.num_draft_tokens, 1)
         h = self.dims.num_heads
-        bm = self._block_m(max_q * h)
-        m_blocks = -(-max_q * h // bm)
         # Splits are fixed per captured size, for the longest context the graph may see.
-        splits = choose_num_splits(
-            bs * m_blocks, self.req_to_token.shape[1], self._sms, self._waves(bm)
-        )
+        splits = self._num_splits(bs, max_q, self.req_to_token.shape[1])
         rows = batch.num_tokens * h * splits
         ws = (self._graph_ws[0][:rows], self._graph_ws[1][:rows]) if splits > 1 else None
         # Every captured size reads the leading rows of the same static buffers.
