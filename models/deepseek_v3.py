@@ -189,12 +189,25 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._dense(x, w, idx) + self.shared_experts(x)
         out = torch.zeros_like(x)
-        # Host loop over the experts hit (reference MoE, not a grouped GEMM).
+        # Host loop over the experts hit (reference MoE, not a grouped GEMM). Hazard: the
+        # `.tolist()` is a device sync, so CUDA-graph capture takes `_dense` instead.
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
             out.index_add_(0, tok, (self.experts[e](x[tok]) * w[tok, slot, None]).to(x.dtype))
         return out + self.shared_experts(x)
+
+    def _dense(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the routing (0 where not chosen): no
+        data-dependent shapes, so it captures; costs E / k times the routed FLOPs."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=w.dtype, device=x.device)
+        dense.scatter_(1, idx, w)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            out += expert(x).float() * dense[:, e : e + 1]
+        return out.to(x.dtype)
 
 
 class MLAttention(nn.Module):

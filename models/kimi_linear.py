@@ -82,6 +82,16 @@ def short_conv(
     return out, full[-(w - 1) :].t().float() if w > 1 else state
 
 
+def short_conv_step(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B requests: x [B, C], states [B, C, W - 1] -> (out [B, C],
+    new states [B, C, W - 1]); `short_conv` with T = 1, batched."""
+    full = torch.cat([states.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, W]
+    out = F.silu((full * weight.to(x.dtype)).sum(-1))
+    return out, full[:, :, 1:].float()
+
+
 class KDALayer(nn.Module):
     def __init__(self, cfg: KimiLinearConfig, layer_id: int) -> None:
         super().__init__()
@@ -105,6 +115,11 @@ class KDALayer(nn.Module):
         """Short conv over each request's tokens, continuing from / updating its conv state."""
         pool = backend.linear.pool
         layer = backend.layers[self.layer_id].index
+        if batch.mode is ForwardMode.DECODE:  # all requests at once: no host loop, capturable
+            rows = batch.req_pool_indices.long()
+            out, state = short_conv_step(x, self.conv_weight, pool.conv[layer][rows])
+            pool.conv[layer][rows] = state  # padded rows all write slot 0, the dummy
+            return out
         out = torch.empty_like(x)
         start = 0
         for row, n in zip(batch.req_pool_indices.tolist(), batch.extend_seq_lens_cpu.tolist()):

@@ -70,19 +70,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def random_model(
+    raw: dict, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> DeepseekV3ForCausalLM:
+    """DeepSeek-V3 from an HF config dict with random weights, built on `device`: matrices
+    N(0, 0.02), vectors (gate correction biases) N(0, 0.1), norms left at 1."""
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw)).to(dtype)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if not name.endswith("norm.weight"):
+                t.normal_(0, 0.02 if t.dim() > 1 else 0.1, generator=gen)
+    return model
+
+
 def save_random(size: str, path: Path, seed: int) -> None:
     """Random weights at a named size, written as an HF-layout checkpoint."""
     from safetensors.torch import save_file
 
     raw = RANDOM_SIZES[size]
-    cfg = DeepseekV3Config.from_hf(raw)
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name.endswith("norm.weight"):
-                continue
-            t.normal_(0, 0.02 if t.dim() > 1 else 0.1)
+    model = random_model(raw, seed)
     (path / "config.json").write_text(json.dumps(raw))
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors")

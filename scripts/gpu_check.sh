@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command: GPU tests, then the benchmarks, logs and JSON under $OUT.
-#   usage (device machine, repo root):  bash scripts/gpu_check.sh [quick|full] [pytest -k expr]
+#   usage (device machine, repo root):  bash scripts/gpu_check.sh [quick|full|tests|models] [pytest -k expr]
+#   quick / full: GPU tests, then the kernel benchmarks (quick: fewer shapes);
+#   tests: GPU tests only; models: the model-level benchmarks only (DeepSeek-V3 layer stack
+#   through each Hopper backend with graphs, linear-layer decode vs raw fla, FlashInfer plan
+#   host-time breakdown, decode steps eager vs graphs at batch 1-8).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
 mode=${1:-full}
@@ -18,11 +22,25 @@ unset TRITON_INTERPRET
 } | tee "$out/env.txt"
 
 rc=0
-timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -k "$kexpr" tests/ -p no:cacheprovider \
-  2>&1 | tee "$out/pytest.log" | tail -25
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+if [ "$mode" != models ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfEx --durations=15 -k "$kexpr" tests/ \
+    -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
 
-if [ "$mode" != "tests" ]; then
+if [ "$mode" = models ]; then
+  step() {  # name, timeout, command...
+    local name=$1 t=$2; shift 2
+    timeout "$t" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -30
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  }
+  step plan 60 python3 scripts/profile_fi_plan.py 256
+  step linear 120 python3 scripts/bench_linear.py --out "$out/linear"
+  step stack ${STACK_TIMEOUT:-240} python3 scripts/dsv3_stack.py --out "$out/stack"
+  step graphs 150 python3 -m mla_backends bench --config configs/deepseek_v3_h100.yaml \
+    --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
+    --graphs --layers 8 --out "$out/bench-graphs"
+elif [ "$mode" != "tests" ]; then
   quick=$([ "$mode" = quick ] && echo True || echo False)
   timeout ${BENCH_TIMEOUT:-300} python3 -c "
 from mla_backends.benchmark import main

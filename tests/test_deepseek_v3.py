@@ -3,6 +3,7 @@ checkpoint loading errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -153,6 +154,92 @@ def test_incremental_decode_equals_full_forward_torch(hf_checkpoint) -> None:  #
     model = load_model(hf_checkpoint[0])
     for page in (1, 16):
         _incremental_equals_full(model, "torch", page, 1e-4)
+
+
+def test_engine_decode_through_the_graph_runner_equals_eager(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The engine's graph path without capture (static buffers, padding to 1/2/4): three
+    requests pad to 4, two run at 2; logits equal the eager engine's."""
+    model = load_model(hf_checkpoint[0])
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 2, 17)]
+    engines = [_engine(model), _engine(model)]
+    engines[1].enable_graphs([1, 2, 4], use_graphs=False)
+    rows = [e.new_requests(3) for e in engines]
+    for e, r in zip(engines, rows):
+        e.extend(r, prompts)
+    for step in range(5):
+        k = 3 if step % 2 == 0 else 2
+        toks = torch.randint(0, 96, (k,), generator=gen).tolist()
+        want, got = (e.decode(r[:k], toks) for e, r in zip(engines, rows))
+        assert _rel(got, want) <= 1e-5, f"step {step}: {_rel(got, want)}"
+
+
+def test_dense_moe_equals_routed_moe(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The capture-safe MoE (every expert, zero weight where not routed) equals the routed."""
+    moe = load_model(hf_checkpoint[0]).model.layers[1].mlp
+    x = torch.randn(11, 64)
+    w, idx = moe.gate(x)
+    torch.testing.assert_close(moe._dense(x, w, idx) + moe.shared_experts(x), moe(x))
+
+
+GPU_BACKENDS = [("triton", "triton"), ("flashinfer_mla", "flashinfer_mla"), ("flashmla", "triton")]
+
+
+@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("decode, prefill", GPU_BACKENDS, ids=[d for d, _ in GPU_BACKENDS])
+def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: str) -> None:
+    """Real MLA dims (512 + 64, 16 heads), bf16, page 64: prefill, prefix extend, decode steps
+    replayed through captured whole-model graphs, a q_len 3 verify, a final extend, against
+    one full prefill on the same backends, and against an fp32 torch-backend full forward."""
+    from models.run import random_model
+
+    raw = dict(TINY_HF, hidden_size=512, num_attention_heads=16, num_key_value_heads=16)
+    raw.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    raw.update(q_lora_rank=256, num_hidden_layers=2, intermediate_size=512)
+    model = random_model(raw, seed=0, device="cuda", dtype=torch.bfloat16)
+
+    def engine(m, dec: str, pre: str, dtype: str) -> Engine:  # type: ignore[no-untyped-def]
+        c = m.cfg
+        rt = Runtime.build(
+            Config(
+                model=c.attention_dims,
+                num_layers=c.num_hidden_layers,
+                prefill_backend=pre,
+                decode_backend=dec,
+                page_size=64,
+                kv_dtype=dtype,
+                dtype=dtype,
+                num_pages=32,
+                max_requests=8,
+                max_context_len=256,
+                device="cuda",
+            )
+        )
+        return Engine(m, rt)
+
+    gen = torch.Generator().manual_seed(2)
+    seq = torch.randint(0, 96, (40,), generator=gen).tolist()
+    oracle = engine(copy.deepcopy(model).float(), "torch", "torch", "float32")
+    want32 = oracle.extend(oracle.new_requests(1), [seq])
+    full = engine(model, decode, prefill, "bfloat16")
+    want = full.extend(full.new_requests(1), [seq])
+    inc = engine(model, decode, prefill, "bfloat16")
+    a, b = inc.new_requests(2)
+    got = [inc.extend([a], [seq[:13]]), inc.extend([a], [seq[13:21]])]
+    inc.extend([b], [seq[:5]])
+    inc.enable_graphs([1, 2, 4])
+    for i in range(21, 30):
+        got.append(inc.decode([a, b], [seq[i], seq[i - 16]])[:1])
+    got.append(inc.verify([a, b], [seq[30:33], seq[14:17]])[:3])
+    got.append(inc.extend([a], [seq[33:]]))
+    got_all = torch.cat(got)
+    print(
+        f"{decode}: incremental vs full {_rel(got_all, want):.2e}, vs fp32 oracle "
+        f"{_rel(got_all, want32):.2e}; full bf16 vs fp32 oracle {_rel(want, want32):.2e}"
+    )
+    # bf16 weights and KV: two bf16 forwards of different shape agree to about 2^-7.
+    assert _rel(got_all, want) <= 2e-2
+    assert _rel(got_all, want32) <= 2e-2
 
 
 @pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")

@@ -1,4 +1,5 @@
-"""Linear-attention layers and the hybrid router, CPU paths (the fla kernels are not wired yet)."""
+"""Linear-attention layers and the hybrid router: the plain recurrence on CPU, and on the GPU
+the fla kernels against it (prefill, then decode from the stored state; GDN and KDA)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def test_recurrence_closed_forms_and_kda_generalises_gdn() -> None:
     torch.testing.assert_close(s, s0 * g.sum(0).exp()[:, None, None])
 
 
-def _batch(mode: ForwardMode, rows: list[int], prefix: list[int], n: list[int]) -> ForwardBatch:
-    loc = torch.zeros(sum(n), dtype=torch.int64)
-    return ForwardBatch.build(mode, rows, prefix, n, loc, "cpu")
+def _batch(
+    mode: ForwardMode, rows: list[int], prefix: list[int], n: list[int], device: str = "cpu"
+) -> ForwardBatch:
+    loc = torch.zeros(sum(n), dtype=torch.int64, device=device)
+    return ForwardBatch.build(mode, rows, prefix, n, loc, device)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -156,3 +159,55 @@ def test_hybrid_routes_by_layer_kind_without_mutating_layers() -> None:
         hy.forward_absorbed(4, *args, b)
     with pytest.raises(ValueError, match="MLA pool has 2 layers, the map 1 full"):
         HybridBackend(rt.backend, lin, ratio_kinds(4, 3))
+
+
+GPU = torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1"
+# fla computes in fp32 with tf32 / bf16 tensor-core dots inside its chunked prefill; the
+# recurrence is exact fp32 on the same (rounded) inputs. Relative to the largest value.
+FLA_TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the fla package")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_gpu_fla_equals_recurrence_prefill_then_decode(kda: bool, dtype: torch.dtype) -> None:
+    """Three requests (varlen prefill from non-zero stored states, then 6 decode steps of the
+    batch plus a padded row) through fla and through the recurrence: outputs and states."""
+    h, dk, dv, slots = 4, 128, 128, 6
+    gen = torch.Generator().manual_seed(11)
+    pools = [LinearStatePool(1, slots - 1, h, dk, dv, 16, 4, "cuda") for _ in range(2)]
+    init = torch.randn(slots, h, dk, dv, generator=gen) * 0.1
+    for p in pools:
+        p.recurrent[0].copy_(init)
+    fla, ref = (LinearAttentionBackend(p, kernels=k) for p, k in zip(pools, ("fla", "torch")))
+
+    def inputs(t: int):  # type: ignore[no-untyped-def]
+        q = torch.nn.functional.normalize(torch.randn(t, h, dk, generator=gen), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(t, h, dk, generator=gen), dim=-1)
+        v = torch.randn(t, h, dv, generator=gen)
+        g = -torch.rand(t, h, dk if kda else 1, generator=gen).squeeze(-1) * 0.3 - 0.01
+        beta = torch.rand(t, h, generator=gen)
+        # both paths see the same dtype-rounded inputs
+        return [x.to(dtype).to("cuda") for x in (q, k, v)] + [g.cuda(), beta.to(dtype).cuda()]
+
+    rows, lens = [3, 1, 4], [70, 5, 130]
+    steps = [(ForwardMode.EXTEND, rows, [0, 0, 0], lens)]
+    steps += [(ForwardMode.DECODE, rows + [0], lens + [0], [1] * 4)] * 6
+    for mode, r, prefix, ext in steps:
+        b = _batch(mode, r, prefix, ext, "cuda")
+        x = inputs(sum(ext))
+        outs = []
+        for be in (fla, ref):
+            be.init_forward_metadata(b)
+            outs.append(be.forward(0, *x))
+        real = sum(ext) - (1 if mode is ForwardMode.DECODE else 0)  # the padded row's output
+        err = _rel_err(outs[0][:real], outs[1][:real])
+        assert err <= FLA_TOL[dtype], f"{mode.name}: out rel err {err:.2e}"
+        s_err = _rel_err(pools[0].recurrent[0, rows], pools[1].recurrent[0, rows])
+        assert s_err <= FLA_TOL[dtype], f"{mode.name}: state rel err {s_err:.2e}"
+    untouched = [i for i in range(1, slots) if i not in rows]
+    assert torch.equal(pools[0].recurrent[0, untouched], init[untouched].cuda())

@@ -145,6 +145,9 @@ def test_triton_index_builder_equals_torch(page: int) -> None:
     want = build_page_indices(r2t, rows, seq, page, sum(n_pages))
     got = index.page_indices(r2t, rows, seq, page, sum(n_pages), max(n_pages))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    flat = torch.full((sum(n_pages) + 5,), -7, dtype=torch.int32)  # tail must stay untouched
+    index.flat_page_indices(r2t, rows, seq, page, sum(n_pages), max(n_pages), flat)
+    assert torch.equal(flat[: sum(n_pages)], want[1]) and (flat[sum(n_pages) :] == -7).all()
 
 
 @interp_only

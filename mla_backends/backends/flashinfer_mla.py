@@ -41,6 +41,11 @@ class FlashInferMetadata:
     causal: bool
 
 
+def _plan_key(info: Any) -> tuple[int, ...]:
+    """The plan's host values (grid, workspace offsets) as a comparable tuple."""
+    return tuple(int(x) for x in info)
+
+
 class _FaMLAKernel:
     """Thin layer over FlashInfer's generated FA MLA module (flashinfer 0.7.2.post1)."""
 
@@ -148,6 +153,7 @@ class _FaMLAKernel:
 @register_backend("flashinfer_mla")
 class FlashInferMLABackend(MLABackend):
     name = "flashinfer_mla"
+    supports_graphs = True
     kv_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
 
     @classmethod
@@ -190,24 +196,72 @@ class FlashInferMLABackend(MLABackend):
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Host lengths from the batch's CPU copies; page indices built on the device."""
+        self.metadata = self._plan(batch, None)
+
+    def _plan(self, batch: ForwardBatch, indices_out: torch.Tensor | None) -> FlashInferMetadata:
         ps = self.pool.page_size
-        seq_cpu = batch.seq_lens_cpu
-        pages_cpu = (seq_cpu + ps - 1) // ps
-        kv_indptr = cumsum_indptr(pages_cpu.to(torch.int32))
+        seq_cpu = batch.seq_lens_cpu.to(torch.int32)
+        pages_cpu = (seq_cpu + (ps - 1)) // ps
+        kv_indptr = cumsum_indptr(pages_cpu)
         qo_indptr = cumsum_indptr(batch.extend_seq_lens_cpu.to(torch.int32))
         total_pages = int(kv_indptr[-1])
-        _, kv_indices = build_page_indices(
-            self.req_to_token, batch.req_pool_indices, batch.seq_lens, ps, total_pages
-        )
+        if self.device.type == "cuda":  # one launch; the indptr stays on the host
+            from mla_backends.kernels.index import flat_page_indices
+
+            kv_indices = flat_page_indices(
+                self.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                ps,
+                total_pages,
+                int(pages_cpu.max()) if batch.batch_size else 0,
+                indices_out,
+            )
+        else:
+            _, kv_indices = build_page_indices(
+                self.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                ps,
+                total_pages,
+                indices_out=indices_out,
+            )
         info = self.kernel.plan(
-            qo_indptr,
-            kv_indptr,
-            seq_cpu.to(torch.int32),
-            self.dims.num_heads,
-            self.dims.kv_lora_rank,
-            True,
+            qo_indptr, kv_indptr, seq_cpu, self.dims.num_heads, self.dims.kv_lora_rank, True
         )
-        self.metadata = FlashInferMetadata(info, kv_indices, True)
+        return FlashInferMetadata(info, kv_indices if indices_out is None else indices_out, True)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        pages_per_req = -(-self.req_to_token.shape[1] // self.pool.page_size)
+        self._graph_indices = torch.zeros(
+            max_bs * pages_per_req, dtype=torch.int32, device=self.device
+        )
+        self._graph_plans: dict[int, tuple[int, ...]] = {}
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        if not hasattr(self, "_graph_indices"):
+            raise RuntimeError("init_forward_metadata_capture before init_cuda_graph_state")
+        self.metadata = self._plan(batch, self._graph_indices)
+        self._graph_plans[batch.batch_size] = _plan_key(self.metadata.plan_info)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Re-plan into the same workspaces: the captured kernels read the new schedule from
+        the int workspace (copied in stream order before the replay) and the new page ids
+        from the static index buffer."""
+        captured = self._graph_plans.get(batch.batch_size)
+        if captured is None:
+            raise RuntimeError(f"no graph captured for batch size {batch.batch_size}")
+        self.metadata = self._plan(batch, self._graph_indices)
+        # Hazard: the grid and the workspace offsets are baked into the captured launch. In
+        # flashinfer 0.7.2 they depend only on the SM count, heads x q_len and fixed maxima,
+        # so they never move; if a future planner makes them batch-dependent, fail loudly
+        # instead of replaying a stale schedule.
+        if _plan_key(self.metadata.plan_info) != captured:
+            raise RuntimeError(
+                "FlashInfer MLA plan layout changed since capture (grid or workspace offsets): "
+                f"captured {captured}, now {_plan_key(self.metadata.plan_info)}"
+            )
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(

@@ -57,6 +57,19 @@ class HybridBackend:
         if linear.pool.num_layers != n_lin:
             raise ValueError(f"state pool has {linear.pool.num_layers} layers, map {n_lin} linear")
 
+    @property
+    def name(self) -> str:
+        return f"hybrid({self.full.name}+{self.linear.name})"
+
+    @property
+    def supports_graphs(self) -> bool:
+        return self.full.supports_graphs  # the linear side's decode is always capturable
+
+    @property
+    def metadata(self) -> object:
+        """The full side's metadata (what the graph runner's pointer check inspects)."""
+        return getattr(self.full, "metadata", None)
+
     def _slot(self, layer_id: int, kind: str) -> int:
         slot = self.layers.get(layer_id)
         if slot is None or slot.kind != kind:

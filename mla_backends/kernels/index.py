@@ -58,6 +58,62 @@ def _segment_gather_kernel(
     tl.store(Out + start + i, (v // DIV).to(tl.int32), mask=ok)
 
 
+@triton.jit
+def _flat_page_indices_kernel(
+    R2T,
+    Rows,
+    SeqLens,
+    Out,
+    stride_r2t,
+    n_rows,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Out[start_b + i] = r2t[row_b, i * PAGE] // PAGE for i < ceil(seq_b / PAGE), where
+    start_b (the exclusive prefix sum of page counts) is summed here: one launch, no indptr."""
+    b = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, BLOCK_B)
+    lens = tl.load(SeqLens + ks, mask=(ks < b) & (ks < n_rows), other=0)
+    start = tl.sum((lens + PAGE - 1) // PAGE)
+    n = (tl.load(SeqLens + b) + PAGE - 1) // PAGE
+    row = tl.load(Rows + b).to(tl.int64)
+    ok = i < n
+    v = tl.load(R2T + row * stride_r2t + i * PAGE, mask=ok, other=0)
+    tl.store(Out + start + i, (v // PAGE).to(tl.int32), mask=ok)
+
+
+def flat_page_indices(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    total_pages: int,
+    max_pages: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Page ids of every request back to back ([total_pages] int32), in one launch: for
+    planners that keep the indptr on the host (FlashInfer)."""
+    b = rows.numel()
+    if out is None:
+        out = torch.empty(max(total_pages, 1), dtype=torch.int32, device=rows.device)
+    if b and max_pages:
+        grid = (b, triton.cdiv(max_pages, BLOCK))
+        _flat_page_indices_kernel[grid](
+            req_to_token,
+            rows,
+            seq_lens,
+            out,
+            req_to_token.stride(0),
+            b,
+            PAGE=page_size,
+            BLOCK=BLOCK,
+            BLOCK_B=triton.next_power_of_2(b),
+        )
+    return out[:total_pages]
+
+
 def page_table(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,

@@ -3,27 +3,40 @@
 EXTEND runs the recurrence per request from its stored state and stores the final state.
 DECODE runs one step for the whole batch at once, gathering and scattering states by request
 row: shapes depend only on the batch size, so it is graph-capturable, and padded rows (row 0)
-read and write the dummy slot. The plain-PyTorch recurrence is the reference and the CPU
-path; fla's kernels are not wired in yet (see the closing note of this issue's session).
+read and write the dummy slot. Kernels: `torch` (the plain recurrence: the reference and the
+CPU path) or `fla` (chunked prefill, in-place recurrent decode; `fla_ops`); `auto` picks fla
+on a CUDA device when the package is importable.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mla_backends.backends.kernel_packages import missing
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import check_tensor
+from mla_backends.linear import fla_ops
 from mla_backends.linear.recurrence import gated_delta_rule
 from mla_backends.linear.state_pool import LinearStatePool
 
 
 class LinearAttentionBackend:
-    name = "linear_torch"
-
-    def __init__(self, pool: LinearStatePool, scale: float | None = None) -> None:
+    def __init__(
+        self, pool: LinearStatePool, scale: float | None = None, kernels: str = "auto"
+    ) -> None:
+        if kernels == "auto":
+            on_gpu = pool.device.type == "cuda"
+            kernels = "fla" if on_gpu and missing("fla") is None else "torch"
+        if kernels not in ("torch", "fla"):
+            raise ValueError(f"linear kernels must be 'torch', 'fla' or 'auto', got {kernels!r}")
+        if kernels == "fla" and (reason := missing("fla") or _need_cuda(pool)):
+            raise ValueError(f"linear kernels 'fla': {reason}")
+        self.kernels = kernels
+        self.name = f"linear_{kernels}"
         self.pool = pool
         self.scale = scale
         self._batch: ForwardBatch | None = None
+        self._cu: torch.Tensor | None = None  # varlen offsets of an EXTEND batch (fla)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.TARGET_VERIFY:
@@ -32,6 +45,12 @@ class LinearAttentionBackend:
                 "not built yet"
             )
         self._batch = batch
+        if self.kernels == "fla" and batch.mode is ForwardMode.EXTEND:
+            n = batch.extend_seq_lens_cpu.to(torch.int64)
+            cu = torch.zeros(n.numel() + 1, dtype=torch.int64)
+            cu[1:] = n.cumsum(0)
+            self._cu_cpu = cu
+            self._cu = cu.to(self.pool.device, non_blocking=True)
 
     # graph hooks: decode reads everything from the batch's static tensors
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -67,7 +86,16 @@ class LinearAttentionBackend:
                 f"g: expected shape [{t}, {h}] (GDN) or [{t}, {h}, {dk}] (KDA), got {list(g.shape)}"
             )
         if batch.mode is ForwardMode.DECODE:
-            return self._decode(layer, q, k, v, g, beta, batch.req_pool_indices.long())
+            rows = batch.req_pool_indices
+            if self.kernels == "fla":
+                rec_l = self.pool.recurrent[layer]
+                return fla_ops.decode(q, k, v, g, beta, rec_l, rows, self.scale)
+            return self._decode(layer, q, k, v, g, beta, rows.long())
+        if self.kernels == "fla":
+            rows = batch.req_pool_indices.long()
+            o, final = fla_ops.prefill(q, k, v, g, beta, rec[layer][rows], self._cu, self.scale)
+            rec[layer][rows] = final
+            return o
         out = torch.empty(t, h, v.shape[-1], dtype=torch.float32, device=q.device)
         start = 0
         for row, n in zip(batch.req_pool_indices.tolist(), batch.extend_seq_lens_cpu.tolist()):
@@ -98,3 +126,7 @@ class LinearAttentionBackend:
         s = s + torch.einsum("bhk,bhv->bhkv", k.float(), beta.float()[..., None] * err)
         rec[rows] = s  # padded rows all write slot 0, the dummy
         return scale * torch.einsum("bhkv,bhk->bhv", s, q.float())
+
+
+def _need_cuda(pool: LinearStatePool) -> str | None:
+    return None if pool.device.type == "cuda" else f"needs a CUDA device, pool is on {pool.device}"

@@ -1,0 +1,82 @@
+"""The fla kernels behind the linear backend on GPU (flash-linear-attention 0.6.0).
+
+- prefill: `chunk_kda` / `chunk_gated_delta_rule`, varlen (`cu_seqlens`), from the requests'
+  gathered states, final states returned for the caller to scatter back;
+- decode: `fused_recurrent_kda_fwd` with `ssm_state_indices`, reading and writing each
+  request's state slot in place (no gather / scatter copies, graph-capturable). GDN decodes
+  through the same kernel with its per-head decay broadcast over the key channels: KDA with
+  `g[h, k] = g[h]` is GDN exactly (decay diag(exp g) = exp(g) I).
+
+Hazard: fla's kernels take q, k, v in one dtype; the caller's fp32 q / k (after L2 norm) are
+cast to v's dtype here, and outputs come back in v's dtype (returned as fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_backends.backends.kernel_packages import require
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of N requests back to back: q, k [T, H, K], v [T, H, V], g [T, H] or [T, H, K],
+    beta [T, H], states [N, H, K, V] fp32, cu_seqlens [N + 1] int64 (device)
+    -> (o [T, H, V] fp32, final states [N, H, K, V] fp32)."""
+    dt = v.dtype
+    if g.dim() == 3:
+        fn = require("fla.ops.kda").chunk_kda
+    else:
+        fn = require("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    o, final = fn(
+        q.to(dt)[None],
+        k.to(dt)[None],
+        v[None],
+        g.float()[None],
+        beta.to(dt)[None],
+        scale=scale,
+        initial_state=states.contiguous(),
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+    )
+    return o[0].float(), final
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    layer_states: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """One token per request: q, k [B, H, K], v [B, H, V], g [B, H] or [B, H, K], beta [B, H];
+    layer_states [slots, H, K, V] fp32 (one layer of the pool) updated in place at `rows`
+    [B] -> o [B, H, V] fp32. Padded rows (row 0) all write the dummy slot."""
+    fwd = require("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd
+    dt = v.dtype
+    b, h, dk = q.shape
+    if g.dim() == 2:
+        g = g[..., None].expand(b, h, dk)
+    o, _ = fwd(
+        q=q.to(dt)[:, None].contiguous(),
+        k=k.to(dt)[:, None].contiguous(),
+        v=v[:, None].contiguous(),
+        g=g.float()[:, None].contiguous(),
+        beta=beta.to(dt)[:, None].contiguous(),
+        initial_state=layer_states,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        inplace_final_state=True,
+        ssm_state_indices=rows,
+    )
+    return o[:, 0].float()

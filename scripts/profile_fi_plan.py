@@ -1,0 +1,68 @@
+"""Where the host time of flashinfer_mla's decode metadata goes (batch 256, 16 heads, kv 1024):
+the whole `init_forward_metadata`, the host-side length arithmetic, the page-index launch,
+our `plan` wrapper, and FlashInfer's C++ planner alone. Median of 50 calls each. GPU only."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from mla_backends.benchmark import decode_setup
+from mla_backends.indices import cumsum_indptr
+from mla_backends.kernels.index import flat_page_indices
+
+
+def med_us(fn, n: int = 50) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(n):
+        if i % 3 == 0:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def main(batch: int = 256) -> None:
+    s = decode_setup("flashinfer_mla", 16, 1, batch, 1024)
+    be, b = s.rt.backend, s.batch
+    ps = be.pool.page_size
+    seq = b.seq_lens_cpu.to(torch.int32)
+    pages = (seq + ps - 1) // ps
+    kv_indptr, qo_indptr = (
+        cumsum_indptr(pages),
+        cumsum_indptr(b.extend_seq_lens_cpu.to(torch.int32)),
+    )
+    total, maxp = int(kv_indptr[-1]), int(pages.max())
+    k = be.kernel
+    raw = k.module._module
+    args = (k.float_ws, k.int_ws, k.pinned[0], qo_indptr, kv_indptr, seq, 16, 512, True)
+
+    def host_prep() -> None:
+        sq = b.seq_lens_cpu.to(torch.int32)
+        pg = (sq + ps - 1) // ps
+        cumsum_indptr(pg)
+        cumsum_indptr(b.extend_seq_lens_cpu.to(torch.int32))
+
+    parts = {
+        "init_forward_metadata": lambda: be.init_forward_metadata(b),
+        "host length arithmetic": host_prep,
+        "page-index launch": lambda: flat_page_indices(
+            be.req_to_token, b.req_pool_indices, b.seq_lens, ps, total, maxp
+        ),
+        "our plan wrapper": lambda: k.plan(qo_indptr, kv_indptr, seq, 16, 512, True),
+        "FlashInfer C++ plan alone": lambda: raw.plan(*args),
+    }
+    for name, fn in parts.items():
+        print(f"batch {batch}: {name:28s} {med_us(fn):8.1f} us")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)
