@@ -237,9 +237,10 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
         f"{decode}: incremental vs full {_rel(got_all, want):.2e}, vs fp32 oracle "
         f"{_rel(got_all, want32):.2e}; full bf16 vs fp32 oracle {_rel(want, want32):.2e}"
     )
-    # bf16 weights and KV: two bf16 forwards of different shape agree to about 2^-7.
+    # bf16 weights and KV: two bf16 forwards of different shape agree to about 2^-7. (The
+    # fp32 oracle is printed, not asserted: a bf16 model's own distance from it includes MoE
+    # routing flips, a discontinuity, measured 5.6e-2 on H200 for the full forward too.)
     assert _rel(got_all, want) <= 2e-2
-    assert _rel(got_all, want32) <= 2e-2
 
 
 @pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
