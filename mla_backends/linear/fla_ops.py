@@ -13,9 +13,18 @@ cast to v's dtype here, and outputs come back in v's dtype (returned as fp32).
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
 import torch
 
 from mla_backends.backends.kernel_packages import require
+
+
+@cache
+def _fn(module: str, name: str) -> Any:
+    """fla entry points, imported once (a per-call import costs host time at decode)."""
+    return getattr(require(module), name)
 
 
 def prefill(
@@ -33,9 +42,9 @@ def prefill(
     -> (o [T, H, V] fp32, final states [N, H, K, V] fp32)."""
     dt = v.dtype
     if g.dim() == 3:
-        fn = require("fla.ops.kda").chunk_kda
+        fn = _fn("fla.ops.kda", "chunk_kda")
     else:
-        fn = require("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        fn = _fn("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
     o, final = fn(
         q.to(dt)[None],
         k.to(dt)[None],
@@ -63,7 +72,7 @@ def decode(
     """One token per request: q, k [B, H, K], v [B, H, V], g [B, H] or [B, H, K], beta [B, H];
     layer_states [slots, H, K, V] fp32 (one layer of the pool) updated in place at `rows`
     [B] -> o [B, H, V] fp32. Padded rows (row 0) all write the dummy slot."""
-    fwd = require("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd
+    fwd = _fn("fla.ops.kda.fused_recurrent", "fused_recurrent_kda_fwd")
     dt = v.dtype
     b, h, dk = q.shape
     if g.dim() == 2:
