@@ -62,6 +62,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+def _per_token(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """(median over tokens of the per-token relative difference, tokens above 5e-2). A few
+    outlying tokens with the rest at bf16 level point at MoE routing flips (a near-tie in a
+    top-k choice decided differently by bf16 rounding), not at attention."""
+    a, b = a.float(), b.float()
+    per = (a - b).abs().amax(-1) / b.abs().amax(-1)
+    return float(per.median()), int((per > 5e-2).sum())
+
+
 def _engine(model, backend: str, batches: list[int], prompt: int, steps: int) -> Engine:  # type: ignore[no-untyped-def]
     c = model.cfg
     ctx = prompt * 2 + steps + 64
@@ -127,6 +136,7 @@ def run_backend(model, backend: str, batches: list[int], prompt: int, steps: int
                 graph_ms=graph_s * 1e3,
                 graph_tokens_per_s=b / graph_s,
                 graph_vs_eager=_rel(graph_logits, eager_logits),
+                graph_vs_eager_tokens=_per_token(graph_logits, eager_logits),
                 first_logits=eager_logits.float().cpu(),
             )
         )
@@ -164,15 +174,20 @@ def main() -> None:
     base = {r["batch"]: r["first_logits"] for r in rows if r["backend"] == rows[0]["backend"]}
     lines = [
         f"| backend | B | eager ms/step | graph ms/step | speed-up | graph tok/s | graph vs eager "
-        f"| vs {rows[0]['backend']} |",
+        f"(max; median, tokens > 5e-2) | vs {rows[0]['backend']} (max; median, tokens > 5e-2) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        r["vs_first_backend"] = _rel(r.pop("first_logits"), base[r["batch"]])
+        first = r.pop("first_logits")
+        r["vs_first_backend"] = _rel(first, base[r["batch"]])
+        r["vs_first_backend_tokens"] = _per_token(first, base[r["batch"]])
         lines.append(
             f"| {r['backend']} | {r['batch']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | "
             f"{r['eager_ms'] / r['graph_ms']:.2f}x | {r['graph_tokens_per_s']:.0f} | "
-            f"{r['graph_vs_eager']:.1e} | {r['vs_first_backend']:.1e} |"
+            f"{r['graph_vs_eager']:.1e}; {r['graph_vs_eager_tokens'][0]:.1e}, "
+            f"{r['graph_vs_eager_tokens'][1]}/{r['batch']} | {r['vs_first_backend']:.1e}; "
+            f"{r['vs_first_backend_tokens'][0]:.1e}, "
+            f"{r['vs_first_backend_tokens'][1]}/{r['batch']} |"
         )
     print("\n".join(lines))
     out = Path(a.out)
