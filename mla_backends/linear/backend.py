@@ -72,7 +72,8 @@ class LinearAttentionBackend:
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """layer: index in the linear state pool. q, k [T, H, K], v [T, H, V], g [T, H] or
-        [T, H, K], beta [T, H] -> o [T, H, V] fp32; the requests' states advance."""
+        [T, H, K], beta [T, H] -> o [T, H, V] in v's dtype (computed in fp32); the requests'
+        states advance."""
         batch = self._batch
         if batch is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
@@ -90,7 +91,7 @@ class LinearAttentionBackend:
             if self.kernels == "fla":
                 rec_l = self.pool.recurrent[layer]
                 return fla_ops.decode(q, k, v, g, beta, rec_l, rows, self.scale)
-            return self._decode(layer, q, k, v, g, beta, rows.long())
+            return self._decode(layer, q, k, v, g, beta, rows.long()).to(v.dtype)
         if self.kernels == "fla":
             rows = batch.req_pool_indices.long()
             o, final = fla_ops.prefill(q, k, v, g, beta, rec[layer][rows], self._cu, self.scale)
@@ -104,7 +105,7 @@ class LinearAttentionBackend:
                 q[sl], k[sl], v[sl], g[sl], beta[sl], rec[layer, row], self.scale
             )
             start += n
-        return out
+        return out.to(v.dtype)
 
     def _decode(
         self,
