@@ -171,9 +171,9 @@ def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
 
 
 FI_PLAN_REASON = (
-    "FlashInfer's C++ MLA planner alone takes ~0.4-0.5 ms of host time at batch 256 (H200, "
-    "flashinfer 0.7.2.post1); we skip its wrapper (3.7 ms) but cannot make the kernel's own "
-    "scheduler cheaper: see BENCHMARKS.md"
+    "FlashInfer's C++ MLA planner alone takes 83-101 us of host time at batch 256 (H200, "
+    "flashinfer 0.7.2.post1; scripts/profile_fi_plan.py), our whole call 232-236 us; we skip "
+    "its wrapper (3.7 ms) but cannot make the kernel's own scheduler cheaper: BENCHMARKS.md"
 )
 
 
