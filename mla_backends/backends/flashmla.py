@@ -3,7 +3,11 @@
 Uses the `flash_mla` package when importable, else `sgl_kernel.flash_mla` (sglang-kernel
 0.4.3). Decode and target-verify only (uniform q_len); EXTEND goes to the prefill backend.
 Page table (`block_kv_indices`) from the shared base, tail filled with the dummy page 0.
-bf16 / fp16 pools (see `kv_dtypes` for why FP8 is refused).
+
+FP8 pools go through the dense FP8 kernel (`fwd_kvcache_mla_fp8`): q quantized per tensor on
+the device, `descale_q` / `descale_k` one value per request ([B] fp32, the kernel indexes them
+by batch row), and tile metadata from the FP8 scheduler (`is_fp8_kvcache=True`). Hazard: the
+bf16 scheduler's metadata with the FP8 kernel is an illegal memory access (seen on H200).
 """
 
 from __future__ import annotations
@@ -35,10 +39,7 @@ def _flash_mla_module():  # type: ignore[no-untyped-def]
 class FlashMLABackend(PageTableBackend):
     name = "flashmla"
     page_sizes = (64,)
-    # FP8: sgl_kernel 0.4.3's dense FP8 path (fwd_kvcache_mla_fp8, q quantized per tensor)
-    # hit an illegal memory access on H200 with our pool (H=16, page 64); until that is
-    # understood an FP8 pool is refused here (flashinfer_mla and triton serve it).
-    kv_dtypes = ("bfloat16", "float16")
+    kv_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
 
     @classmethod
     def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
@@ -47,6 +48,12 @@ class FlashMLABackend(PageTableBackend):
             or need_sm(cap, "FlashMLA", ((9, 0),))
             or need_deepseek_dims(config, "FlashMLA")
             or need_dtype(config, "FlashMLA", ("bfloat16", "float16"))
+            or (
+                "FlashMLA's FP8 kernel writes bfloat16: an FP8 pool needs dtype bfloat16, "
+                f"config dtype is {config.dtype}"
+                if config.kv_dtype == "float8_e4m3fn" and config.dtype != "bfloat16"
+                else None
+            )
         )
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -64,7 +71,10 @@ class FlashMLABackend(PageTableBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A device kernel (graph-capturable, no host sync); FlashMLA maps s_q * H query rows
         # onto one KV head.
-        return self._fm.get_mla_metadata(batch.seq_lens, q_len * self.dims.num_heads, 1)
+        rows = q_len * self.dims.num_heads
+        if self.pool.is_fp8:
+            return self._fm.get_mla_metadata(batch.seq_lens, rows, 1, is_fp8_kvcache=True)
+        return self._fm.get_mla_metadata(batch.seq_lens, rows, 1)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)
@@ -96,7 +106,15 @@ class FlashMLABackend(PageTableBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         md = self._require_metadata()
         t, h, lat = q_nope.shape
-        q = self.joined_query(q_nope, q_rope).view(batch.batch_size, md.q_len, h, -1)
+        b = batch.batch_size
+        q = self.joined_query(q_nope, q_rope).view(b, md.q_len, h, -1)
+        fp8 = {}
+        if self.pool.is_fp8:
+            q, q_scale = self.quantized_query(q)
+            fp8 = dict(
+                descale_q=q_scale.reshape(1).expand(b).contiguous(),
+                descale_k=self.pool.scales[layer : layer + 1].expand(b).contiguous(),
+            )
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
             self.pool.get_paged_buffer(layer),
@@ -107,6 +125,7 @@ class FlashMLABackend(PageTableBackend):
             self._splits,
             softmax_scale=self.scale,
             causal=True,
+            **fp8,
         )
         out = out.reshape(t, h, lat).to(q_nope.dtype)
         lse = lse.permute(0, 2, 1).reshape(t, h)

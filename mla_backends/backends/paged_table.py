@@ -12,6 +12,7 @@ import torch
 from mla_backends.backends.base import BackendContext, MLABackend
 from mla_backends.batch import ForwardBatch
 from mla_backends.indices import build_page_table, page_table_width
+from mla_backends.pool import FP8_MAX
 
 
 @dataclass
@@ -81,6 +82,27 @@ class PageTableBackend(MLABackend):
         q_len, bs = self._q_len(batch), batch.batch_size
         self._table(batch, self._graph_width, self._graph_table)
         self.metadata = PageTableMetadata(self._graph_table[:bs], self.req_to_token.shape[1], q_len)
+
+    # FP8 pools: these kernels (TRT-LLM, FlashMLA's dense FP8 path) take q in the KV dtype.
+    # It is quantized per tensor on the device (no host sync); references check the kernel
+    # against the query it really attends with (`effective_query`).
+    def quantized_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 pools: (q in the KV dtype, q_scale [] fp32 on the device)."""
+        if not self.pool.is_fp8:
+            return q, torch.ones((), dtype=torch.float32, device=q.device)
+        q_scale = q.abs().amax().float().clamp_min(1e-12) / FP8_MAX
+        return (q.float() / q_scale).to(self.pool.dtype), q_scale
+
+    def effective_query(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q8, q_scale = self.quantized_query(self.joined_query(q_nope, q_rope))
+        q = q8.float() * q_scale
+        return q[..., : self.dims.kv_lora_rank], q[..., self.dims.kv_lora_rank :]
+
+    @property
+    def quantizes_query(self) -> bool:
+        return self.pool.is_fp8
 
     def _require_metadata(self) -> PageTableMetadata:
         if self.metadata is None:

@@ -25,7 +25,6 @@ from mla_backends.backends.paged_table import PageTableBackend
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch
 from mla_backends.config import Config
-from mla_backends.pool import FP8_MAX
 
 WORKSPACE_BYTES = 128 << 20
 
@@ -54,24 +53,6 @@ class TrtllmMLABackend(PageTableBackend):
         super().__init__(ctx)
         self._decode = load_kernel()
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-
-    def quantized_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP8 pools: (q in the KV dtype, q_scale [] fp32 on the device)."""
-        if not self.pool.is_fp8:
-            return q, torch.ones((), dtype=torch.float32, device=q.device)
-        q_scale = q.abs().amax().float().clamp_min(1e-12) / FP8_MAX
-        return (q.float() / q_scale).to(self.pool.dtype), q_scale
-
-    def effective_query(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q8, q_scale = self.quantized_query(self.joined_query(q_nope, q_rope))
-        q = q8.float() * q_scale
-        return q[..., : self.dims.kv_lora_rank], q[..., self.dims.kv_lora_rank :]
-
-    @property
-    def quantizes_query(self) -> bool:
-        return self.pool.is_fp8
 
     def _attend_absorbed(
         self,
