@@ -5,9 +5,10 @@ Uses the `flash_mla` package when importable, else `sgl_kernel.flash_mla` (sglan
 Page table (`block_kv_indices`) from the shared base, tail filled with the dummy page 0.
 
 FP8 pools go through the dense FP8 kernel (`fwd_kvcache_mla_fp8`): q quantized per tensor on
-the device, `descale_q` / `descale_k` one value per request ([B] fp32, the kernel indexes them
-by batch row), and tile metadata from the FP8 scheduler (`is_fp8_kvcache=True`). Hazard: the
-bf16 scheduler's metadata with the FP8 kernel is an illegal memory access (seen on H200).
+the device, `descale_q` / `descale_k` as [1] fp32 device tensors (sgl_kernel 0.4.3 checks for
+shape (1), though its docstring says (batch_size)), and tile metadata from the FP8 scheduler
+(`is_fp8_kvcache=True`). Hazard: the bf16 scheduler's metadata with the FP8 kernel was an
+illegal memory access (H200).
 """
 
 from __future__ import annotations
@@ -111,10 +112,7 @@ class FlashMLABackend(PageTableBackend):
         fp8 = {}
         if self.pool.is_fp8:
             q, q_scale = self.quantized_query(q)
-            fp8 = dict(
-                descale_q=q_scale.reshape(1).expand(b).contiguous(),
-                descale_k=self.pool.scales[layer : layer + 1].expand(b).contiguous(),
-            )
+            fp8 = dict(descale_q=q_scale.reshape(1), descale_k=self.pool.scales[layer : layer + 1])
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
             self.pool.get_paged_buffer(layer),
