@@ -52,6 +52,7 @@ class Engine:
     ) -> torch.Tensor:
         """Append `tokens[i]` to request `rows[i]` and run them: logits [sum len, vocab]."""
         lens = [len(t) for t in tokens]
+        self._drafts = lens[0] if mode is ForwardMode.TARGET_VERIFY else 0
         prefix = [self.rt.allocator.seq_len(r) for r in rows]
         loc = self.rt.allocator.alloc_extend(rows, lens)
         batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
@@ -71,3 +72,13 @@ class Engine:
 
     def verify(self, rows: Sequence[int], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
         return self.step(ForwardMode.TARGET_VERIFY, rows, drafts)
+
+    def accept(self, rows: Sequence[int], accepted: Sequence[int]) -> None:
+        """After `verify(rows, drafts)`: request i keeps its first `accepted[i]` draft tokens.
+        Rejected tokens' KV slots are freed; a hybrid backend's linear states advance to the
+        last accepted token."""
+        for r, a in zip(rows, accepted):
+            self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - self._drafts + a)
+        accept = getattr(self.backend, "accept", None)
+        if accept is not None:
+            accept(torch.tensor(list(accepted), dtype=torch.long).to(self.device))

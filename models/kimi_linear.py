@@ -115,6 +115,18 @@ class KDALayer(nn.Module):
         """Short conv over each request's tokens, continuing from / updating its conv state."""
         pool = backend.linear.pool
         layer = backend.layers[self.layer_id].index
+        if batch.mode is ForwardMode.TARGET_VERIFY:  # T drafts each, the state kept aside
+            b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
+            rows = batch.req_pool_indices.long()
+            win = torch.cat([pool.conv[layer][rows].to(x.dtype), x.view(b, t, -1).mT], dim=2)
+            backend.linear.stage_verify_conv(layer, win)  # [B, C, W - 1 + T]
+            out = F.silu(
+                (
+                    win.unfold(2, self.conv_weight.shape[1], 1)
+                    * self.conv_weight.to(x.dtype)[:, None]
+                ).sum(-1)
+            )
+            return out.mT.reshape(b * t, -1)
         if batch.mode is ForwardMode.DECODE:  # all requests at once: no host loop, capturable
             rows = batch.req_pool_indices.long()
             out, state = short_conv_step(x, self.conv_weight, pool.conv[layer][rows])
@@ -189,8 +201,6 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, backend: HybridBackend
     ) -> torch.Tensor:
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            raise NotImplementedError("verify needs per-draft-token linear states (not built)")
         x = self.embed_tokens(input_ids)
         # NoPE: cos = 1, sin = 0 leaves the "rope" columns as they are (never rotated).
         half = self.cfg.qk_rope_head_dim // 2

@@ -277,3 +277,63 @@ def test_padded_decode_rows_leave_real_states_and_kv_alone() -> None:
     keep[:ps] = False
     keep[loc] = False
     assert torch.equal(eng.rt.kv_pool.kv_buffer[0][keep], kv[keep])
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                INTERP or not torch.cuda.is_available(), reason="needs a CUDA GPU"
+            ),
+        ),
+    ],
+)
+def test_verify_then_accept_equals_decoding_the_accepted_tokens(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative verify on the hybrid: 3 requests verify 3 draft tokens each and accept
+    3, 1 and 0 of them. Verify logits equal decoding the drafts one at a time; afterwards every
+    request's linear states, conv states and next-token logits equal those of an engine that
+    decoded only the accepted tokens. GPU: fla prefill / decode, fp32 with IEEE dots."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    cfg = CFG if device == "cpu" else GPU_CFG
+    model = _model(cfg, device)
+
+    def make(m: KimiLinearForCausalLM) -> Engine:
+        return _engine(m, "torch", device, "float32", 16 if device == "cpu" else 64)
+
+    gen = torch.Generator().manual_seed(6)
+    vocab = cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 8, 3)]
+    drafts = [torch.randint(0, vocab, (3,), generator=gen).tolist() for _ in prompts]
+    accepted = [3, 1, 0]
+    spec, ref = make(model), make(model)
+    rows = [e.new_requests(3) for e in (spec, ref)]
+    for e, r in zip((spec, ref), rows):
+        e.extend(r, prompts)
+    got = spec.verify(rows[0], drafts)
+    spec.accept(rows[0], accepted)
+    for i in range(3):  # reference: decode every draft, then check the verify logits
+        want = ref.decode(rows[1], [d[i] for d in drafts])
+        assert _rel(got[i::3], want) <= 1e-4, i
+    ref2 = make(model)  # an engine that saw only the accepted tokens
+    r2 = ref2.new_requests(3)
+    ref2.extend(r2, [p + d[:a] for p, d, a in zip(prompts, drafts, accepted)])
+    nxt = [7, 8, 9]
+    assert _rel(spec.decode(rows[0], nxt), ref2.decode(r2, nxt)) <= 1e-4
+    for name in ("recurrent", "conv"):
+        a = getattr(spec.backend.linear.pool, name)[:, rows[0]]
+        b = getattr(ref2.backend.linear.pool, name)[:, r2]
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert [spec.rt.allocator.seq_len(r) for r in rows[0]] == [9, 10, 4]
+
+
+def test_accept_needs_a_verify_batch() -> None:
+    eng = _engine(_model())
+    rows = eng.new_requests(1)
+    eng.extend(rows, [[1, 2]])
+    with pytest.raises(RuntimeError, match="follows a TARGET_VERIFY batch"):
+        eng.backend.linear.accept(torch.tensor([1]))

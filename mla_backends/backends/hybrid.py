@@ -77,6 +77,11 @@ class HybridBackend:
             raise ValueError(f"layer {layer_id} is {got!r}, called as a {kind!r} layer")
         return slot.index
 
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """After TARGET_VERIFY: linear states advance to each request's last accepted draft
+        token (the MLA side needs nothing: rejected KV slots are truncated by the caller)."""
+        self.linear.accept(num_accepted)
+
     def reset_requests(self, rows: list[int]) -> None:
         """New requests start from zero recurrent and conv state."""
         self.linear.pool.reset(rows)

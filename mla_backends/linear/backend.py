@@ -3,9 +3,13 @@
 EXTEND runs the recurrence per request from its stored state and stores the final state.
 DECODE runs one step for the whole batch at once, gathering and scattering states by request
 row: shapes depend only on the batch size, so it is graph-capturable, and padded rows (row 0)
-read and write the dummy slot. Kernels: `torch` (the plain recurrence: the reference and the
-CPU path) or `fla` (chunked prefill, in-place recurrent decode; `fla_ops`); `auto` picks fla
-on a CUDA device when the package is importable.
+read and write the dummy slot. TARGET_VERIFY runs the T draft tokens of every request from its
+stored state without writing it, keeping the state after each token (and the short-conv
+input windows the model stages); `accept(num_accepted)` then stores, per request, the state
+after its last accepted token, so rejected drafts leave nothing behind (verify runs the batched
+fp32 step maths on every device). Kernels: `torch` (the plain recurrence: the reference and
+the CPU path) or `fla` (chunked prefill, in-place recurrent decode; `fla_ops`); `auto` picks
+fla on a CUDA device when the package is importable.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ class LinearAttentionBackend:
         self.scale = scale
         self._batch: ForwardBatch | None = None
         self._cu: torch.Tensor | None = None  # varlen offsets of an EXTEND batch (fla)
+        # TARGET_VERIFY staging per (linear layer, batch size): states after each draft token
+        # [B, T, H, K, V] and the short-conv input windows [B, C, W - 1 + T]. Hazard: under
+        # CUDA graphs these are the captured tensors, refreshed by each replay without Python
+        # running, so they are overwritten per key, never cleared, and read by batch size.
+        self._verify_states: dict[tuple[int, int], torch.Tensor] = {}
+        self._verify_conv: dict[tuple[int, int], torch.Tensor] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            raise NotImplementedError(
-                "linear layers under TARGET_VERIFY need per-draft-token states for rollback; "
-                "not built yet"
-            )
         self._batch = batch
         if self.kernels == "fla" and batch.mode is ForwardMode.EXTEND:
             n = batch.extend_seq_lens_cpu.to(torch.int64)
@@ -86,6 +91,8 @@ class LinearAttentionBackend:
             raise ValueError(
                 f"g: expected shape [{t}, {h}] (GDN) or [{t}, {h}, {dk}] (KDA), got {list(g.shape)}"
             )
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            return self._verify(layer, q, k, v, g, beta, batch).to(v.dtype)
         if batch.mode is ForwardMode.DECODE:
             rows = batch.req_pool_indices
             if self.kernels == "fla":
@@ -106,6 +113,67 @@ class LinearAttentionBackend:
             )
             start += n
         return out.to(v.dtype)
+
+    def _verify(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """T draft tokens per request, all requests at once, step by step (the same maths as
+        decode, fp32, on every device): outputs, and the state after every token staged for
+        `accept`. The pool is not written."""
+        b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
+        s = self.pool.recurrent[layer][batch.req_pool_indices.long()]  # [B, H, K, V] copy
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        q, k, v, beta = (x.float().view(b, t, *x.shape[1:]) for x in (q, k, v, beta))
+        decay = g.float().exp().view(b, t, *g.shape[1:])
+        outs, states = [], []
+        for i in range(t):
+            d = decay[:, i]
+            s = s * (d[..., None, None] if d.dim() == 2 else d[..., None])
+            err = v[:, i] - torch.einsum("bhkv,bhk->bhv", s, k[:, i])
+            s = s + torch.einsum("bhk,bhv->bhkv", k[:, i], beta[:, i][..., None] * err)
+            outs.append(scale * torch.einsum("bhkv,bhk->bhv", s, q[:, i]))
+            states.append(s)
+        self._verify_states[layer, b] = torch.stack(states, 1)
+        return torch.stack(outs, 1).flatten(0, 1)
+
+    def stage_verify_conv(self, layer: int, windows: torch.Tensor) -> None:
+        """The model's short-conv inputs of a verify batch: [B, C, W - 1 + T] (the stored
+        window, then the T draft tokens), so `accept` can keep the window after token a."""
+        self._verify_conv[layer, windows.shape[0]] = windows
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """After a TARGET_VERIFY batch: request i keeps its first `num_accepted[i]` draft tokens
+        (0..T, a device tensor [B]); its recurrent and conv states become those after that
+        token (unchanged for 0). No host sync; padded rows write the dummy slot."""
+        batch = self._batch
+        if batch is None or batch.mode is not ForwardMode.TARGET_VERIFY:
+            raise RuntimeError("accept() follows a TARGET_VERIFY batch")
+        rows = batch.req_pool_indices.long()
+        n = num_accepted.to(device=rows.device, dtype=torch.long)
+        b = rows.numel()
+        if n.shape != (b,):
+            raise ValueError(f"num_accepted: expected shape [{b}], got {list(n.shape)}")
+        ar = torch.arange(b, device=rows.device)
+        for (layer, size), states in self._verify_states.items():
+            if size != b:
+                continue
+            rec = self.pool.recurrent[layer]
+            after = states[ar, (n - 1).clamp_min(0)]
+            keep = (n == 0).view(b, 1, 1, 1)
+            rec[rows] = torch.where(keep, rec[rows], after)
+        for (layer, size), win in self._verify_conv.items():
+            if size != b:
+                continue
+            w1 = self.pool.conv.shape[-1]
+            idx = (n[:, None] + torch.arange(w1, device=rows.device))[:, None, :]
+            self.pool.conv[layer][rows] = win.gather(2, idx.expand(b, win.shape[1], w1)).float()
 
     def _decode(
         self,
