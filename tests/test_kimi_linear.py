@@ -324,10 +324,12 @@ def test_verify_then_accept_equals_decoding_the_accepted_tokens(
     ref2.extend(r2, [p + d[:a] for p, d, a in zip(prompts, drafts, accepted)])
     nxt = [7, 8, 9]
     assert _rel(spec.decode(rows[0], nxt), ref2.decode(r2, nxt)) <= 1e-4
-    for name in ("recurrent", "conv"):
+    for name in ("recurrent", "conv"):  # relative to the largest value, as for the logits
         a = getattr(spec.backend.linear.pool, name)[:, rows[0]]
         b = getattr(ref2.backend.linear.pool, name)[:, r2]
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        err = _rel(a, b)
+        print(f"{device} {name} state: accepted-path vs prefill-path rel err {err:.2e}")
+        assert err <= 1e-4, (name, err)
     assert [spec.rt.allocator.seq_len(r) for r in rows[0]] == [9, 10, 4]
 
 
