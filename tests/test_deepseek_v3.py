@@ -69,21 +69,28 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-
     return path, model
 
 
-def _engine(model, backend: str = "torch", page: int = 16) -> Engine:  # type: ignore[no-untyped-def]
+def _engine(  # type: ignore[no-untyped-def]
+    model,
+    backend: str = "torch",
+    page: int = 16,
+    device: str = "cpu",
+    dtype: str = "float32",
+    prefill: str | None = None,
+) -> Engine:
     c = model.cfg
     rt = Runtime.build(
         Config(
             model=c.attention_dims,
             num_layers=c.num_hidden_layers,
-            prefill_backend=backend,
+            prefill_backend=prefill or backend,
             decode_backend=backend,
             page_size=page,
-            kv_dtype="float32",
-            dtype="float32",
+            kv_dtype=dtype,
+            dtype=dtype,
             num_pages=64,
             max_requests=8,
             max_context_len=256,
-            device="cpu",
+            device=device,
         )
     )
     return Engine(model, rt)
@@ -198,32 +205,13 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
     raw.update(q_lora_rank=256, num_hidden_layers=2, intermediate_size=512)
     model = random_model(raw, seed=0, device="cuda", dtype=torch.bfloat16)
 
-    def engine(m, dec: str, pre: str, dtype: str) -> Engine:  # type: ignore[no-untyped-def]
-        c = m.cfg
-        rt = Runtime.build(
-            Config(
-                model=c.attention_dims,
-                num_layers=c.num_hidden_layers,
-                prefill_backend=pre,
-                decode_backend=dec,
-                page_size=64,
-                kv_dtype=dtype,
-                dtype=dtype,
-                num_pages=32,
-                max_requests=8,
-                max_context_len=256,
-                device="cuda",
-            )
-        )
-        return Engine(m, rt)
-
     gen = torch.Generator().manual_seed(2)
     seq = torch.randint(0, 96, (40,), generator=gen).tolist()
-    oracle = engine(copy.deepcopy(model).float(), "torch", "torch", "float32")
+    oracle = _engine(copy.deepcopy(model).float(), "torch", 64, "cuda")
     want32 = oracle.extend(oracle.new_requests(1), [seq])
-    full = engine(model, decode, prefill, "bfloat16")
+    full = _engine(model, decode, 64, "cuda", "bfloat16", prefill)
     want = full.extend(full.new_requests(1), [seq])
-    inc = engine(model, decode, prefill, "bfloat16")
+    inc = _engine(model, decode, 64, "cuda", "bfloat16", prefill)
     a, b = inc.new_requests(2)
     got = [inc.extend([a], [seq[:13]]), inc.extend([a], [seq[13:21]])]
     inc.extend([b], [seq[:5]])

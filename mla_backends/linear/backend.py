@@ -129,16 +129,11 @@ class LinearAttentionBackend:
         `accept`. The pool is not written."""
         b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
         s = self.pool.recurrent[layer][batch.req_pool_indices.long()]  # [B, H, K, V] copy
-        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
-        q, k, v, beta = (x.float().view(b, t, *x.shape[1:]) for x in (q, k, v, beta))
-        decay = g.float().exp().view(b, t, *g.shape[1:])
+        q, k, v, g, beta = (x.view(b, t, *x.shape[1:]) for x in (q, k, v, g, beta))
         outs, states = [], []
         for i in range(t):
-            d = decay[:, i]
-            s = s * (d[..., None, None] if d.dim() == 2 else d[..., None])
-            err = v[:, i] - torch.einsum("bhkv,bhk->bhv", s, k[:, i])
-            s = s + torch.einsum("bhk,bhv->bhkv", k[:, i], beta[:, i][..., None] * err)
-            outs.append(scale * torch.einsum("bhkv,bhk->bhv", s, q[:, i]))
+            o, s = self._step(s, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
+            outs.append(o)
             states.append(s)
         self._verify_states[layer, b] = torch.stack(states, 1)
         return torch.stack(outs, 1).flatten(0, 1)
@@ -187,14 +182,25 @@ class LinearAttentionBackend:
     ) -> torch.Tensor:
         """One token per request, all requests at once (the batch is the recurrence's T=1)."""
         rec = self.pool.recurrent[layer]
-        s = rec[rows]  # [B, H, K, V] (gather: a copy)
+        o, rec[rows] = self._step(rec[rows], q, k, v, g, beta)  # padded rows: slot 0, the dummy
+        return o
+
+    def _step(
+        self,
+        s: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of every request, fp32: states s [B, H, K, V] -> (o [B, H, V], new s)."""
         scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
         decay = g.float().exp()
         s = s * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         err = v.float() - torch.einsum("bhkv,bhk->bhv", s, k.float())
         s = s + torch.einsum("bhk,bhv->bhkv", k.float(), beta.float()[..., None] * err)
-        rec[rows] = s  # padded rows all write slot 0, the dummy
-        return scale * torch.einsum("bhkv,bhk->bhv", s, q.float())
+        return scale * torch.einsum("bhkv,bhk->bhv", s, q.float()), s
 
 
 def _need_cuda(pool: LinearStatePool) -> str | None:
