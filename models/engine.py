@@ -20,6 +20,7 @@ class Engine:
         self.backend = runtime.backend if backend is None else backend
         self.device = runtime.kv_pool.device
         self.runner: CudaGraphRunner | None = None
+        self._drafts: int | None = None  # draft tokens per request of the last verify step
 
     def enable_graphs(self, batch_sizes: Sequence[int], use_graphs: bool = True) -> None:
         """Capture decode steps of the whole model (every layer, the LM head) once per batch
@@ -52,7 +53,7 @@ class Engine:
     ) -> torch.Tensor:
         """Append `tokens[i]` to request `rows[i]` and run them: logits [sum len, vocab]."""
         lens = [len(t) for t in tokens]
-        self._drafts = lens[0] if mode is ForwardMode.TARGET_VERIFY else 0
+        self._drafts = lens[0] if mode is ForwardMode.TARGET_VERIFY else None
         prefix = [self.rt.allocator.seq_len(r) for r in rows]
         loc = self.rt.allocator.alloc_extend(rows, lens)
         batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
@@ -77,8 +78,14 @@ class Engine:
         """After `verify(rows, drafts)`: request i keeps its first `accepted[i]` draft tokens.
         Rejected tokens' KV slots are freed; a hybrid backend's linear states advance to the
         last accepted token."""
+        drafts = self._drafts
+        if drafts is None:
+            raise RuntimeError("accept() follows a verify() step")
+        if any(not 0 <= a <= drafts for a in accepted):
+            raise ValueError(f"accepted counts must be in 0..{drafts}, got {list(accepted)}")
+        self._drafts = None
         for r, a in zip(rows, accepted):
-            self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - self._drafts + a)
+            self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - drafts + a)
         accept = getattr(self.backend, "accept", None)
         if accept is not None:
             accept(torch.tensor(list(accepted), dtype=torch.long).to(self.device))

@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from mla_backends.backends.flashinfer_mla import host_lengths
 from mla_backends.benchmark import decode_setup
-from mla_backends.indices import cumsum_indptr
 from mla_backends.kernels.index import flat_page_indices
 
 
@@ -34,26 +34,16 @@ def main(batch: int = 256) -> None:
     s = decode_setup("flashinfer_mla", 16, 1, batch, 1024)
     be, b = s.rt.backend, s.batch
     ps = be.pool.page_size
-    seq = b.seq_lens_cpu.to(torch.int32)
-    pages = (seq + ps - 1) // ps
-    kv_indptr, qo_indptr = (
-        cumsum_indptr(pages),
-        cumsum_indptr(b.extend_seq_lens_cpu.to(torch.int32)),
-    )
-    total, maxp = int(kv_indptr[-1]), int(pages.max())
+    h = host_lengths(b, ps)
+    qo_indptr, kv_indptr, seq = (torch.from_numpy(x) for x in (h.qo_indptr, h.kv_indptr, h.seq))
+    total, maxp = int(h.kv_indptr[-1]), int(h.pages.max())
     k = be.kernel
     raw = k.module._module
     args = (k.float_ws, k.int_ws, k.pinned[0], qo_indptr, kv_indptr, seq, 16, 512, True)
 
-    def host_prep() -> None:
-        sq = b.seq_lens_cpu.to(torch.int32)
-        pg = (sq + ps - 1) // ps
-        cumsum_indptr(pg)
-        cumsum_indptr(b.extend_seq_lens_cpu.to(torch.int32))
-
     parts = {
         "init_forward_metadata": lambda: be.init_forward_metadata(b),
-        "host length arithmetic": host_prep,
+        "host length arithmetic": lambda: host_lengths(b, ps),
         "page-index launch": lambda: flat_page_indices(
             be.req_to_token, b.req_pool_indices, b.seq_lens, ps, total, maxp
         ),

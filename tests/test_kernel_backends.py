@@ -233,3 +233,25 @@ def test_gpu_decode_metadata_host_time_under_100us(name: str) -> None:
     med = times[len(times) // 2]
     print(f"{name}: init_forward_metadata host time median {med * 1e6:.1f} us (batch 256)")
     assert med < 100e-6, f"{name}: metadata host time {med * 1e6:.1f} us > 100 us"
+
+
+def test_flashinfer_host_lengths_equal_the_torch_indptrs() -> None:
+    """The planner's host inputs (numpy, from the batch's CPU copies) equal the shared torch
+    builders' indptrs, including an empty request and a page-boundary length."""
+    from mla_backends.backends.flashinfer_mla import host_lengths
+    from mla_backends.batch import ForwardBatch, ForwardMode
+    from mla_backends.indices import cumsum_indptr
+
+    for mode, prefix, ext in (
+        (ForwardMode.TARGET_VERIFY, [5, 0, 126, 64], [2, 2, 2, 2]),
+        (ForwardMode.EXTEND, [0, 3, 0, 200], [0, 7, 64, 1]),
+    ):
+        b = ForwardBatch.build(mode, [1, 2, 3, 4], prefix, ext, torch.zeros(sum(ext)), "cpu")
+        for page in (1, 64):
+            h = host_lengths(b, page)
+            seq = b.seq_lens_cpu.to(torch.int32)
+            want_kv = cumsum_indptr((seq + page - 1) // page)
+            assert torch.equal(torch.from_numpy(h.kv_indptr), want_kv)
+            want_qo = cumsum_indptr(b.extend_seq_lens_cpu.to(torch.int32))
+            assert torch.equal(torch.from_numpy(h.qo_indptr), want_qo)
+            assert torch.equal(torch.from_numpy(h.seq), seq)

@@ -339,3 +339,9 @@ def test_accept_needs_a_verify_batch() -> None:
     eng.extend(rows, [[1, 2]])
     with pytest.raises(RuntimeError, match="follows a TARGET_VERIFY batch"):
         eng.backend.linear.accept(torch.tensor([1]))
+    with pytest.raises(RuntimeError, match=r"accept\(\) follows a verify\(\) step"):
+        eng.accept(rows, [1])
+    eng.verify(rows, [[3, 4]])
+    with pytest.raises(ValueError, match=r"accepted counts must be in 0..2, got \[3\]"):
+        eng.accept(rows, [3])
+    assert eng.rt.allocator.seq_len(rows[0]) == 4  # a refused accept changed nothing

@@ -43,6 +43,28 @@ class FlashInferMetadata:
     causal: bool
 
 
+@dataclass
+class HostLengths:
+    """The planner's host inputs, int32 numpy (views of the batch's CPU copies where possible)."""
+
+    seq: np.ndarray  # [B] KV lengths
+    pages: np.ndarray  # [B] pages per request
+    kv_indptr: np.ndarray  # [B + 1] over pages
+    qo_indptr: np.ndarray  # [B + 1] over query tokens
+
+
+def host_lengths(batch: ForwardBatch, page_size: int) -> HostLengths:
+    """From the batch's CPU copies, in numpy: a few small torch CPU ops cost ~30 us here at
+    batch 256, a noticeable share of a decode step's metadata."""
+    seq = batch.seq_lens_cpu.numpy().astype(np.int32, copy=False)
+    pages = (seq + (page_size - 1)) // page_size
+    kv_indptr = np.zeros(seq.size + 1, dtype=np.int32)
+    np.cumsum(pages, out=kv_indptr[1:])
+    qo_indptr = np.zeros(seq.size + 1, dtype=np.int32)
+    np.cumsum(batch.extend_seq_lens_cpu.numpy(), out=qo_indptr[1:])
+    return HostLengths(seq, pages, kv_indptr, qo_indptr)
+
+
 def _plan_key(info: Any) -> tuple[int, ...]:
     """The plan's host values (grid, workspace offsets) as a comparable tuple."""
     return tuple(int(x) for x in info)
@@ -201,15 +223,9 @@ class FlashInferMLABackend(MLABackend):
         self.metadata = self._plan(batch, None)
 
     def _plan(self, batch: ForwardBatch, indices_out: torch.Tensor | None) -> FlashInferMetadata:
-        # Host arithmetic in numpy: a few small torch CPU ops cost ~30 us here at batch 256.
         ps = self.pool.page_size
-        seq = batch.seq_lens_cpu.numpy().astype(np.int32, copy=False)
-        pages = (seq + (ps - 1)) // ps
-        kv_indptr = np.zeros(seq.size + 1, dtype=np.int32)
-        np.cumsum(pages, out=kv_indptr[1:])
-        qo_indptr = np.zeros(seq.size + 1, dtype=np.int32)
-        np.cumsum(batch.extend_seq_lens_cpu.numpy(), out=qo_indptr[1:])
-        total_pages = int(kv_indptr[-1])
+        h = host_lengths(batch, ps)
+        total_pages = int(h.kv_indptr[-1])
         if self.device.type == "cuda":  # one launch; the indptr stays on the host
             kv_indices = flat_page_indices(
                 self.req_to_token,
@@ -217,7 +233,7 @@ class FlashInferMLABackend(MLABackend):
                 batch.seq_lens,
                 ps,
                 total_pages,
-                int(pages.max()) if seq.size else 0,
+                int(h.pages.max()) if h.pages.size else 0,
                 indices_out,
             )
         else:
@@ -230,9 +246,9 @@ class FlashInferMLABackend(MLABackend):
                 indices_out=indices_out,
             )
         info = self.kernel.plan(
-            torch.from_numpy(qo_indptr),
-            torch.from_numpy(kv_indptr),
-            torch.from_numpy(seq),
+            torch.from_numpy(h.qo_indptr),
+            torch.from_numpy(h.kv_indptr),
+            torch.from_numpy(h.seq),
             self.dims.num_heads,
             self.dims.kv_lora_rank,
             True,

@@ -54,7 +54,6 @@ class LinearAttentionBackend:
             n = batch.extend_seq_lens_cpu.to(torch.int64)
             cu = torch.zeros(n.numel() + 1, dtype=torch.int64)
             cu[1:] = n.cumsum(0)
-            self._cu_cpu = cu
             self._cu = cu.to(self.pool.device, non_blocking=True)
 
     # graph hooks: decode reads everything from the batch's static tensors
