@@ -4,7 +4,9 @@
 #   quick / full: GPU tests, then the kernel benchmarks (quick: fewer shapes);
 #   tests: GPU tests only; models: the model-level benchmarks only (DeepSeek-V3 layer stack
 #   through each Hopper backend with graphs, linear-layer decode vs raw fla, FlashInfer plan
-#   host-time breakdown, decode steps eager vs graphs at batch 1-8).
+#   host-time breakdown, decode steps eager vs graphs at batch 1-8);
+#   fi: the flashinfer_mla slice of all that (its GPU tests, plan host time, decode table vs
+#   raw fa3, graph steps), for checking a change to that backend in one short run.
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
 mode=${1:-full}
@@ -22,18 +24,29 @@ unset TRITON_INTERPRET
 } | tee "$out/env.txt"
 
 rc=0
+if [ "$mode" = fi ]; then
+  kexpr="gpu and (fi_schedule or flashinfer or metadata or graph_replay)"
+fi
 if [ "$mode" != models ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfEx --durations=15 -k "$kexpr" tests/ \
     -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
-if [ "$mode" = models ]; then
-  step() {  # name, timeout, command...
-    local name=$1 t=$2; shift 2
-    timeout "$t" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -30
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-  }
+step() {  # name, timeout, command...
+  local name=$1 t=$2; shift 2
+  timeout "$t" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+}
+if [ "$mode" = fi ]; then
+  step plan 60 python3 scripts/profile_fi_plan.py 256
+  step decode 200 python3 -c "
+from mla_backends.benchmark import main
+main('$out/decode', ['flashinfer_mla'], ['raw_flashinfer_fa3'], quick=False, prefill=False)"
+  step graphs 150 python3 -m mla_backends bench --config configs/deepseek_v3_h100.yaml \
+    --backends flashinfer_mla --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
+    --graphs --layers 8 --out "$out/bench-graphs"
+elif [ "$mode" = models ]; then
   step plan 60 python3 scripts/profile_fi_plan.py 256
   step linear 120 python3 scripts/bench_linear.py --out "$out/linear"
   step stack ${STACK_TIMEOUT:-240} python3 scripts/dsv3_stack.py --out "$out/stack"

@@ -1,6 +1,7 @@
 """Where the host time of flashinfer_mla's decode metadata goes (batch 256, 16 heads, kv 1024):
 the whole `init_forward_metadata`, the host-side length arithmetic, the page-index launch,
-our `plan` wrapper, and FlashInfer's C++ planner alone. Median of 50 calls each. GPU only."""
+our device schedule launch (what the backend uses), and, for comparison, our host `plan`
+wrapper and FlashInfer's C++ planner alone. Median of 50 calls each. GPU only."""
 
 from __future__ import annotations
 
@@ -48,10 +49,17 @@ def main(batch: int = 256) -> None:
             be.req_to_token, b.req_pool_indices, b.seq_lens, ps, total, maxp
         ),
         "our plan wrapper": lambda: k.plan(qo_indptr, kv_indptr, seq, 16, 512, True),
+        "device schedule launch": lambda: k.plan_on_device(
+            h, b.extend_seq_lens, b.seq_lens, 16, 512, ps
+        ),
         "FlashInfer C++ plan alone": lambda: raw.plan(*args),
     }
     for name, fn in parts.items():
-        print(f"batch {batch}: {name:28s} {med_us(fn):8.1f} us")
+        print(f"batch {batch}: {name:28s} {med_us(fn):8.1f} us (host)")
+    import triton.testing
+
+    gpu = triton.testing.do_bench(parts["device schedule launch"], warmup=25, rep=200)
+    print(f"batch {batch}: {'device schedule kernel':28s} {gpu * 1e3:8.1f} us (GPU, do_bench)")
 
 
 if __name__ == "__main__":

@@ -170,13 +170,6 @@ def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-FI_PLAN_REASON = (
-    "FlashInfer's C++ MLA planner alone takes 83-101 us of host time at batch 256 (H200, "
-    "flashinfer 0.7.2.post1; scripts/profile_fi_plan.py), our whole call 232-236 us; we skip "
-    "its wrapper (3.7 ms) but cannot make the kernel's own scheduler cheaper: BENCHMARKS.md"
-)
-
-
 def _metadata_host_times(name: str, sleep_first: bool) -> list[float]:
     """Host seconds of init_forward_metadata for a decode batch of 256, sync debug on.
     sleep_first queues ~25 ms of GPU work before each call: a hidden sync would wait for it.
@@ -215,19 +208,7 @@ def test_gpu_decode_metadata_does_not_wait_for_the_gpu(name: str) -> None:
 
 
 @gpu_only
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            "flashinfer_mla",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=FI_PLAN_REASON,
-            ),
-        ),
-        "flashmla",
-    ],
-)
+@pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 def test_gpu_decode_metadata_host_time_under_100us(name: str) -> None:
     times = sorted(_metadata_host_times(name, sleep_first=False))
     med = times[len(times) // 2]

@@ -2,11 +2,14 @@
 for decode, target-verify and extend over a prefix, at the pool's page size; FlashInfer's
 ragged prefill for MHA-mode prefill.
 
-Planning without a device sync: FlashInfer's `BatchMLAPagedAttentionWrapper.plan()` copies
-indptrs to the host (3.7 ms at batch 256). We call the generated module's plan directly with
-the CPU lengths the batch already carries and page indices built on the device by the shared
-index builder. Pinned staging buffers rotate so a plan never overwrites a buffer whose
-host-to-device copy may still be queued.
+Planning without host work: FlashInfer's `BatchMLAPagedAttentionWrapper.plan()` copies
+indptrs to the host (3.7 ms at batch 256) and its C++ scheduler alone takes ~90 us there. We
+write the same schedule on the device instead (`kernels/fi_schedule.py`, one Triton launch,
+checked against a port of the C++ planner), into the int workspace at the offsets the C++
+planner lays out for that cluster size. The C++ planner runs once per cluster size to get
+those offsets, and for batches whose work could outgrow FlashInfer's fixed work arrays
+(long extends); then it gets the CPU lengths the batch carries, and pinned staging buffers
+rotate so a plan never overwrites a buffer whose host-to-device copy may still be queued.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from mla_backends.backends.kernel_packages import (
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config
+from mla_backends.fi_schedule import MAX_WORKS, cluster_size, synthetic_info
 from mla_backends.indices import build_page_indices
 from mla_backends.kernels.index import flat_page_indices
 
@@ -96,6 +100,50 @@ class _FaMLAKernel:
         ]
         self.events: list[torch.cuda.Event | None] = [None] * PINNED_RING
         self.turn = 0
+        self.num_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        self.layouts: dict[int, Any] = {}  # cluster size -> plan info whose offsets we reuse
+
+    def layout(self, heads: int, head_dim: int, cluster: int) -> Any | None:
+        """Plan info for a cluster size, from one host plan of a one-request batch; None when
+        the offsets are not the layout `fi_schedule` ports (another flashinfer version)."""
+        if cluster not in self.layouts:
+            q_len = 1 if cluster == 1 else -(-65 // heads)
+            info = self.plan(
+                torch.tensor([0, q_len], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([q_len], dtype=torch.int32),
+                heads,
+                head_dim,
+                True,
+            )
+            ok = [int(x) for x in info] == synthetic_info(cluster, self.num_sm, head_dim)
+            self.layouts[cluster] = info if ok else None
+        return self.layouts[cluster]
+
+    def plan_on_device(
+        self,
+        host: HostLengths,
+        qo_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        page_size: int,
+    ) -> Any | None:
+        """Write this batch's schedule on the device; None where the host planner must run
+        (a cluster size whose layout is not ours, or more possible work than MAX_WORKS)."""
+        from mla_backends.kernels.fi_schedule import work_bound, write_schedule
+
+        q = np.diff(host.qo_indptr)
+        cluster = cluster_size(q, heads)
+        max_q = int(q.max()) if q.size else 0
+        bound = work_bound(q.size, max_q, heads, cluster, self.num_sm // cluster)
+        if max_q == 0 or bound > MAX_WORKS:
+            return None
+        info = self.layout(heads, head_dim, cluster)
+        if info is None:
+            return None
+        write_schedule(self.int_ws, info, qo_lens, seq_lens, heads, page_size, self.num_sm, max_q)
+        return info
 
     def plan(
         self,
@@ -245,14 +293,21 @@ class FlashInferMLABackend(MLABackend):
                 total_pages,
                 indices_out=indices_out,
             )
-        info = self.kernel.plan(
-            torch.from_numpy(h.qo_indptr),
-            torch.from_numpy(h.kv_indptr),
-            torch.from_numpy(h.seq),
-            self.dims.num_heads,
-            self.dims.kv_lora_rank,
-            True,
-        )
+        d = self.dims
+        info = None
+        if self.device.type == "cuda":
+            info = self.kernel.plan_on_device(
+                h, batch.extend_seq_lens, batch.seq_lens, d.num_heads, d.kv_lora_rank, ps
+            )
+        if info is None:
+            info = self.kernel.plan(
+                torch.from_numpy(h.qo_indptr),
+                torch.from_numpy(h.kv_indptr),
+                torch.from_numpy(h.seq),
+                d.num_heads,
+                d.kv_lora_rank,
+                True,
+            )
         return FlashInferMetadata(info, kv_indices if indices_out is None else indices_out, True)
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -1,0 +1,252 @@
+"""FlashInfer's MLA schedule written on the device: one Triton program fills the int workspace
+that FlashInfer's MLA kernel reads, from the device lengths, with no host planning and no copy.
+
+Same work items, partial rows and merge entries as flashinfer 0.7.2's host `MLAPlan` (the
+port in `mla_backends/fi_schedule.py` is the oracle); only the item -> cluster assignment
+differs: items, in the planner's order, are cut into contiguous runs of equal cost (cost =
+2 * tile rows + keys, the planner's cost function) instead of going to the least-loaded
+cluster one by one. Each cluster's load stays within one item of the average either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_backends.fi_schedule import CTA_TILE_Q, MAX_WORKS, info_offsets
+
+
+@triton.jit
+def _item(
+    QoLens,
+    SeqLens,
+    k,
+    n_req,
+    H: tl.constexpr,
+    TILE: tl.constexpr,
+    T: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Item k = (request k // T, query tile T - 1 - k % T): tiles run last to first, as in
+    the host planner. Returns (valid, request, tile, q_len, kv_len, keys the tile may see)."""
+    i = k // T
+    t = T - 1 - k % T
+    in_b = i < n_req
+    q = tl.load(QoLens + i, mask=in_b, other=0)
+    kv = tl.load(SeqLens + i, mask=in_b, other=0)
+    n_tiles = (q * H + TILE - 1) // TILE
+    valid = in_b & (t < n_tiles)
+    keys = kv
+    if CAUSAL:
+        bounded = tl.maximum(tl.minimum(kv - q + ((t + 1) * TILE + H - 1) // H, kv), 0)
+        keys = tl.where(t + 1 == n_tiles, kv, bounded)
+    keys = tl.where(valid, keys, 0)
+    return valid, i, t, q, kv, keys
+
+
+@triton.jit
+def _fi_mla_schedule_kernel(
+    QoLens,
+    SeqLens,
+    Ws,
+    o_q_indptr,
+    o_kv_indptr,
+    o_partial,
+    o_q_len,
+    o_kv_len,
+    o_q_start,
+    o_kv_start,
+    o_kv_end,
+    o_work_indptr,
+    o_m_start,
+    o_m_end,
+    o_mp_start,
+    o_mp_end,
+    o_m_stride,
+    n_req,
+    H: tl.constexpr,
+    PAGE: tl.constexpr,
+    CLUSTER: tl.constexpr,
+    NUM_CLUSTERS: tl.constexpr,
+    NUM_SM: tl.constexpr,
+    T: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_SM: tl.constexpr,
+):
+    TILE: tl.constexpr = CTA_TILE_Q * CLUSTER
+    offs = tl.arange(0, BLOCK)
+    n_items = n_req * T
+
+    # pass 1: keys over all tiles -> the per-item key limit (the planner's rounding)
+    total_kv = tl.zeros([], tl.int64)
+    for base in range(0, n_items, BLOCK):
+        _, _, _, _, _, keys = _item(QoLens, SeqLens, base + offs, n_req, H, TILE, T, CAUSAL)
+        total_kv += tl.sum(keys.to(tl.int64))
+    x = tl.maximum((total_kv + NUM_CLUSTERS - 1) // NUM_CLUSTERS, 1)
+    limit = tl.where(
+        x <= 8,
+        32,
+        tl.where(
+            x <= 16, 64, tl.where(x <= 32, 128, tl.where(x <= 64, 192, (x + 255) // 256 * 256))
+        ),
+    ).to(tl.int32)
+
+    # pass 2: total cost (for the equal-cost cut)
+    total_cost = tl.zeros([], tl.int64)
+    for base in range(0, n_items, BLOCK):
+        valid, _, _, _, _, keys = _item(QoLens, SeqLens, base + offs, n_req, H, TILE, T, CAUSAL)
+        n = tl.where(keys > limit, (keys + limit - 1) // limit, 1)
+        total_cost += tl.sum(tl.where(valid, n * 2 * TILE + keys, 0).to(tl.int64))
+    total_cost = tl.maximum(total_cost, 1)
+
+    # pass 3: emit. Carries across blocks: works, cost, partial rows, merges, q and page offsets.
+    works = tl.zeros([], tl.int32)
+    cost = tl.zeros([], tl.int64)
+    partials = tl.zeros([], tl.int32)
+    merges = tl.zeros([], tl.int32)
+    q_off = tl.zeros([], tl.int32)
+    page_off = tl.zeros([], tl.int32)
+    hist = tl.zeros([BLOCK_C], tl.int32)
+    for base in range(0, n_items, BLOCK):
+        k = base + offs
+        valid, i, t, q, kv, keys = _item(QoLens, SeqLens, k, n_req, H, TILE, T, CAUSAL)
+        split = valid & (keys > limit)
+        n = tl.where(valid, tl.where(split, (keys + limit - 1) // limit, 1), 0)
+        rts = tl.minimum(TILE, q * H - t * TILE)
+        # the request's offsets: each request counted once, at its last item (BLOCK % T == 0)
+        last = (k % T == T - 1) & (i < n_req)
+        q_i = q_off + tl.cumsum(tl.where(last, q, 0), 0) - tl.where(last, q, 0)
+        pages = (kv + PAGE - 1) // PAGE
+        p_i = page_off + tl.cumsum(tl.where(last, pages, 0), 0) - tl.where(last, pages, 0)
+        w0 = works + tl.cumsum(n, 0) - n
+        c_item = tl.where(valid, n * 2 * TILE + keys, 0).to(tl.int64)
+        c0 = cost + tl.cumsum(c_item, 0) - c_item
+        p_item = tl.where(split, n * rts, 0)
+        p0 = partials + tl.cumsum(p_item, 0) - p_item
+        n_qc = tl.maximum(keys * CLUSTER // limit, 1)
+        rcs = tl.maximum((rts + n_qc - 1) // n_qc, 1)  # >= 1 on invalid lanes too
+        m = tl.where(split, (rts + rcs - 1) // rcs, 0)
+        m0 = merges + tl.cumsum(m, 0) - m
+
+        for j in range(0, tl.max(n, 0)):
+            ok = j < n
+            w = w0 + j
+            kv_start = j * limit
+            kv_end = tl.minimum(kv_start + limit, keys)
+            # cost before this chunk: every earlier chunk of the item is a full `limit`
+            start_cost = c0 + j * (2 * TILE + limit)
+            cl = tl.minimum(start_cost * NUM_CLUSTERS // total_cost, NUM_CLUSTERS - 1)
+            hist += tl.histogram(cl.to(tl.int32), BLOCK_C, mask=ok)
+            tl.store(Ws + o_q_indptr + w, q_i, mask=ok)
+            tl.store(Ws + o_kv_indptr + w, p_i, mask=ok)
+            tl.store(Ws + o_partial + w, tl.where(split, p0 + j * rts, -1), mask=ok)
+            tl.store(Ws + o_q_len + w, q, mask=ok)
+            tl.store(Ws + o_kv_len + w, kv, mask=ok)
+            tl.store(Ws + o_q_start + w, t * TILE, mask=ok)
+            tl.store(Ws + o_kv_start + w, kv_start, mask=ok)
+            tl.store(Ws + o_kv_end + w, kv_end, mask=ok)
+
+        row0 = q_i * H + t * TILE
+        for u in range(0, tl.max(m, 0)):
+            ok = u < m
+            e = m0 + u
+            tl.store(Ws + o_m_start + e, row0 + u * rcs, mask=ok)
+            tl.store(Ws + o_m_end + e, row0 + tl.minimum((u + 1) * rcs, rts), mask=ok)
+            tl.store(Ws + o_mp_start + e, p0 + u * rcs, mask=ok)
+            tl.store(Ws + o_mp_end + e, p0 + n * rts, mask=ok)
+            tl.store(Ws + o_m_stride + e, rts, mask=ok)
+
+        works += tl.sum(n, 0)
+        cost += tl.sum(c_item, 0)
+        partials += tl.sum(p_item, 0)
+        merges += tl.sum(m, 0)
+        q_off += tl.sum(tl.where(last, q, 0), 0)
+        page_off += tl.sum(tl.where(last, pages, 0), 0)
+
+    # work_indptr[c + 1] = items of clusters <= c (items are in cluster order by construction)
+    cs = tl.arange(0, BLOCK_C)
+    tl.store(Ws + o_work_indptr + 1 + cs, tl.cumsum(hist, 0), mask=cs < NUM_CLUSTERS)
+    tl.store(Ws + o_work_indptr + cs, 0, mask=cs == 0)
+    # unused merge entries must read as empty (start == end), as the host planner leaves them
+    e = tl.arange(0, BLOCK_SM)
+    unused = (e >= merges) & (e < NUM_SM)
+    tl.store(Ws + o_m_start + e, 0, mask=unused)
+    tl.store(Ws + o_m_end + e, 0, mask=unused)
+    tl.store(Ws + o_mp_start + e, 0, mask=unused)
+    tl.store(Ws + o_mp_end + e, 0, mask=unused)
+    tl.store(Ws + o_m_stride + e, 0, mask=unused)
+
+
+def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:
+    """Query tiles per request the kernel loops over (a power of two)."""
+    return triton.next_power_of_2(max(-(-max_q_len * num_heads // (CTA_TILE_Q * cluster)), 1))
+
+
+def work_bound(n_req: int, max_q_len: int, num_heads: int, cluster: int, n_clusters: int) -> int:
+    """Most work items a batch can produce: one per tile plus, because no split is shorter
+    than total keys / clusters, at most one extra per cluster."""
+    return n_req * query_tiles(max_q_len, num_heads, cluster) + n_clusters
+
+
+def write_schedule(
+    int_ws: torch.Tensor,
+    info: list[int] | tuple[int, ...],
+    qo_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    page_size: int,
+    num_sm: int,
+    max_q_len: int,
+    causal: bool = True,
+) -> None:
+    """Fill FlashInfer's MLA schedule for this batch into `int_ws` (uint8, the kernel's int
+    workspace) at the offsets of `info` (a plan info of the same cluster size).
+
+    qo_lens / seq_lens: [B] int32 on the device. `max_q_len` bounds the query tiles per
+    request (host value). Raises if the batch could need more work items than FlashInfer's
+    fixed arrays hold."""
+    o = info_offsets(info)
+    n_req = seq_lens.numel()
+    cluster, n_clusters = o["num_blks_x"], o["num_blks_y"]
+    t = query_tiles(max_q_len, num_heads, cluster)
+    bound = work_bound(n_req, max_q_len, num_heads, cluster, n_clusters)
+    if bound > MAX_WORKS:
+        raise ValueError(
+            f"batch of {n_req} requests x {t} query tiles may need {bound} FlashInfer MLA work "
+            f"items; its workspace holds {MAX_WORKS}"
+        )
+    ws = int_ws.view(torch.int32)
+    _fi_mla_schedule_kernel[(1,)](
+        qo_lens,
+        seq_lens,
+        ws,
+        o["q_indptr"],
+        o["kv_indptr"],
+        o["partial_indptr"],
+        o["q_len"],
+        o["kv_len"],
+        o["q_start"],
+        o["kv_start"],
+        o["kv_end"],
+        o["work_indptr"],
+        o["merge_start"],
+        o["merge_end"],
+        o["merge_partial_start"],
+        o["merge_partial_end"],
+        o["merge_stride"],
+        n_req,
+        H=num_heads,
+        PAGE=page_size,
+        CLUSTER=cluster,
+        NUM_CLUSTERS=n_clusters,
+        NUM_SM=num_sm,
+        T=t,
+        CAUSAL=causal,
+        BLOCK=max(t, 256),
+        BLOCK_C=triton.next_power_of_2(n_clusters + 1),
+        BLOCK_SM=triton.next_power_of_2(num_sm),
+        num_warps=4,
+    )

@@ -1,0 +1,168 @@
+"""FlashInfer MLA schedules: our device planner (Triton, interpreted on CPU) against the port
+of flashinfer's host planner, and (GPU) the port against the C++ planner's own bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mla_backends.fi_schedule import (
+    check_schedule,
+    decode_workspace,
+    int_workspace_bytes,
+    plan_reference,
+    synthetic_info,
+)
+
+# (heads, q_lens, kv_lens, page, SMs): decode, verify, empty and split-heavy batches
+CASES = {
+    "h16-decode-b3": (16, [1, 1, 1], [5, 700, 64], 16, 8),
+    "h128-decode-b1-long": (128, [1], [3000], 64, 8),
+    "h128-verify-q3": (128, [3, 3], [40, 1500], 1, 8),
+    "h16-verify-q2-b5": (16, [2, 2, 2, 2, 2], [2, 90, 400, 7, 1100], 64, 6),
+    "h8-mixed-q": (8, [1, 4, 9, 2], [3, 300, 2000, 17], 16, 5),
+    "h128-b1-short": (128, [1], [1], 64, 8),
+    "h16-b20": (16, [1] * 20, list(range(50, 1050, 50)), 64, 8),
+}
+
+
+def _ours(heads, q, kv, page, sms, cluster):
+    from mla_backends.kernels.fi_schedule import write_schedule
+
+    info = synthetic_info(cluster, sms)
+    ws = torch.full((int_workspace_bytes(info, sms),), 0x7F, dtype=torch.uint8)  # poison
+    write_schedule(
+        ws,
+        info,
+        torch.tensor(q, dtype=torch.int32),
+        torch.tensor(kv, dtype=torch.int32),
+        heads,
+        page,
+        sms,
+        max(q),
+    )
+    return decode_workspace(ws.view(torch.int32).numpy(), info, sms)
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_device_schedule_matches_host_planner(case: str) -> None:
+    heads, q, kv, page, sms = CASES[case]
+    qa, kva = np.array(q), np.array(kv)
+    ref = plan_reference(qa, kva, page, heads, sms)
+    check_schedule(ref, qa, kva, page, heads, sms)
+    ours = _ours(heads, q, kv, page, sms, ref.cluster)
+    check_schedule(ours, qa, kva, page, heads, sms)
+    # same work items (partial rows included) and the same merge entries, in order
+    assert sorted(ours.flat()) == sorted(ref.flat())
+    assert ours.merges == ref.merges
+    # equal-cost cut: no cluster carries more than the average plus one item
+    tile = 64 * ours.cluster
+
+    def load(items: list[tuple[int, ...]]) -> int:
+        return sum(2 * tile + w[7] - w[6] for w in items)
+
+    total = sum(load(c) for c in ours.works)
+    biggest = max(2 * tile + w[7] - w[6] for w in ours.flat())
+    assert max(load(c) for c in ours.works) <= total / ours.num_clusters + biggest
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_schedule_random_batches(seed: int) -> None:
+    gen = np.random.default_rng(seed)
+    b = int(gen.integers(1, 24))
+    heads = int(gen.choice([8, 16, 128]))
+    q = gen.integers(1, 4, b) if seed % 2 else np.ones(b, np.int64)
+    kv = q + gen.integers(0, 2500, b)
+    page, sms = int(gen.choice([1, 16, 64])), int(gen.integers(3, 12))
+    ref = plan_reference(q, kv, page, heads, sms)
+    ours = _ours(heads, q.tolist(), kv.tolist(), page, sms, ref.cluster)
+    check_schedule(ours, q, kv, page, heads, sms)
+    assert sorted(ours.flat()) == sorted(ref.flat()) and ours.merges == ref.merges
+
+
+def test_check_schedule_catches_broken_schedules() -> None:
+    heads, q, kv, page, sms = CASES["h128-decode-b1-long"]
+    qa, kva = np.array(q), np.array(kv)
+    good = plan_reference(qa, kva, page, heads, sms)
+    items = good.flat()
+    assert len(items) > 2 and good.merges
+    dropped = type(good)(good.cluster, good.num_clusters, [items[1:]] + [[]] * (sms // 2 - 1))
+    with pytest.raises(AssertionError, match="key range|gap"):
+        check_schedule(dropped, qa, kva, page, heads, sms)
+    shared = [(*w[:2], items[0][2], *w[3:]) for w in items]  # every split writes one row block
+    bad = type(good)(good.cluster, good.num_clusters, [shared] + [[]] * (sms // 2 - 1))
+    with pytest.raises(AssertionError, match="overlap"):
+        check_schedule(bad, qa, kva, page, heads, sms)
+    no_merge = type(good)(good.cluster, good.num_clusters, good.works, good.merges[1:])
+    with pytest.raises(AssertionError, match="never merged"):
+        check_schedule(no_merge, qa, kva, page, heads, sms)
+
+
+def test_schedule_refuses_batches_beyond_flashinfer_arrays() -> None:
+    from mla_backends.kernels.fi_schedule import write_schedule
+
+    info = synthetic_info(1, 8)
+    ws = torch.zeros(int_workspace_bytes(info, 8), dtype=torch.uint8)
+    lens = torch.ones(17000, dtype=torch.int32)
+    with pytest.raises(ValueError, match="workspace holds 16384"):
+        write_schedule(ws, info, lens, lens, 16, 64, 8, max_q_len=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and flashinfer")
+@pytest.mark.parametrize("case", ["h16-decode", "h128-decode", "h128-verify-q2", "h16-mixed"])
+def test_gpu_port_equals_flashinfer_planner(case: str) -> None:
+    """The port's work items and merges equal the C++ planner's, read back from its bytes;
+    our device planner's equal both, at the GPU's real SM count."""
+    pytest.importorskip("flashinfer")
+    from mla_backends.backends.flashinfer_mla import _FaMLAKernel
+    from mla_backends.kernels.common import num_sms
+
+    gen = np.random.default_rng(1)
+    heads, q = {
+        "h16-decode": (16, np.ones(256, np.int32)),
+        "h128-decode": (128, np.ones(64, np.int32)),
+        "h128-verify-q2": (128, np.full(32, 2, np.int32)),
+        "h16-mixed": (16, gen.integers(1, 5, 40).astype(np.int32)),
+    }[case]
+    kv = (q + gen.integers(0, 6000, q.size)).astype(np.int32)
+    page, dev = 64, torch.device("cuda")
+    sms = num_sms(dev)
+    k = _FaMLAKernel(dev, "fa3", torch.bfloat16, torch.bfloat16, 512, 64)
+    qo_indptr = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(-(-kv // page))]).astype(np.int32)
+    info = k.plan(
+        torch.from_numpy(qo_indptr),
+        torch.from_numpy(kv_indptr),
+        torch.from_numpy(kv),
+        heads,
+        512,
+        True,
+    )
+    torch.cuda.synchronize()
+    real = decode_workspace(k.int_ws.view(torch.int32).cpu().numpy(), list(info), sms)
+    ref = plan_reference(q, kv, page, heads, sms)
+    assert list(int(x) for x in info) == synthetic_info(ref.cluster, sms)
+    check_schedule(real, q, kv, page, heads, sms)
+    assert sorted(real.flat()) == sorted(ref.flat())
+    assert real.merges == ref.merges
+    ours = _ours_gpu(k.int_ws, list(info), q, kv, heads, page, sms)
+    assert sorted(ours.flat()) == sorted(real.flat())
+    assert ours.merges == real.merges
+
+
+def _ours_gpu(int_ws, info, q, kv, heads, page, sms):
+    from mla_backends.kernels.fi_schedule import write_schedule
+
+    int_ws.fill_(0x7F)
+    write_schedule(
+        int_ws,
+        info,
+        torch.from_numpy(q).cuda(),
+        torch.from_numpy(kv).cuda(),
+        heads,
+        page,
+        sms,
+        int(q.max()),
+    )
+    return decode_workspace(int_ws.view(torch.int32).cpu().numpy(), info, sms)
