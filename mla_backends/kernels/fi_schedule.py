@@ -68,6 +68,7 @@ def _fi_mla_schedule_kernel(
     H: tl.constexpr,
     PAGE: tl.constexpr,
     CLUSTER: tl.constexpr,
+    TILE: tl.constexpr,
     NUM_CLUSTERS: tl.constexpr,
     NUM_SM: tl.constexpr,
     T: tl.constexpr,
@@ -76,7 +77,6 @@ def _fi_mla_schedule_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_SM: tl.constexpr,
 ):
-    TILE: tl.constexpr = CTA_TILE_Q * CLUSTER
     offs = tl.arange(0, BLOCK)
     n_items = n_req * T
 
@@ -241,6 +241,7 @@ def write_schedule(
         H=num_heads,
         PAGE=page_size,
         CLUSTER=cluster,
+        TILE=CTA_TILE_Q * cluster,
         NUM_CLUSTERS=n_clusters,
         NUM_SM=num_sm,
         T=t,
