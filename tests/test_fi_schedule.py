@@ -27,22 +27,20 @@ CASES = {
 }
 
 
-def _ours(heads, q, kv, page, sms, cluster):
-    from mla_backends.kernels.fi_schedule import write_schedule
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 
-    info = synthetic_info(cluster, sms)
-    ws = torch.full((int_workspace_bytes(info, sms),), 0x7F, dtype=torch.uint8)  # poison
-    write_schedule(
-        ws,
-        info,
-        torch.tensor(q, dtype=torch.int32),
-        torch.tensor(kv, dtype=torch.int32),
-        heads,
-        page,
-        sms,
-        max(q),
-    )
-    return decode_workspace(ws.view(torch.int32).numpy(), info, sms)
+
+def _ours(heads, q, kv, page, sms, cluster, ws=None, info=None):
+    from mla_backends.kernels.fi_schedule import ScheduleLayout, write_schedule
+
+    info = info or synthetic_info(cluster, sms)
+    if ws is None:
+        ws = torch.empty(int_workspace_bytes(info, sms), dtype=torch.uint8, device=DEV)
+    ws.fill_(0x7F)  # poison: whatever the kernel does not write reads as garbage
+    layout = ScheduleLayout.build(info, heads, page, sms)
+    qt, kvt = (torch.as_tensor(np.asarray(x), dtype=torch.int32, device=ws.device) for x in (q, kv))
+    write_schedule(ws, layout, qt, kvt, int(max(q)))
+    return decode_workspace(ws.view(torch.int32).cpu().numpy(), info, sms)
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -100,13 +98,13 @@ def test_check_schedule_catches_broken_schedules() -> None:
 
 
 def test_schedule_refuses_batches_beyond_flashinfer_arrays() -> None:
-    from mla_backends.kernels.fi_schedule import write_schedule
+    from mla_backends.kernels.fi_schedule import ScheduleLayout, write_schedule
 
     info = synthetic_info(1, 8)
-    ws = torch.zeros(int_workspace_bytes(info, 8), dtype=torch.uint8)
-    lens = torch.ones(17000, dtype=torch.int32)
+    ws = torch.zeros(int_workspace_bytes(info, 8), dtype=torch.uint8, device=DEV)
+    lens = torch.ones(17000, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="workspace holds 16384"):
-        write_schedule(ws, info, lens, lens, 16, 64, 8, max_q_len=2)
+        write_schedule(ws, ScheduleLayout.build(info, 16, 64, 8), lens, lens, max_q_len=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and flashinfer")
@@ -146,23 +144,6 @@ def test_gpu_port_equals_flashinfer_planner(case: str) -> None:
     check_schedule(real, q, kv, page, heads, sms)
     assert sorted(real.flat()) == sorted(ref.flat())
     assert real.merges == ref.merges
-    ours = _ours_gpu(k.int_ws, list(info), q, kv, heads, page, sms)
+    ours = _ours(heads, q, kv, page, sms, ref.cluster, ws=k.int_ws, info=list(info))
     assert sorted(ours.flat()) == sorted(real.flat())
     assert ours.merges == real.merges
-
-
-def _ours_gpu(int_ws, info, q, kv, heads, page, sms):
-    from mla_backends.kernels.fi_schedule import write_schedule
-
-    int_ws.fill_(0x7F)
-    write_schedule(
-        int_ws,
-        info,
-        torch.from_numpy(q).cuda(),
-        torch.from_numpy(kv).cuda(),
-        heads,
-        page,
-        sms,
-        int(q.max()),
-    )
-    return decode_workspace(int_ws.view(torch.int32).cpu().numpy(), info, sms)

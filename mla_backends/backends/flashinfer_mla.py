@@ -33,6 +33,7 @@ from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config
 from mla_backends.fi_schedule import MAX_WORKS, cluster_size, synthetic_info
 from mla_backends.indices import build_page_indices
+from mla_backends.kernels.fi_schedule import ScheduleLayout, work_bound, write_schedule
 from mla_backends.kernels.index import flat_page_indices
 
 WORKSPACE_BYTES = 128 << 20
@@ -101,11 +102,14 @@ class _FaMLAKernel:
         self.events: list[torch.cuda.Event | None] = [None] * PINNED_RING
         self.turn = 0
         self.num_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        self.layouts: dict[int, Any] = {}  # cluster size -> plan info whose offsets we reuse
+        self.layouts: dict[int, ScheduleLayout | None] = {}  # by cluster size
 
-    def layout(self, heads: int, head_dim: int, cluster: int) -> Any | None:
-        """Plan info for a cluster size, from one host plan of a one-request batch; None when
-        the offsets are not the layout `fi_schedule` ports (another flashinfer version)."""
+    def layout(
+        self, heads: int, head_dim: int, page_size: int, cluster: int
+    ) -> ScheduleLayout | None:
+        """Where the kernel reads the schedule for a cluster size, from one host plan of a
+        one-request batch; None when its offsets are not the layout `fi_schedule` ports
+        (another flashinfer version): the host planner then keeps planning."""
         if cluster not in self.layouts:
             q_len = 1 if cluster == 1 else -(-65 // heads)
             info = self.plan(
@@ -117,7 +121,9 @@ class _FaMLAKernel:
                 True,
             )
             ok = [int(x) for x in info] == synthetic_info(cluster, self.num_sm, head_dim)
-            self.layouts[cluster] = info if ok else None
+            self.layouts[cluster] = (
+                ScheduleLayout.build(info, heads, page_size, self.num_sm) if ok else None
+            )
         return self.layouts[cluster]
 
     def plan_on_device(
@@ -131,19 +137,17 @@ class _FaMLAKernel:
     ) -> Any | None:
         """Write this batch's schedule on the device; None where the host planner must run
         (a cluster size whose layout is not ours, or more possible work than MAX_WORKS)."""
-        from mla_backends.kernels.fi_schedule import work_bound, write_schedule
-
         q = np.diff(host.qo_indptr)
         cluster = cluster_size(q, heads)
         max_q = int(q.max()) if q.size else 0
         bound = work_bound(q.size, max_q, heads, cluster, self.num_sm // cluster)
         if max_q == 0 or bound > MAX_WORKS:
             return None
-        info = self.layout(heads, head_dim, cluster)
-        if info is None:
+        layout = self.layout(heads, head_dim, page_size, cluster)
+        if layout is None:
             return None
-        write_schedule(self.int_ws, info, qo_lens, seq_lens, heads, page_size, self.num_sm, max_q)
-        return info
+        write_schedule(self.int_ws, layout, qo_lens, seq_lens, max_q)
+        return layout.info
 
     def plan(
         self,

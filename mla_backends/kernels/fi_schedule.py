@@ -10,6 +10,8 @@ cluster one by one. Each cluster's load stays within one item of the average eit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -50,21 +52,21 @@ def _fi_mla_schedule_kernel(
     QoLens,
     SeqLens,
     Ws,
-    o_q_indptr,
-    o_kv_indptr,
-    o_partial,
-    o_q_len,
-    o_kv_len,
-    o_q_start,
-    o_kv_start,
-    o_kv_end,
-    o_work_indptr,
-    o_m_start,
-    o_m_end,
-    o_mp_start,
-    o_mp_end,
-    o_m_stride,
     n_req,
+    O_Q_INDPTR: tl.constexpr,
+    O_KV_INDPTR: tl.constexpr,
+    O_PARTIAL: tl.constexpr,
+    O_Q_LEN: tl.constexpr,
+    O_KV_LEN: tl.constexpr,
+    O_Q_START: tl.constexpr,
+    O_KV_START: tl.constexpr,
+    O_KV_END: tl.constexpr,
+    O_WORK_INDPTR: tl.constexpr,
+    O_M_START: tl.constexpr,
+    O_M_END: tl.constexpr,
+    O_MP_START: tl.constexpr,
+    O_MP_END: tl.constexpr,
+    O_M_STRIDE: tl.constexpr,
     H: tl.constexpr,
     PAGE: tl.constexpr,
     CLUSTER: tl.constexpr,
@@ -140,24 +142,24 @@ def _fi_mla_schedule_kernel(
             start_cost = c0 + j * (2 * TILE + limit)
             cl = tl.minimum(start_cost * NUM_CLUSTERS // total_cost, NUM_CLUSTERS - 1)
             hist += tl.histogram(cl.to(tl.int32), BLOCK_C, mask=ok)
-            tl.store(Ws + o_q_indptr + w, q_i, mask=ok)
-            tl.store(Ws + o_kv_indptr + w, p_i, mask=ok)
-            tl.store(Ws + o_partial + w, tl.where(split, p0 + j * rts, -1), mask=ok)
-            tl.store(Ws + o_q_len + w, q, mask=ok)
-            tl.store(Ws + o_kv_len + w, kv, mask=ok)
-            tl.store(Ws + o_q_start + w, t * TILE, mask=ok)
-            tl.store(Ws + o_kv_start + w, kv_start, mask=ok)
-            tl.store(Ws + o_kv_end + w, kv_end, mask=ok)
+            tl.store(Ws + O_Q_INDPTR + w, q_i, mask=ok)
+            tl.store(Ws + O_KV_INDPTR + w, p_i, mask=ok)
+            tl.store(Ws + O_PARTIAL + w, tl.where(split, p0 + j * rts, -1), mask=ok)
+            tl.store(Ws + O_Q_LEN + w, q, mask=ok)
+            tl.store(Ws + O_KV_LEN + w, kv, mask=ok)
+            tl.store(Ws + O_Q_START + w, t * TILE, mask=ok)
+            tl.store(Ws + O_KV_START + w, kv_start, mask=ok)
+            tl.store(Ws + O_KV_END + w, kv_end, mask=ok)
 
         row0 = q_i * H + t * TILE
         for u in range(0, tl.max(m, 0)):
             ok = u < m
             e = m0 + u
-            tl.store(Ws + o_m_start + e, row0 + u * rcs, mask=ok)
-            tl.store(Ws + o_m_end + e, row0 + tl.minimum((u + 1) * rcs, rts), mask=ok)
-            tl.store(Ws + o_mp_start + e, p0 + u * rcs, mask=ok)
-            tl.store(Ws + o_mp_end + e, p0 + n * rts, mask=ok)
-            tl.store(Ws + o_m_stride + e, rts, mask=ok)
+            tl.store(Ws + O_M_START + e, row0 + u * rcs, mask=ok)
+            tl.store(Ws + O_M_END + e, row0 + tl.minimum((u + 1) * rcs, rts), mask=ok)
+            tl.store(Ws + O_MP_START + e, p0 + u * rcs, mask=ok)
+            tl.store(Ws + O_MP_END + e, p0 + n * rts, mask=ok)
+            tl.store(Ws + O_M_STRIDE + e, rts, mask=ok)
 
         works += tl.sum(n, 0)
         cost += tl.sum(c_item, 0)
@@ -168,16 +170,16 @@ def _fi_mla_schedule_kernel(
 
     # work_indptr[c + 1] = items of clusters <= c (items are in cluster order by construction)
     cs = tl.arange(0, BLOCK_C)
-    tl.store(Ws + o_work_indptr + 1 + cs, tl.cumsum(hist, 0), mask=cs < NUM_CLUSTERS)
-    tl.store(Ws + o_work_indptr + cs, 0, mask=cs == 0)
+    tl.store(Ws + O_WORK_INDPTR + 1 + cs, tl.cumsum(hist, 0), mask=cs < NUM_CLUSTERS)
+    tl.store(Ws + O_WORK_INDPTR + cs, 0, mask=cs == 0)
     # unused merge entries must read as empty (start == end), as the host planner leaves them
     e = tl.arange(0, BLOCK_SM)
     unused = (e >= merges) & (e < NUM_SM)
-    tl.store(Ws + o_m_start + e, 0, mask=unused)
-    tl.store(Ws + o_m_end + e, 0, mask=unused)
-    tl.store(Ws + o_mp_start + e, 0, mask=unused)
-    tl.store(Ws + o_mp_end + e, 0, mask=unused)
-    tl.store(Ws + o_m_stride + e, 0, mask=unused)
+    tl.store(Ws + O_M_START + e, 0, mask=unused)
+    tl.store(Ws + O_M_END + e, 0, mask=unused)
+    tl.store(Ws + O_MP_START + e, 0, mask=unused)
+    tl.store(Ws + O_MP_END + e, 0, mask=unused)
+    tl.store(Ws + O_M_STRIDE + e, 0, mask=unused)
 
 
 def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:
@@ -191,63 +193,81 @@ def work_bound(n_req: int, max_q_len: int, num_heads: int, cluster: int, n_clust
     return n_req * query_tiles(max_q_len, num_heads, cluster) + n_clusters
 
 
+@dataclass(frozen=True)
+class ScheduleLayout:
+    """Where FlashInfer's kernel reads the schedule (one cluster size), as kernel constants:
+    built once per layout, so a launch passes only the lengths, the workspace and B."""
+
+    info: tuple[int, ...]
+    consts: dict[str, int]
+
+    @classmethod
+    def build(
+        cls, info: list[int] | tuple[int, ...], num_heads: int, page_size: int, num_sm: int
+    ) -> ScheduleLayout:
+        o = info_offsets(info)
+        cluster, n_clusters = o["num_blks_x"], o["num_blks_y"]
+        names = {
+            "q_indptr": "O_Q_INDPTR",
+            "kv_indptr": "O_KV_INDPTR",
+            "partial_indptr": "O_PARTIAL",
+            "q_len": "O_Q_LEN",
+            "kv_len": "O_KV_LEN",
+            "q_start": "O_Q_START",
+            "kv_start": "O_KV_START",
+            "kv_end": "O_KV_END",
+            "work_indptr": "O_WORK_INDPTR",
+            "merge_start": "O_M_START",
+            "merge_end": "O_M_END",
+            "merge_partial_start": "O_MP_START",
+            "merge_partial_end": "O_MP_END",
+            "merge_stride": "O_M_STRIDE",
+        }
+        consts = {v: o[k] for k, v in names.items()}
+        consts.update(
+            H=num_heads,
+            PAGE=page_size,
+            CLUSTER=cluster,
+            TILE=CTA_TILE_Q * cluster,
+            NUM_CLUSTERS=n_clusters,
+            NUM_SM=num_sm,
+            BLOCK_C=triton.next_power_of_2(n_clusters + 1),
+            BLOCK_SM=triton.next_power_of_2(num_sm),
+        )
+        return cls(tuple(int(x) for x in info), consts)
+
+
 def write_schedule(
     int_ws: torch.Tensor,
-    info: list[int] | tuple[int, ...],
+    layout: ScheduleLayout,
     qo_lens: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_heads: int,
-    page_size: int,
-    num_sm: int,
     max_q_len: int,
     causal: bool = True,
 ) -> None:
-    """Fill FlashInfer's MLA schedule for this batch into `int_ws` (uint8, the kernel's int
-    workspace) at the offsets of `info` (a plan info of the same cluster size).
+    """Fill FlashInfer's MLA schedule for this batch into `int_ws` (the kernel's int
+    workspace, any dtype) where `layout` says.
 
     qo_lens / seq_lens: [B] int32 on the device. `max_q_len` bounds the query tiles per
     request (host value). Raises if the batch could need more work items than FlashInfer's
     fixed arrays hold."""
-    o = info_offsets(info)
+    c = layout.consts
     n_req = seq_lens.numel()
-    cluster, n_clusters = o["num_blks_x"], o["num_blks_y"]
-    t = query_tiles(max_q_len, num_heads, cluster)
-    bound = work_bound(n_req, max_q_len, num_heads, cluster, n_clusters)
+    t = query_tiles(max_q_len, c["H"], c["CLUSTER"])
+    bound = work_bound(n_req, max_q_len, c["H"], c["CLUSTER"], c["NUM_CLUSTERS"])
     if bound > MAX_WORKS:
         raise ValueError(
             f"batch of {n_req} requests x {t} query tiles may need {bound} FlashInfer MLA work "
             f"items; its workspace holds {MAX_WORKS}"
         )
-    ws = int_ws.view(torch.int32)
     _fi_mla_schedule_kernel[(1,)](
         qo_lens,
         seq_lens,
-        ws,
-        o["q_indptr"],
-        o["kv_indptr"],
-        o["partial_indptr"],
-        o["q_len"],
-        o["kv_len"],
-        o["q_start"],
-        o["kv_start"],
-        o["kv_end"],
-        o["work_indptr"],
-        o["merge_start"],
-        o["merge_end"],
-        o["merge_partial_start"],
-        o["merge_partial_end"],
-        o["merge_stride"],
+        int_ws.view(torch.int32),
         n_req,
-        H=num_heads,
-        PAGE=page_size,
-        CLUSTER=cluster,
-        TILE=CTA_TILE_Q * cluster,
-        NUM_CLUSTERS=n_clusters,
-        NUM_SM=num_sm,
         T=t,
         CAUSAL=causal,
         BLOCK=max(t, 256),
-        BLOCK_C=triton.next_power_of_2(n_clusters + 1),
-        BLOCK_SM=triton.next_power_of_2(num_sm),
         num_warps=4,
+        **c,
     )
