@@ -1,6 +1,6 @@
 """Where the host time of flashinfer_mla's decode metadata goes (batch 256, 16 heads, kv 1024):
 the whole `init_forward_metadata`, the host-side length arithmetic, the page-index launch,
-our device schedule launch (what the backend uses), and, for comparison, our host `plan`
+our schedule + page-id launch (what the backend uses), and, for comparison, our host `plan`
 wrapper and FlashInfer's C++ planner alone. Median of 50 calls each. GPU only."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from mla_backends.backends.flashinfer_mla import host_lengths
 from mla_backends.benchmark import decode_setup
+from mla_backends.kernels.fi_schedule import PageGather
 from mla_backends.kernels.index import flat_page_indices
 
 
@@ -42,6 +43,12 @@ def main(batch: int = 256) -> None:
     raw = k.module._module
     args = (k.float_ws, k.int_ws, k.pinned[0], qo_indptr, kv_indptr, seq, 16, 512, True)
 
+    gather = PageGather(
+        be.req_to_token,
+        b.req_pool_indices,
+        torch.empty(total, dtype=torch.int32, device="cuda"),
+        maxp,
+    )
     parts = {
         "init_forward_metadata": lambda: be.init_forward_metadata(b),
         "host length arithmetic": lambda: host_lengths(b, ps),
@@ -49,9 +56,7 @@ def main(batch: int = 256) -> None:
             be.req_to_token, b.req_pool_indices, b.seq_lens, ps, total, maxp
         ),
         "our plan wrapper": lambda: k.plan(qo_indptr, kv_indptr, seq, 16, 512, True),
-        "device schedule launch": lambda: k.plan_on_device(
-            h, b.extend_seq_lens, b.seq_lens, 16, 512, ps
-        ),
+        "schedule + page ids launch": lambda: k.plan_on_device(h, b, 16, 512, ps, gather),
         "FlashInfer C++ plan alone": lambda: raw.plan(*args),
     }
     for name, fn in parts.items():
@@ -59,8 +64,8 @@ def main(batch: int = 256) -> None:
     import triton.testing
 
     # inside a CUDA graph, so the kernel's own time, not the launch rate
-    gpu = triton.testing.do_bench_cudagraph(parts["device schedule launch"], rep=100)
-    print(f"batch {batch}: {'device schedule kernel':28s} {gpu * 1e3:8.1f} us (GPU, graph)")
+    gpu = triton.testing.do_bench_cudagraph(parts["schedule + page ids launch"], rep=100)
+    print(f"batch {batch}: {'schedule + page ids kernel':28s} {gpu * 1e3:8.1f} us (GPU, graph)")
 
 
 if __name__ == "__main__":

@@ -31,15 +31,14 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpre
 
 
 def _ours(heads, q, kv, page, sms, cluster, ws=None, info=None):
-    from mla_backends.kernels.fi_schedule import ScheduleLayout, write_schedule
+    from mla_backends.kernels.fi_schedule import write_schedule
 
     info = info or synthetic_info(cluster, sms)
     if ws is None:
         ws = torch.empty(int_workspace_bytes(info, sms), dtype=torch.uint8, device=DEV)
     ws.fill_(0x7F)  # poison: whatever the kernel does not write reads as garbage
-    layout = ScheduleLayout.build(info, heads, page, sms)
     qt, kvt = (torch.as_tensor(np.asarray(x), dtype=torch.int32, device=ws.device) for x in (q, kv))
-    write_schedule(ws, layout, qt, kvt, int(max(q)))
+    write_schedule(ws, cluster, heads, page, sms, qt, kvt, int(max(q)))
     return decode_workspace(ws.view(torch.int32).cpu().numpy(), info, sms)
 
 
@@ -98,13 +97,13 @@ def test_check_schedule_catches_broken_schedules() -> None:
 
 
 def test_schedule_refuses_batches_beyond_flashinfer_arrays() -> None:
-    from mla_backends.kernels.fi_schedule import ScheduleLayout, write_schedule
+    from mla_backends.kernels.fi_schedule import write_schedule
 
     info = synthetic_info(1, 8)
     ws = torch.zeros(int_workspace_bytes(info, 8), dtype=torch.uint8, device=DEV)
     lens = torch.ones(17000, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="workspace holds 16384"):
-        write_schedule(ws, ScheduleLayout.build(info, 16, 64, 8), lens, lens, max_q_len=2)
+        write_schedule(ws, 1, 16, 64, 8, lens, lens, max_q_len=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and flashinfer")
@@ -147,3 +146,34 @@ def test_gpu_port_equals_flashinfer_planner(case: str) -> None:
     ours = _ours(heads, q, kv, page, sms, ref.cluster, ws=k.int_ws, info=list(info))
     assert sorted(ours.flat()) == sorted(real.flat())
     assert ours.merges == real.merges
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_one_launch_writes_schedule_and_page_ids(page: int) -> None:
+    """With a PageGather the same launch also writes the page ids: equal to the shared index
+    builder, nothing written past them, and the schedule unchanged."""
+    from mla_backends.batch import ForwardMode
+    from mla_backends.indices import build_page_indices
+    from mla_backends.kernels.fi_schedule import PageGather, write_schedule
+    from mla_backends.testing import Case, build_case, edge_kv_lens
+
+    lens = edge_kv_lens(page, long=150) + (3 * page + 2, 7)
+    case = Case(mode=ForwardMode.DECODE, page_size=page, kv_lens=lens, layout="mixed", seed=3)
+    rt, batch = build_case(case, torch.device(DEV))
+    r2t = rt.req_pool.req_to_token
+    n_pages = [-(-n // page) for n in batch.seq_lens_cpu.tolist()]
+    total = sum(n_pages)
+    _, want = build_page_indices(r2t, batch.req_pool_indices, batch.seq_lens, page, total)
+    heads, sms = 16, 6
+    info = synthetic_info(1, sms)
+    ws = torch.full((int_workspace_bytes(info, sms),), 0x7F, dtype=torch.uint8, device=DEV)
+    out = torch.full((total + 40,), -7, dtype=torch.int32, device=DEV)
+    gather = PageGather(r2t, batch.req_pool_indices, out, max(n_pages))
+    write_schedule(ws, 1, heads, page, sms, batch.extend_seq_lens, batch.seq_lens, 1, gather)
+    assert torch.equal(out[:total], want)
+    assert (out[total:] == -7).all()
+    q = batch.extend_seq_lens_cpu.numpy()
+    kv = batch.seq_lens_cpu.numpy()
+    got = decode_workspace(ws.view(torch.int32).cpu().numpy(), info, sms)
+    ref = plan_reference(q, kv, page, heads, sms)
+    assert sorted(got.flat()) == sorted(ref.flat()) and got.merges == ref.merges

@@ -33,7 +33,7 @@ from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config
 from mla_backends.fi_schedule import MAX_WORKS, cluster_size, synthetic_info
 from mla_backends.indices import build_page_indices
-from mla_backends.kernels.fi_schedule import ScheduleLayout, work_bound, write_schedule
+from mla_backends.kernels.fi_schedule import PageGather, work_bound, write_schedule
 from mla_backends.kernels.index import flat_page_indices
 
 WORKSPACE_BYTES = 128 << 20
@@ -102,14 +102,12 @@ class _FaMLAKernel:
         self.events: list[torch.cuda.Event | None] = [None] * PINNED_RING
         self.turn = 0
         self.num_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        self.layouts: dict[int, ScheduleLayout | None] = {}  # by cluster size
+        self.layouts: dict[int, Any] = {}  # cluster size -> plan info (None: not our layout)
 
-    def layout(
-        self, heads: int, head_dim: int, page_size: int, cluster: int
-    ) -> ScheduleLayout | None:
-        """Where the kernel reads the schedule for a cluster size, from one host plan of a
-        one-request batch; None when its offsets are not the layout `fi_schedule` ports
-        (another flashinfer version): the host planner then keeps planning."""
+    def layout_ok(self, heads: int, head_dim: int, cluster: int) -> Any | None:
+        """The plan info for a cluster size, from one host plan of a one-request batch, if its
+        offsets are the layout `fi_schedule` writes (flashinfer 0.7.2's); else None and the
+        host planner keeps planning (another flashinfer version)."""
         if cluster not in self.layouts:
             q_len = 1 if cluster == 1 else -(-65 // heads)
             info = self.plan(
@@ -121,33 +119,41 @@ class _FaMLAKernel:
                 True,
             )
             ok = [int(x) for x in info] == synthetic_info(cluster, self.num_sm, head_dim)
-            self.layouts[cluster] = (
-                ScheduleLayout.build(info, heads, page_size, self.num_sm) if ok else None
-            )
+            self.layouts[cluster] = info if ok else None
         return self.layouts[cluster]
 
     def plan_on_device(
         self,
         host: HostLengths,
-        qo_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
+        batch: ForwardBatch,
         heads: int,
         head_dim: int,
         page_size: int,
+        pages: PageGather,
     ) -> Any | None:
-        """Write this batch's schedule on the device; None where the host planner must run
-        (a cluster size whose layout is not ours, or more possible work than MAX_WORKS)."""
-        q = np.diff(host.qo_indptr)
+        """Write this batch's schedule and page ids on the device (one launch); None where
+        the host planner must run (a layout that is not ours, or more possible work items
+        than FlashInfer's arrays hold)."""
+        q = batch.extend_seq_lens_cpu.numpy()
         cluster = cluster_size(q, heads)
         max_q = int(q.max()) if q.size else 0
         bound = work_bound(q.size, max_q, heads, cluster, self.num_sm // cluster)
         if max_q == 0 or bound > MAX_WORKS:
             return None
-        layout = self.layout(heads, head_dim, page_size, cluster)
-        if layout is None:
-            return None
-        write_schedule(self.int_ws, layout, qo_lens, seq_lens, max_q)
-        return layout.info
+        info = self.layout_ok(heads, head_dim, cluster)
+        if info is not None:
+            write_schedule(
+                self.int_ws,
+                cluster,
+                heads,
+                page_size,
+                self.num_sm,
+                batch.extend_seq_lens,
+                batch.seq_lens,
+                max_q,
+                pages,
+            )
+        return info
 
     def plan(
         self,
@@ -275,35 +281,37 @@ class FlashInferMLABackend(MLABackend):
         self.metadata = self._plan(batch, None)
 
     def _plan(self, batch: ForwardBatch, indices_out: torch.Tensor | None) -> FlashInferMetadata:
-        ps = self.pool.page_size
+        ps, d = self.pool.page_size, self.dims
         h = host_lengths(batch, ps)
         total_pages = int(h.kv_indptr[-1])
-        if self.device.type == "cuda":  # one launch; the indptr stays on the host
-            kv_indices = flat_page_indices(
-                self.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                ps,
-                total_pages,
-                int(h.pages.max()) if h.pages.size else 0,
-                indices_out,
-            )
-        else:
-            _, kv_indices = build_page_indices(
-                self.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                ps,
-                total_pages,
-                indices_out=indices_out,
-            )
-        d = self.dims
+        max_pages = int(h.pages.max()) if h.pages.size else 0
+        out = indices_out
+        if out is None:
+            out = torch.empty(max(total_pages, 1), dtype=torch.int32, device=self.device)
         info = None
         if self.device.type == "cuda":
-            info = self.kernel.plan_on_device(
-                h, batch.extend_seq_lens, batch.seq_lens, d.num_heads, d.kv_lora_rank, ps
-            )
+            gather = PageGather(self.req_to_token, batch.req_pool_indices, out, max_pages)
+            info = self.kernel.plan_on_device(h, batch, d.num_heads, d.kv_lora_rank, ps, gather)
         if info is None:
+            if self.device.type == "cuda":  # one launch; the indptr stays on the host
+                flat_page_indices(
+                    self.req_to_token,
+                    batch.req_pool_indices,
+                    batch.seq_lens,
+                    ps,
+                    total_pages,
+                    max_pages,
+                    out,
+                )
+            else:
+                build_page_indices(
+                    self.req_to_token,
+                    batch.req_pool_indices,
+                    batch.seq_lens,
+                    ps,
+                    total_pages,
+                    indices_out=out,
+                )
             info = self.kernel.plan(
                 torch.from_numpy(h.qo_indptr),
                 torch.from_numpy(h.kv_indptr),
@@ -312,7 +320,7 @@ class FlashInferMLABackend(MLABackend):
                 d.kv_lora_rank,
                 True,
             )
-        return FlashInferMetadata(info, kv_indices if indices_out is None else indices_out, True)
+        return FlashInferMetadata(info, out if indices_out is not None else out[:total_pages], True)
 
     # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

@@ -16,7 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.fi_schedule import CTA_TILE_Q, MAX_WORKS, info_offsets
+from mla_backends.fi_schedule import CTA_TILE_Q, MAX_WORKS
+from mla_backends.kernels.index import BLOCK as PAGE_BLOCK
+from mla_backends.kernels.index import flat_pages_block
+
+
+@dataclass
+class PageGather:
+    """Page ids to gather with the schedule: request rows of req_to_token, out [>= total]."""
+
+    req_to_token: torch.Tensor  # [rows, max_ctx] int, device
+    rows: torch.Tensor  # [B] int32, device
+    out: torch.Tensor  # [>= total pages] int32, device
+    max_pages: int  # host: most pages of one request
 
 
 @triton.jit
@@ -48,37 +60,42 @@ def _item(
 
 
 @triton.jit
-def _fi_mla_schedule_kernel(
+def _schedule(
     QoLens,
     SeqLens,
     Ws,
     n_req,
-    O_Q_INDPTR: tl.constexpr,
-    O_KV_INDPTR: tl.constexpr,
-    O_PARTIAL: tl.constexpr,
-    O_Q_LEN: tl.constexpr,
-    O_KV_LEN: tl.constexpr,
-    O_Q_START: tl.constexpr,
-    O_KV_START: tl.constexpr,
-    O_KV_END: tl.constexpr,
-    O_WORK_INDPTR: tl.constexpr,
-    O_M_START: tl.constexpr,
-    O_M_END: tl.constexpr,
-    O_MP_START: tl.constexpr,
-    O_MP_END: tl.constexpr,
-    O_M_STRIDE: tl.constexpr,
     H: tl.constexpr,
     PAGE: tl.constexpr,
     CLUSTER: tl.constexpr,
-    TILE: tl.constexpr,
-    NUM_CLUSTERS: tl.constexpr,
     NUM_SM: tl.constexpr,
+    MAX_W: tl.constexpr,
     T: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_C: tl.constexpr,
     BLOCK_SM: tl.constexpr,
 ):
+    TILE: tl.constexpr = 64 * CLUSTER
+    NUM_CLUSTERS: tl.constexpr = NUM_SM // CLUSTER
+    # flashinfer 0.7.2's int-workspace layout (`synthetic_info`, checked against the real
+    # planner's before this kernel is used): MAX_W-long work arrays and NUM_SM-long merge
+    # arrays, 16-byte aligned, in MLAPlanInfo order.
+    SM_PAD: tl.constexpr = (NUM_SM + 3) // 4 * 4
+    O_Q_INDPTR: tl.constexpr = 0
+    O_KV_INDPTR: tl.constexpr = MAX_W
+    O_PARTIAL: tl.constexpr = 2 * MAX_W
+    O_M_START: tl.constexpr = 3 * MAX_W
+    O_M_END: tl.constexpr = O_M_START + SM_PAD
+    O_MP_START: tl.constexpr = O_M_END + SM_PAD
+    O_MP_END: tl.constexpr = O_MP_START + SM_PAD
+    O_M_STRIDE: tl.constexpr = O_MP_END + SM_PAD
+    O_Q_LEN: tl.constexpr = O_M_STRIDE + SM_PAD
+    O_KV_LEN: tl.constexpr = O_Q_LEN + MAX_W
+    O_Q_START: tl.constexpr = O_KV_LEN + MAX_W
+    O_KV_START: tl.constexpr = O_Q_START + MAX_W
+    O_KV_END: tl.constexpr = O_KV_START + MAX_W
+    O_WORK_INDPTR: tl.constexpr = O_KV_END + MAX_W
+
     offs = tl.arange(0, BLOCK)
     n_items = n_req * T
 
@@ -95,6 +112,7 @@ def _fi_mla_schedule_kernel(
             x <= 16, 64, tl.where(x <= 32, 128, tl.where(x <= 64, 192, (x + 255) // 256 * 256))
         ),
     ).to(tl.int32)
+    step = 2 * TILE + limit  # cost of a full chunk
 
     # pass 2: total cost (for the equal-cost cut)
     total_cost = tl.zeros([], tl.int64)
@@ -111,7 +129,6 @@ def _fi_mla_schedule_kernel(
     merges = tl.zeros([], tl.int32)
     q_off = tl.zeros([], tl.int32)
     page_off = tl.zeros([], tl.int32)
-    hist = tl.zeros([BLOCK_C], tl.int32)
     for base in range(0, n_items, BLOCK):
         k = base + offs
         valid, i, t, q, kv, keys = _item(QoLens, SeqLens, k, n_req, H, TILE, T, CAUSAL)
@@ -138,10 +155,6 @@ def _fi_mla_schedule_kernel(
             w = w0 + j
             kv_start = j * limit
             kv_end = tl.minimum(kv_start + limit, keys)
-            # cost before this chunk: every earlier chunk of the item is a full `limit`
-            start_cost = c0 + j * (2 * TILE + limit)
-            cl = tl.minimum(start_cost * NUM_CLUSTERS // total_cost, NUM_CLUSTERS - 1)
-            hist += tl.histogram(cl.to(tl.int32), BLOCK_C, mask=ok)
             tl.store(Ws + O_Q_INDPTR + w, q_i, mask=ok)
             tl.store(Ws + O_KV_INDPTR + w, p_i, mask=ok)
             tl.store(Ws + O_PARTIAL + w, tl.where(split, p0 + j * rts, -1), mask=ok)
@@ -150,6 +163,16 @@ def _fi_mla_schedule_kernel(
             tl.store(Ws + O_Q_START + w, t * TILE, mask=ok)
             tl.store(Ws + O_KV_START + w, kv_start, mask=ok)
             tl.store(Ws + O_KV_END + w, kv_end, mask=ok)
+            # Work w spans costs [lo, hi) (items and chunks are laid end to end); cluster c
+            # takes the works starting in [c, c + 1) * total / C. So work_indptr[c] = w + 1
+            # for every c with lo * C < c * total <= hi * C: the first work of c is w + 1.
+            lo = c0 + j * step
+            hi = lo + 2 * TILE + (kv_end - kv_start)
+            c_lo = lo * NUM_CLUSTERS // total_cost + 1
+            c_hi = hi * NUM_CLUSTERS // total_cost
+            for u in range(0, tl.max(tl.where(ok, c_hi - c_lo + 1, 0), 0)):
+                c = c_lo + u
+                tl.store(Ws + O_WORK_INDPTR + c, w + 1, mask=ok & (c <= c_hi))
 
         row0 = q_i * H + t * TILE
         for u in range(0, tl.max(m, 0)):
@@ -168,10 +191,7 @@ def _fi_mla_schedule_kernel(
         q_off += tl.sum(tl.where(last, q, 0), 0)
         page_off += tl.sum(tl.where(last, pages, 0), 0)
 
-    # work_indptr[c + 1] = items of clusters <= c (items are in cluster order by construction)
-    cs = tl.arange(0, BLOCK_C)
-    tl.store(Ws + O_WORK_INDPTR + 1 + cs, tl.cumsum(hist, 0), mask=cs < NUM_CLUSTERS)
-    tl.store(Ws + O_WORK_INDPTR + cs, 0, mask=cs == 0)
+    tl.store(Ws + O_WORK_INDPTR, 0)
     # unused merge entries must read as empty (start == end), as the host planner leaves them
     e = tl.arange(0, BLOCK_SM)
     unused = (e >= merges) & (e < NUM_SM)
@@ -180,6 +200,65 @@ def _fi_mla_schedule_kernel(
     tl.store(Ws + O_MP_START + e, 0, mask=unused)
     tl.store(Ws + O_MP_END + e, 0, mask=unused)
     tl.store(Ws + O_M_STRIDE + e, 0, mask=unused)
+
+
+@triton.jit
+def _fi_mla_metadata_kernel(
+    QoLens,
+    SeqLens,
+    Ws,
+    R2T,
+    Rows,
+    PageIds,
+    stride_r2t,
+    n_req,
+    H: tl.constexpr,
+    PAGE: tl.constexpr,
+    CLUSTER: tl.constexpr,
+    NUM_SM: tl.constexpr,
+    MAX_W: tl.constexpr,
+    T: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_SM: tl.constexpr,
+    GATHER: tl.constexpr,
+    PAGE_BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Program (0, 0) writes the schedule; programs (1 + b, j) gather request b's page ids,
+    block j, back to back into PageIds (FlashInfer's kv_indices): one launch for both."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        if tl.program_id(1) == 0:
+            _schedule(
+                QoLens,
+                SeqLens,
+                Ws,
+                n_req,
+                H,
+                PAGE,
+                CLUSTER,
+                NUM_SM,
+                MAX_W,
+                T,
+                CAUSAL,
+                BLOCK,
+                BLOCK_SM,
+            )
+    elif GATHER:
+        flat_pages_block(
+            R2T,
+            Rows,
+            SeqLens,
+            PageIds,
+            stride_r2t,
+            n_req,
+            pid - 1,
+            tl.program_id(1),
+            PAGE,
+            PAGE_BLOCK,
+            BLOCK_B,
+        )
 
 
 def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:
@@ -193,81 +272,56 @@ def work_bound(n_req: int, max_q_len: int, num_heads: int, cluster: int, n_clust
     return n_req * query_tiles(max_q_len, num_heads, cluster) + n_clusters
 
 
-@dataclass(frozen=True)
-class ScheduleLayout:
-    """Where FlashInfer's kernel reads the schedule (one cluster size), as kernel constants:
-    built once per layout, so a launch passes only the lengths, the workspace and B."""
-
-    info: tuple[int, ...]
-    consts: dict[str, int]
-
-    @classmethod
-    def build(
-        cls, info: list[int] | tuple[int, ...], num_heads: int, page_size: int, num_sm: int
-    ) -> ScheduleLayout:
-        o = info_offsets(info)
-        cluster, n_clusters = o["num_blks_x"], o["num_blks_y"]
-        names = {
-            "q_indptr": "O_Q_INDPTR",
-            "kv_indptr": "O_KV_INDPTR",
-            "partial_indptr": "O_PARTIAL",
-            "q_len": "O_Q_LEN",
-            "kv_len": "O_KV_LEN",
-            "q_start": "O_Q_START",
-            "kv_start": "O_KV_START",
-            "kv_end": "O_KV_END",
-            "work_indptr": "O_WORK_INDPTR",
-            "merge_start": "O_M_START",
-            "merge_end": "O_M_END",
-            "merge_partial_start": "O_MP_START",
-            "merge_partial_end": "O_MP_END",
-            "merge_stride": "O_M_STRIDE",
-        }
-        consts = {v: o[k] for k, v in names.items()}
-        consts.update(
-            H=num_heads,
-            PAGE=page_size,
-            CLUSTER=cluster,
-            TILE=CTA_TILE_Q * cluster,
-            NUM_CLUSTERS=n_clusters,
-            NUM_SM=num_sm,
-            BLOCK_C=triton.next_power_of_2(n_clusters + 1),
-            BLOCK_SM=triton.next_power_of_2(num_sm),
-        )
-        return cls(tuple(int(x) for x in info), consts)
-
-
 def write_schedule(
     int_ws: torch.Tensor,
-    layout: ScheduleLayout,
+    cluster: int,
+    num_heads: int,
+    page_size: int,
+    num_sm: int,
     qo_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     max_q_len: int,
+    pages: PageGather | None = None,
     causal: bool = True,
 ) -> None:
     """Fill FlashInfer's MLA schedule for this batch into `int_ws` (the kernel's int
-    workspace, any dtype) where `layout` says.
+    workspace, any dtype), laid out as flashinfer 0.7.2 lays it out for `cluster`
+    (`synthetic_info`: the caller checks the real planner agrees), and, given `pages`, the
+    page ids too, in the same launch.
 
     qo_lens / seq_lens: [B] int32 on the device. `max_q_len` bounds the query tiles per
     request (host value). Raises if the batch could need more work items than FlashInfer's
     fixed arrays hold."""
-    c = layout.consts
     n_req = seq_lens.numel()
-    t = query_tiles(max_q_len, c["H"], c["CLUSTER"])
-    bound = work_bound(n_req, max_q_len, c["H"], c["CLUSTER"], c["NUM_CLUSTERS"])
+    t = query_tiles(max_q_len, num_heads, cluster)
+    bound = work_bound(n_req, max_q_len, num_heads, cluster, num_sm // cluster)
     if bound > MAX_WORKS:
         raise ValueError(
             f"batch of {n_req} requests x {t} query tiles may need {bound} FlashInfer MLA work "
             f"items; its workspace holds {MAX_WORKS}"
         )
-    _fi_mla_schedule_kernel[(1,)](
+    g = pages or PageGather(seq_lens, seq_lens, seq_lens, 0)  # unread when not gathering
+    grid = (1 + (n_req if pages else 0), triton.cdiv(max(g.max_pages, 1), PAGE_BLOCK))
+    _fi_mla_metadata_kernel[grid](
         qo_lens,
         seq_lens,
         int_ws.view(torch.int32),
+        g.req_to_token,
+        g.rows,
+        g.out,
+        g.req_to_token.stride(0),
         n_req,
+        H=num_heads,
+        PAGE=page_size,
+        CLUSTER=cluster,
+        NUM_SM=num_sm,
+        MAX_W=MAX_WORKS,
         T=t,
         CAUSAL=causal,
         BLOCK=max(t, 256),
+        BLOCK_SM=triton.next_power_of_2(num_sm),
+        GATHER=pages is not None,
+        PAGE_BLOCK=PAGE_BLOCK,
+        BLOCK_B=triton.next_power_of_2(max(n_req, 1)),
         num_warps=4,
-        **c,
     )

@@ -59,6 +59,34 @@ def _segment_gather_kernel(
 
 
 @triton.jit
+def flat_pages_block(
+    R2T,
+    Rows,
+    SeqLens,
+    Out,
+    stride_r2t,
+    n_rows,
+    b,
+    blk,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Out[start_b + i] = r2t[row_b, i * PAGE] // PAGE for i in block `blk` of request b's
+    ceil(seq_b / PAGE) pages; start_b (the exclusive prefix sum of page counts) is summed
+    here, so no indptr is needed."""
+    i = blk * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, BLOCK_B)
+    lens = tl.load(SeqLens + ks, mask=(ks < b) & (ks < n_rows), other=0)
+    start = tl.sum((lens + PAGE - 1) // PAGE)
+    n = (tl.load(SeqLens + b) + PAGE - 1) // PAGE
+    row = tl.load(Rows + b).to(tl.int64)
+    ok = i < n
+    v = tl.load(R2T + row * stride_r2t + i * PAGE, mask=ok, other=0)
+    tl.store(Out + start + i, (v // PAGE).to(tl.int32), mask=ok)
+
+
+@triton.jit
 def _flat_page_indices_kernel(
     R2T,
     Rows,
@@ -70,18 +98,19 @@ def _flat_page_indices_kernel(
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """Out[start_b + i] = r2t[row_b, i * PAGE] // PAGE for i < ceil(seq_b / PAGE), where
-    start_b (the exclusive prefix sum of page counts) is summed here: one launch, no indptr."""
-    b = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ks = tl.arange(0, BLOCK_B)
-    lens = tl.load(SeqLens + ks, mask=(ks < b) & (ks < n_rows), other=0)
-    start = tl.sum((lens + PAGE - 1) // PAGE)
-    n = (tl.load(SeqLens + b) + PAGE - 1) // PAGE
-    row = tl.load(Rows + b).to(tl.int64)
-    ok = i < n
-    v = tl.load(R2T + row * stride_r2t + i * PAGE, mask=ok, other=0)
-    tl.store(Out + start + i, (v // PAGE).to(tl.int32), mask=ok)
+    flat_pages_block(
+        R2T,
+        Rows,
+        SeqLens,
+        Out,
+        stride_r2t,
+        n_rows,
+        tl.program_id(0),
+        tl.program_id(1),
+        PAGE,
+        BLOCK,
+        BLOCK_B,
+    )
 
 
 def flat_page_indices(
