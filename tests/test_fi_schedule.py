@@ -24,6 +24,9 @@ CASES = {
     "h8-mixed-q": (8, [1, 4, 9, 2], [3, 300, 2000, 17], 16, 5),
     "h128-b1-short": (128, [1], [1], 64, 8),
     "h16-b20": (16, [1] * 20, list(range(50, 1050, 50)), 64, 8),
+    # more items than one 256-wide block: the carries between blocks
+    "h16-b300": (16, [1] * 300, [(37 * i) % 900 + 1 for i in range(300)], 16, 7),
+    "h128-verify-q3-b90": (128, [3] * 90, [(53 * i) % 700 + 3 for i in range(90)], 64, 8),
 }
 
 
