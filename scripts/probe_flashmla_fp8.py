@@ -1,0 +1,76 @@
+"""Does sgl_kernel's dense FP8 FlashMLA kernel run at all on this GPU, outside our backend?
+
+python3 scripts/probe_flashmla_fp8.py          (GPU only; one subprocess per case, since an
+illegal memory access poisons the CUDA context). Fresh contiguous tensors, identity page
+table, unit descales, compared with the bf16 kernel on the dequantized inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+CASES = [  # heads, q_len, batch, pages per request, causal
+    (128, 1, 2, 4, False),
+    (64, 1, 2, 4, False),
+    (16, 1, 2, 4, False),
+    (128, 1, 1, 1, False),
+    (128, 2, 2, 4, True),
+]
+
+
+def one(heads: int, q_len: int, batch: int, pages: int, causal: bool) -> dict:
+    import torch
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    kv = (torch.randn(batch * pages, 64, 1, 576, device=dev) / 4).to(torch.float8_e4m3fn)
+    table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
+    seq = torch.full((batch,), pages * 64 - 5, dtype=torch.int32, device=dev)
+    q = (torch.randn(batch, q_len, heads, 576, device=dev) / 4).to(torch.float8_e4m3fn)
+    one_ = torch.ones(1, device=dev)
+    scale = 576**-0.5
+    tile, splits = get_mla_metadata(seq, q_len * heads, 1, is_fp8_kvcache=True)
+    out, lse = flash_mla_with_kvcache(
+        q, kv, table, seq, 512, tile, splits, scale, causal, descale_q=one_, descale_k=one_
+    )
+    torch.cuda.synchronize()
+    tile_b, splits_b = get_mla_metadata(seq, q_len * heads, 1)
+    ref, ref_lse = flash_mla_with_kvcache(
+        q.to(torch.bfloat16),
+        kv.to(torch.bfloat16),
+        table,
+        seq,
+        512,
+        tile_b,
+        splits_b,
+        scale,
+        causal,
+    )
+    torch.cuda.synchronize()
+    return {
+        "out_max_err": float((out.float() - ref.float()).abs().max()),
+        "lse_max_err": float((lse - ref_lse).abs().max()),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        print(json.dumps(one(*json.loads(sys.argv[1]))))
+        return
+    for case in CASES:
+        p = subprocess.run(
+            [sys.executable, __file__, json.dumps(case)], capture_output=True, text=True
+        )
+        last = (p.stdout.strip().splitlines() or [""])[-1]
+        err = [x for x in p.stderr.splitlines() if "Error" in x or "error" in x][-1:]
+        print(
+            f"H{case[0]} q{case[1]} B{case[2]} pages{case[3]} causal={case[4]}: "
+            f"rc {p.returncode} {last if p.returncode == 0 else err}"
+        )
+
+
+if __name__ == "__main__":
+    main()
