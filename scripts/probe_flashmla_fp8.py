@@ -56,10 +56,60 @@ def one(heads: int, q_len: int, batch: int, pages: int, causal: bool) -> dict:
     }
 
 
+BACKEND = [  # through our backend (FP8 allowed for the probe): variant, heads, q_len, batch, kv
+    ("as-is", 16, 1, 4, 512),
+    ("contiguous-kcache", 16, 1, 4, 512),
+    ("unit-descales", 16, 1, 4, 512),
+    ("as-is", 128, 1, 4, 512),
+]
+
+
+def via_backend(variant: str, heads: int, q_len: int, batch: int, kv: int) -> dict:
+    import torch
+
+    from mla_backends.backends.flashmla import FlashMLABackend
+    from mla_backends.benchmark import decode_setup
+
+    FlashMLABackend.kv_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
+    s = decode_setup("flashmla", heads, q_len, batch, kv, kv_dtype="float8_e4m3fn")
+    be = s.rt.backend
+    be.init_forward_metadata(s.batch)
+    if variant != "as-is":
+        fm = be._fm
+        real = fm.flash_mla_with_kvcache
+
+        def patched(q, k, *args, **kw):  # type: ignore[no-untyped-def]
+            if variant == "contiguous-kcache":
+                k = k.contiguous()
+            if variant == "unit-descales":
+                kw["descale_q"] = torch.ones(1, device=q.device)
+                kw["descale_k"] = torch.ones(1, device=q.device)
+            print("q", q.shape, q.stride(), q.dtype, "k", k.shape, k.stride(), k.dtype)
+            print("table", args[0].shape, args[0].stride(), "seq", args[1].tolist()[:4])
+            print(
+                {k_: (v.shape, v.dtype, v.stride()) for k_, v in kw.items() if hasattr(v, "shape")}
+            )
+            return real(q, k, *args, **kw)
+
+        fm.flash_mla_with_kvcache = patched
+    out = be.forward_absorbed(0, s.q_nope, s.q_rope, None, None, s.batch, return_lse=True)
+    torch.cuda.synchronize()
+    return {"ok": True, "out_abs_mean": float(out[0].float().abs().mean())}
+
+
 def main() -> None:
+    if len(sys.argv) > 2:
+        print(json.dumps(via_backend(*json.loads(sys.argv[2]))))
+        return
     if len(sys.argv) > 1:
         print(json.dumps(one(*json.loads(sys.argv[1]))))
         return
+    for case in BACKEND:
+        p = subprocess.run(
+            [sys.executable, __file__, "-", json.dumps(case)], capture_output=True, text=True
+        )
+        err = [x for x in p.stderr.splitlines() if "Error" in x or "error" in x][-1:]
+        print(f"backend {case}: rc {p.returncode} {p.stdout.strip()[-600:]} {err}")
     for case in CASES:
         p = subprocess.run(
             [sys.executable, __file__, json.dumps(case)], capture_output=True, text=True
