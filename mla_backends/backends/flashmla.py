@@ -40,10 +40,12 @@ def _flash_mla_module():  # type: ignore[no-untyped-def]
 class FlashMLABackend(PageTableBackend):
     name = "flashmla"
     page_sizes = (64,)
-    # FP8 is refused: sgl_kernel 0.4.3's dense FP8 kernel (fwd_kvcache_mla_fp8) is an illegal
-    # memory access on H200 with our pool at H = 16 and 128, decode and verify, even with the
-    # FP8 tile scheduler and [1] descales (what its checks demand). The FP8 code path below is
-    # kept so that the next sgl_kernel can be tried by adding the dtype back here; the
+    # FP8 is refused: sgl_kernel 0.4.3's dense FP8 kernel (fwd_kvcache_mla_fp8, with the FP8
+    # tile scheduler and [1] descales, what its checks demand) runs on uniform batches
+    # (scripts/probe_flashmla_fp8.py: standalone and through this backend, H16/64/128) but is
+    # an illegal memory access on the parity matrix's mixed-length batches (6 requests,
+    # lengths 1..1100) at H16 and H128, decode and verify (H200, 2026-11-22). The FP8 code
+    # path below stays so the next sgl_kernel can be tried by adding the dtype back here; the
     # flashinfer_mla and triton backends serve FP8 pools.
     kv_dtypes = ("bfloat16", "float16")
 
