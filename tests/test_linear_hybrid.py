@@ -215,3 +215,37 @@ def test_gpu_fla_equals_recurrence_prefill_then_decode(
         assert s_err <= FLA_TOL[dtype], f"{mode.name}: state rel err {s_err:.2e}"
     untouched = [i for i in range(1, slots) if i not in rows]
     assert torch.equal(pools[0].recurrent[0, untouched], init[untouched].cuda())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gdn_decode_kernel_equals_recurrence(dtype: torch.dtype) -> None:
+    """Our Triton GDN decode step (interpreted on CPU): out and state equal the recurrence;
+    slots of other requests (NaN-poisoned) untouched; padded rows only touch the dummy slot."""
+    from mla_backends.kernels.gdn_decode import gdn_decode
+
+    dev = "cuda" if GPU else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    b, h, dk, dv, slots = 3, 2, 16, 16, 6
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32)  # row 0: a padded row (dummy slot)
+    states = torch.randn(slots, h, dk, dv, generator=gen)
+    states[1] = states[3] = states[5] = float("nan")
+    q = torch.nn.functional.normalize(torch.randn(b, h, dk, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, h, dk, generator=gen), dim=-1)
+    v = torch.randn(b, h, dv, generator=gen)
+    g = -torch.rand(b, h, generator=gen)
+    beta = torch.rand(b, h, generator=gen)
+    st = states.clone().to(dev)  # the kernel updates it in place
+    args = [x.to(dev, dtype) for x in (q, k, v, g, beta)]
+    out = gdn_decode(*args, st, rows.to(dev), 0.3)
+    st = st.cpu()
+    for i, r in enumerate(rows.tolist()):
+        if r == 0:
+            continue
+        ref_o, ref_s = gated_delta_rule(*(x[i : i + 1].float().cpu() for x in args), states[r], 0.3)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i].float().cpu(), ref_o[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(
+            st[r], ref_s, rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=tol
+        )
+    for r in (1, 3, 5):
+        assert torch.isnan(st[r]).all()

@@ -19,6 +19,7 @@ import torch
 from mla_backends.backends.kernel_packages import missing
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import check_tensor
+from mla_backends.kernels.gdn_decode import gdn_decode
 from mla_backends.linear import fla_ops
 from mla_backends.linear.recurrence import gated_delta_rule
 from mla_backends.linear.state_pool import LinearStatePool
@@ -96,6 +97,8 @@ class LinearAttentionBackend:
             rows = batch.req_pool_indices
             if self.kernels == "fla":
                 rec_l = self.pool.recurrent[layer]
+                if g.dim() == 2:  # GDN: our kernel (fla's GDN kernel cannot index state slots)
+                    return gdn_decode(q, k, v, g, beta, rec_l, rows, self.scale)
                 return fla_ops.decode(q, k, v, g, beta, rec_l, rows, self.scale)
             return self._decode(layer, q, k, v, g, beta, rows.long()).to(v.dtype)
         if self.kernels == "fla":

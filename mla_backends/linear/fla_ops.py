@@ -2,10 +2,10 @@
 
 - prefill: `chunk_kda` / `chunk_gated_delta_rule`, varlen (`cu_seqlens`), from the requests'
   gathered states, final states returned for the caller to scatter back;
-- decode: `fused_recurrent_kda_fwd` with `ssm_state_indices`, reading and writing each
-  request's state slot in place (no gather / scatter copies, graph-capturable). GDN decodes
-  through the same kernel with its per-head decay broadcast over the key channels: KDA with
-  `g[h, k] = g[h]` is GDN exactly (decay diag(exp g) = exp(g) I).
+- decode (KDA): `fused_recurrent_kda_fwd` with `ssm_state_indices`, reading and writing each
+  request's state slot in place (no gather / scatter copies, graph-capturable). GDN decode
+  runs our own kernel (`kernels/gdn_decode.py`): fla's GDN recurrent kernel takes no state
+  indices, and going through the KDA kernel needs the decay broadcast over K first.
 
 Hazard: fla's kernels take q, k, v in one dtype; the caller's fp32 q / k (after L2 norm) are
 cast to v's dtype here, and outputs come back in v's dtype (no extra cast kernel: at small
@@ -70,14 +70,11 @@ def decode(
     rows: torch.Tensor,
     scale: float | None,
 ) -> torch.Tensor:
-    """One token per request: q, k [B, H, K], v [B, H, V], g [B, H] or [B, H, K], beta [B, H];
+    """KDA, one token per request: q, k [B, H, K], v [B, H, V], g [B, H, K], beta [B, H];
     layer_states [slots, H, K, V] fp32 (one layer of the pool) updated in place at `rows`
     [B] -> o [B, H, V] in v's dtype. Padded rows (row 0) all write the dummy slot."""
     fwd = _fn("fla.ops.kda.fused_recurrent", "fused_recurrent_kda_fwd")
     dt = v.dtype
-    b, h, dk = q.shape
-    if g.dim() == 2:
-        g = g[..., None].expand(b, h, dk)
     o, _ = fwd(
         q=q.to(dt)[:, None].contiguous(),
         k=k.to(dt)[:, None].contiguous(),
