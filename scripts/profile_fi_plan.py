@@ -56,7 +56,7 @@ def main(batch: int = 256) -> None:
             be.req_to_token, b.req_pool_indices, b.seq_lens, ps, total, maxp
         ),
         "our plan wrapper": lambda: k.plan(qo_indptr, kv_indptr, seq, 16, 512, True),
-        "schedule + page ids launch": lambda: k.plan_on_device(h, b, 16, 512, ps, gather),
+        "schedule + page ids launch": lambda: k.plan_on_device(b, 16, 512, ps, gather),
         "FlashInfer C++ plan alone": lambda: raw.plan(*args),
     }
     for name, fn in parts.items():

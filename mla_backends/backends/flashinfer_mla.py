@@ -124,7 +124,6 @@ class _FaMLAKernel:
 
     def plan_on_device(
         self,
-        host: HostLengths,
         batch: ForwardBatch,
         heads: int,
         head_dim: int,
@@ -291,7 +290,7 @@ class FlashInferMLABackend(MLABackend):
         info = None
         if self.device.type == "cuda":
             gather = PageGather(self.req_to_token, batch.req_pool_indices, out, max_pages)
-            info = self.kernel.plan_on_device(h, batch, d.num_heads, d.kv_lora_rank, ps, gather)
+            info = self.kernel.plan_on_device(batch, d.num_heads, d.kv_lora_rank, ps, gather)
         if info is None:
             if self.device.type == "cuda":  # one launch; the indptr stays on the host
                 flat_page_indices(
