@@ -11,16 +11,23 @@ import json
 import subprocess
 import sys
 
-CASES = [  # heads, q_len, batch, pages per request, causal
-    (128, 1, 2, 4, False),
-    (64, 1, 2, 4, False),
-    (16, 1, 2, 4, False),
-    (128, 1, 1, 1, False),
-    (128, 2, 2, 4, True),
+CASES = [  # heads, q_len, batch, pages per request, causal, first request's length (or None)
+    (128, 1, 2, 4, False, None),
+    (64, 1, 2, 4, False, None),
+    (16, 1, 2, 4, False, None),
+    (128, 1, 1, 1, False, None),
+    (128, 2, 2, 4, True, None),
+    # mixed lengths: a request with no keys (expected to fault: vLLM PR 35969), then one key
+    (128, 1, 2, 4, False, 0),
+    (16, 2, 2, 4, True, 0),
+    (128, 1, 2, 4, False, 1),
+    (16, 2, 2, 4, True, 2),
 ]
 
 
-def one(heads: int, q_len: int, batch: int, pages: int, causal: bool) -> dict:
+def one(
+    heads: int, q_len: int, batch: int, pages: int, causal: bool, first: int | None = None
+) -> dict:
     import torch
     from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
@@ -29,6 +36,8 @@ def one(heads: int, q_len: int, batch: int, pages: int, causal: bool) -> dict:
     kv = (torch.randn(batch * pages, 64, 1, 576, device=dev) / 4).to(torch.float8_e4m3fn)
     table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
     seq = torch.full((batch,), pages * 64 - 5, dtype=torch.int32, device=dev)
+    if first is not None:
+        seq[0] = first
     q = (torch.randn(batch, q_len, heads, 576, device=dev) / 4).to(torch.float8_e4m3fn)
     one_ = torch.ones(1, device=dev)
     scale = 576**-0.5
@@ -50,9 +59,10 @@ def one(heads: int, q_len: int, batch: int, pages: int, causal: bool) -> dict:
         causal,
     )
     torch.cuda.synchronize()
+    keep = slice(1, None) if first == 0 else slice(None)  # an empty request has no answer
     return {
-        "out_max_err": float((out.float() - ref.float()).abs().max()),
-        "lse_max_err": float((lse - ref_lse).abs().max()),
+        "out_max_err": float((out[keep].float() - ref[keep].float()).abs().max()),
+        "lse_max_err": float((lse[keep] - ref_lse[keep]).abs().max()),
     }
 
 
@@ -117,7 +127,8 @@ def main() -> None:
         last = (p.stdout.strip().splitlines() or [""])[-1]
         err = [x for x in p.stderr.splitlines() if "Error" in x or "error" in x][-1:]
         print(
-            f"H{case[0]} q{case[1]} B{case[2]} pages{case[3]} causal={case[4]}: "
+            f"H{case[0]} q{case[1]} B{case[2]} pages{case[3]} causal={case[4]} "
+            f"first_len={case[5]}: "
             f"rc {p.returncode} {last if p.returncode == 0 else err}"
         )
 

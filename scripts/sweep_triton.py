@@ -34,6 +34,38 @@ CFGS = [  # block_m (None = backend default), block_n, warps, stages
 SPLITS = [1, 2, 4]
 
 
+def decode_call(s, bm: int, bn: int, w: int, st: int, splits: int):  # type: ignore[no-untyped-def]
+    """A no-argument call of our decode kernel on setup `s` with this launch config."""
+    be = s.rt.backend
+    md = be.metadata
+    out = torch.empty_like(s.q_nope)
+    lse = torch.empty(s.q_nope.shape[:2], device="cuda", dtype=torch.float32)
+
+    def call() -> None:
+        mla_attention(
+            s.q_nope,
+            s.q_rope,
+            s.rt.kv_pool.kv_buffer[0],
+            md.table,
+            md.qo_indptr,
+            s.batch.seq_lens,
+            64,
+            be.scale,
+            1.0,
+            md.max_q_len,
+            splits,
+            out,
+            lse,
+            None,
+            block_m=bm,
+            block_n=bn,
+            num_warps=w,
+            num_stages=st,
+        )
+
+    return call
+
+
 def decode_sweep() -> list[dict]:
     rows = []
     for heads, q_len, batch, kv in DECODE:
@@ -43,35 +75,11 @@ def decode_sweep() -> list[dict]:
         md = be.metadata
         nbytes, flops = traffic(s)
         fm = time_flashmla(s)
-        out = torch.empty_like(s.q_nope)
-        lse = torch.empty(s.q_nope.shape[:2], device="cuda", dtype=torch.float32)
         rows_q = q_len * heads
         for bm, bn, w, st in CFGS:
             bm = bm or be._block_m(rows_q)
             for splits in SPLITS:
-
-                def call() -> None:
-                    mla_attention(
-                        s.q_nope,
-                        s.q_rope,
-                        s.rt.kv_pool.kv_buffer[0],
-                        md.table,
-                        md.qo_indptr,
-                        s.batch.seq_lens,
-                        64,
-                        be.scale,
-                        1.0,
-                        q_len,
-                        splits,
-                        out,
-                        lse,
-                        None,
-                        block_m=bm,
-                        block_n=bn,
-                        num_warps=w,
-                        num_stages=st,
-                    )
-
+                call = decode_call(s, bm, bn, w, st, splits)
                 try:
                     us = bench_us(call, 10, 40)
                 except Exception as e:  # out of resources etc.

@@ -7,8 +7,11 @@ Page table (`block_kv_indices`) from the shared base, tail filled with the dummy
 FP8 pools go through the dense FP8 kernel (`fwd_kvcache_mla_fp8`): q quantized per tensor on
 the device, `descale_q` / `descale_k` as [1] fp32 device tensors (sgl_kernel 0.4.3 checks for
 shape (1), though its docstring says (batch_size)), and tile metadata from the FP8 scheduler
-(`is_fp8_kvcache=True`). Hazard: the bf16 scheduler's metadata with the FP8 kernel was an
-illegal memory access (H200).
+(`is_fp8_kvcache=True`). Hazards, both illegal memory accesses on H200: the bf16 scheduler's
+metadata with the FP8 kernel, and a request with no keys (the FP8 kernel computes its last
+block as -1 and reads `block_table[-1]`; vLLM PR 35969 hit the same with padded graph rows).
+So FP8 batches hand the kernel lengths raised to at least q_len, which reads the table's fill
+page, and `mask_empty_rows` then writes the contract's out 0 / lse -inf for those rows.
 """
 
 from __future__ import annotations
@@ -40,14 +43,7 @@ def _flash_mla_module():  # type: ignore[no-untyped-def]
 class FlashMLABackend(PageTableBackend):
     name = "flashmla"
     page_sizes = (64,)
-    # FP8 is refused: sgl_kernel 0.4.3's dense FP8 kernel (fwd_kvcache_mla_fp8, with the FP8
-    # tile scheduler and [1] descales, what its checks demand) runs on uniform batches
-    # (scripts/probe_flashmla_fp8.py: standalone and through this backend, H16/64/128) but is
-    # an illegal memory access on the parity matrix's mixed-length batches (6 requests,
-    # lengths 1..1100) at H16 and H128, decode and verify (H200, 2026-11-22). The FP8 code
-    # path below stays so the next sgl_kernel can be tried by adding the dtype back here; the
-    # flashinfer_mla and triton backends serve FP8 pools.
-    kv_dtypes = ("bfloat16", "float16")
+    kv_dtypes = ("bfloat16", "float16", "float8_e4m3fn")
 
     @classmethod
     def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
@@ -69,28 +65,38 @@ class FlashMLABackend(PageTableBackend):
         self._fm = _flash_mla_module()
         self._tile: torch.Tensor | None = None  # [num_sm_parts, 8] int32, device
         self._splits: torch.Tensor | None = None  # [B + 1] int32, device
+        self._kv_lens: torch.Tensor | None = None  # [B] int32, the lengths the kernel reads
 
     @property
     def table_align(self) -> int:
         return 1  # FlashMLA reads whole 64-token pages; no block multiple
 
+    def _kernel_lens(self, batch: ForwardBatch, q_len: int) -> torch.Tensor:
+        """The KV lengths the kernel is given: FP8 raises empty requests to q_len (module
+        docstring: the FP8 kernel cannot take a request with no keys). One device op."""
+        if not self.pool.is_fp8:
+            return batch.seq_lens
+        return batch.seq_lens.clamp(min=q_len)
+
     def _kernel_metadata(
-        self, batch: ForwardBatch, q_len: int
+        self, kv_lens: torch.Tensor, q_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A device kernel (graph-capturable, no host sync); FlashMLA maps s_q * H query rows
         # onto one KV head.
         rows = q_len * self.dims.num_heads
         if self.pool.is_fp8:
-            return self._fm.get_mla_metadata(batch.seq_lens, rows, 1, is_fp8_kvcache=True)
-        return self._fm.get_mla_metadata(batch.seq_lens, rows, 1)
+            return self._fm.get_mla_metadata(kv_lens, rows, 1, is_fp8_kvcache=True)
+        return self._fm.get_mla_metadata(kv_lens, rows, 1)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)
-        self._tile, self._splits = self._kernel_metadata(batch, self.metadata.q_len)
+        self._kv_lens = self._kernel_lens(batch, self.metadata.q_len)
+        self._tile, self._splits = self._kernel_metadata(self._kv_lens, self.metadata.q_len)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         super().init_cuda_graph_state(max_bs, max_num_tokens)
         self._graph_splits = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_kv_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_tiles: dict[int, torch.Tensor] = {}  # its shape depends on q_len * H only
 
     def _bind_graph(self, batch: ForwardBatch) -> None:
@@ -98,11 +104,15 @@ class FlashMLABackend(PageTableBackend):
         # degrades output after a few dozen tokens. Recomputed and refilled on every replay.
         super()._bind_graph(batch)
         q_len, bs = self.metadata.q_len, batch.batch_size
-        tile, splits = self._kernel_metadata(batch, q_len)
+        kv_lens = self._kernel_lens(batch, q_len)
+        if kv_lens is not batch.seq_lens:  # FP8: the captured kernel reads a static copy
+            self._graph_kv_lens[:bs].copy_(kv_lens)
+            kv_lens = self._graph_kv_lens[:bs]
+        tile, splits = self._kernel_metadata(kv_lens, q_len)
         static = self._graph_tiles.setdefault(q_len, torch.empty_like(tile))
         static.copy_(tile)
         self._graph_splits[: bs + 1].copy_(splits)
-        self._tile, self._splits = static, self._graph_splits[: bs + 1]
+        self._tile, self._splits, self._kv_lens = static, self._graph_splits[: bs + 1], kv_lens
 
     def _attend_absorbed(
         self,
@@ -124,7 +134,7 @@ class FlashMLABackend(PageTableBackend):
             q,
             self.pool.get_paged_buffer(layer),
             md.table,
-            batch.seq_lens,
+            self._kv_lens,
             lat,
             self._tile,
             self._splits,
