@@ -34,7 +34,7 @@ CFGS = [  # block_m (None = backend default), block_n, warps, stages
 SPLITS = [1, 2, 4]
 
 
-def decode_call(s, bm: int, bn: int, w: int, st: int, splits: int):  # type: ignore[no-untyped-def]
+def decode_call(s, bm: int, bn: int, w: int, st: int, splits: int, tma: bool = True):  # type: ignore[no-untyped-def]
     """A no-argument call of our decode kernel on setup `s` with this launch config."""
     be = s.rt.backend
     md = be.metadata
@@ -61,6 +61,7 @@ def decode_call(s, bm: int, bn: int, w: int, st: int, splits: int):  # type: ign
             block_n=bn,
             num_warps=w,
             num_stages=st,
+            tma=tma,
         )
 
     return call

@@ -83,7 +83,10 @@ class TritonBackend(MLABackend):
         if self._dot_f32:
             return {"block_n": 16, "num_warps": 4, "num_stages": 1}
         if block_m >= 64:
-            return {"block_n": 64, "num_warps": 8, "num_stages": 3}
+            # TMA tiles (page 64 / 128) hold all stages in shared memory beside the [64, 576]
+            # query: three 64-key stages do not fit in 227 KB, two do.
+            stages = 2 if self.pool.page_size % 64 == 0 else 3
+            return {"block_n": 64, "num_warps": 8, "num_stages": stages}
         if block_m == 32:
             return {"block_n": 64, "num_warps": 4, "num_stages": 2}
         return {"block_n": 64, "num_warps": 4, "num_stages": 3}

@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mla_backends.kernels.common import interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -35,10 +38,25 @@ def _online_softmax(acc, m_i, l_i, s):
 
 
 @triton.jit
+def _attend_tile(acc, m_i, l_i, qn, qr, k, kr, n, visible, qk_scale_log2, PRECISION: tl.constexpr):
+    """One BLOCK_N tile of keys for all query rows: scores over L + R, causal mask, online
+    softmax, P @ V over the latent (V is the latent tile itself)."""
+    s = tl.dot(qn, tl.trans(k), input_precision=PRECISION)
+    s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=PRECISION)
+    s = s * qk_scale_log2
+    s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
+    acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
+    acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _mla_attn_kernel(
     QNope,
     QRope,
     KV,
+    KDesc,
+    KRDesc,
     Table,
     QoIndptr,
     SeqLens,
@@ -66,6 +84,7 @@ def _mla_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Head blocks of one request are the fastest grid axis: they run together and share
     # each latent tile through L2 instead of reading it from HBM once per head block.
@@ -110,7 +129,22 @@ def _mla_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, L], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    gather_lo = lo
+    if TMA:
+        # Whole tiles inside one page through TMA (multi-buffered, mbarrier-tracked); every
+        # key they hold is below hi <= seq, so none is stale. The partial tail tile, whose
+        # rows past hi may hold anything (NaN poison included), takes the masked path below.
+        gather_lo = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, gather_lo, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            page = tl.load(Table + b * stride_tab + start // PAGE)
+            row = page * PAGE + start % PAGE
+            k = KDesc.load([row, 0]).to(qn.dtype)
+            kr = KRDesc.load([row, L]).to(qr.dtype)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, qn, qr, k, kr, n, visible, qk_scale_log2, PRECISION
+            )
+    for start in range(gather_lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         page = tl.load(Table + b * stride_tab + n // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -121,14 +155,19 @@ def _mla_attn_kernel(
         kr = tl.load(
             KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
         )
-        k = k.to(qn.dtype)
-        kr = kr.to(qr.dtype)
-        s = tl.dot(qn, tl.trans(k), input_precision=PRECISION)
-        s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=PRECISION)
-        s = s * qk_scale_log2
-        s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
-        acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
-        acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
+        acc, m_i, l_i = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            qn,
+            qr,
+            k.to(qn.dtype),
+            kr.to(qr.dtype),
+            n,
+            visible,
+            qk_scale_log2,
+            PRECISION,
+        )
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -177,6 +216,19 @@ def _merge_kernel(
     )
 
 
+def tma_ok(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
+    """TMA tiles need SM90+, whole tiles inside one page, and 16-byte aligned rows."""
+    return (
+        kv.is_cuda
+        and not interpreting()
+        and torch.cuda.get_device_capability(kv.device)[0] >= 9
+        and page_size % block_n == 0
+        and kv.stride(1) == 1
+        and (kv.stride(0) * kv.element_size()) % 16 == 0
+        and kv.data_ptr() % 16 == 0
+    )
+
+
 def mla_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
@@ -197,13 +249,15 @@ def mla_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     dot_f32: bool = False,
+    tma: bool = True,
 ) -> None:
     """q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], table [B, W] page ids,
     qo_indptr [B + 1], seq_lens [B] (KV length incl. new tokens) -> out [T, H, L], lse [T, H].
 
     `max_q_len` and `num_splits` come from the host (never read off the device). FP8 KV:
     `kv_scale` multiplies scores and output, so rows are dequantized in registers only.
-    workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32)."""
+    workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32).
+    tma: load whole page-aligned tiles through TMA where the GPU and page size allow it."""
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     b = seq_lens.numel()
@@ -220,10 +274,19 @@ def mla_attention(
     else:
         part_out, part_lse = out, lse  # unused
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
+    use_tma = tma and tma_ok(kv, page_size, block_n)
+    k_desc: object = kv
+    kr_desc: object = kv
+    if use_tma:
+        shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
+        k_desc = TensorDescriptor(kv, shape, strides, [block_n, lat])
+        kr_desc = TensorDescriptor(kv, shape, strides, [block_n, r])
     _mla_attn_kernel[(m_blocks, b, num_splits)](
         q_nope,
         q_rope,
         kv,
+        k_desc,
+        kr_desc,
         table,
         qo_indptr,
         seq_lens,
@@ -251,6 +314,7 @@ def mla_attention(
         NUM_SPLITS=num_splits,
         DOT_F32=dot_f32,
         PRECISION=precision,
+        TMA=use_tma,
         num_warps=num_warps,
         num_stages=num_stages,
     )
