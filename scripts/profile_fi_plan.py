@@ -66,7 +66,18 @@ def main(batch: int = 256) -> None:
     # inside a CUDA graph, so the kernel's own time, not the launch rate
     gpu = triton.testing.do_bench_cudagraph(parts["schedule + page ids launch"], rep=100)
     print(f"batch {batch}: {'schedule + page ids kernel':28s} {gpu * 1e3:8.1f} us (GPU, graph)")
+    if "--cprofile" in sys.argv:  # where the host time of the whole call goes
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            be.init_forward_metadata(b)
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 256)

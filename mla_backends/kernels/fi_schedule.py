@@ -19,7 +19,6 @@ import triton.language as tl
 from mla_backends.fi_schedule import CTA_TILE_Q, MAX_WORKS
 from mla_backends.kernels.index import BLOCK as PAGE_BLOCK
 from mla_backends.kernels.index import flat_pages_block
-from mla_backends.kernels.launch import FastLaunch
 
 
 @dataclass
@@ -273,10 +272,6 @@ def _fi_mla_metadata_kernel(
         )
 
 
-# Once per decode batch on the host's critical path: launched without the JIT's binding.
-_METADATA_LAUNCH = FastLaunch(_fi_mla_metadata_kernel, num_warps=4)
-
-
 def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:
     """Query tiles per request the kernel loops over (a power of two)."""
     return triton.next_power_of_2(max(-(-max_q_len * num_heads // (CTA_TILE_Q * cluster)), 1))
@@ -318,8 +313,7 @@ def write_schedule(
         )
     g = pages or PageGather(seq_lens, seq_lens, seq_lens, 0)  # unread when not gathering
     grid = (1 + (n_req if pages else 0), triton.cdiv(max(g.max_pages, 1), PAGE_BLOCK))
-    _METADATA_LAUNCH(
-        grid,
+    _fi_mla_metadata_kernel[grid](
         qo_lens,
         seq_lens,
         int_ws.view(torch.int32),
@@ -340,4 +334,5 @@ def write_schedule(
         GATHER=pages is not None,
         PAGE_BLOCK=PAGE_BLOCK,
         BLOCK_B=triton.next_power_of_2(max(n_req, 1)),
+        num_warps=4,
     )
