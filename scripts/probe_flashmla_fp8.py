@@ -107,7 +107,47 @@ def via_backend(variant: str, heads: int, q_len: int, batch: int, kv: int) -> di
     return {"ok": True, "out_abs_mean": float(out[0].float().abs().mean())}
 
 
+def p_in_fp8(heads: int = 16, q_len: int = 3, kv_len: int = 3) -> dict:
+    """Is the FP8 kernel's error on short contexts its P @ V in FP8? Compares the kernel with
+    an fp64 reference, and with the same reference with P = exp(s - max) rounded to e4m3."""
+    import torch
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    dev = "cuda"
+    torch.manual_seed(1)
+    pages = -(-kv_len // 64)
+    kv8 = (torch.randn(pages, 64, 1, 576, device=dev) * 2).to(torch.float8_e4m3fn)
+    q8 = (torch.randn(1, q_len, heads, 576, device=dev) * 2).to(torch.float8_e4m3fn)
+    table = torch.arange(pages, dtype=torch.int32, device=dev)[None]
+    seq = torch.full((1,), kv_len, dtype=torch.int32, device=dev)
+    one_ = torch.ones(1, device=dev)
+    scale = 576**-0.5
+    tile, splits = get_mla_metadata(seq, q_len * heads, 1, is_fp8_kvcache=True)
+    out, _ = flash_mla_with_kvcache(
+        q8, kv8, table, seq, 512, tile, splits, scale, True, descale_q=one_, descale_k=one_
+    )
+    q = q8[0].double().reshape(q_len * heads, 576)
+    k = kv8[:, :, 0].reshape(-1, 576)[:kv_len].double()
+    s_ = q @ k.T * scale
+    vis = kv_len - q_len + 1 + torch.arange(q_len, device=dev).repeat_interleave(heads)
+    s_ = s_.masked_fill(torch.arange(kv_len, device=dev)[None, :] >= vis[:, None], float("-inf"))
+    p = torch.exp(s_ - s_.amax(1, keepdim=True))
+    ref = (p @ k[:, :512]) / p.sum(1, keepdim=True)
+    p8 = p.to(torch.float8_e4m3fn).double()
+    sim = (p8 @ k[:, :512]) / p.sum(1, keepdim=True)
+    got = out[0].double().reshape(q_len * heads, 512)
+    return {
+        "kernel_vs_exact_max_err": float((got - ref).abs().max()),
+        "kernel_vs_p_in_e4m3_max_err": float((got - sim).abs().max()),
+        "p_in_e4m3_vs_exact_max_err": float((sim - ref).abs().max()),
+    }
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--p-fp8"]:
+        for args in ((16, 3, 3), (128, 3, 3), (16, 1, 2), (16, 1, 64), (128, 1, 1100)):
+            print(args, json.dumps(p_in_fp8(*args)))
+        return
     if len(sys.argv) > 2:
         print(json.dumps(via_backend(*json.loads(sys.argv[2]))))
         return

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 
 def interpreting() -> bool:
@@ -14,8 +13,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Host-side arithmetic in plain Python: triton.cdiv / triton.next_power_of_2 are
+# ConstexprFunctions in Triton 3.6, a few microseconds per call on the per-batch path.
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.fi_schedule import CTA_TILE_Q, MAX_WORKS
+from mla_backends.kernels.common import cdiv, next_pow2
 from mla_backends.kernels.index import BLOCK as PAGE_BLOCK
 from mla_backends.kernels.index import flat_pages_block
 
@@ -274,7 +275,7 @@ def _fi_mla_metadata_kernel(
 
 def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:
     """Query tiles per request the kernel loops over (a power of two)."""
-    return triton.next_power_of_2(max(-(-max_q_len * num_heads // (CTA_TILE_Q * cluster)), 1))
+    return next_pow2(max(-(-max_q_len * num_heads // (CTA_TILE_Q * cluster)), 1))
 
 
 def work_bound(n_req: int, max_q_len: int, num_heads: int, cluster: int, n_clusters: int) -> int:
@@ -312,7 +313,7 @@ def write_schedule(
             f"items; its workspace holds {MAX_WORKS}"
         )
     g = pages or PageGather(seq_lens, seq_lens, seq_lens, 0)  # unread when not gathering
-    grid = (1 + (n_req if pages else 0), triton.cdiv(max(g.max_pages, 1), PAGE_BLOCK))
+    grid = (1 + (n_req if pages else 0), cdiv(max(g.max_pages, 1), PAGE_BLOCK))
     _fi_mla_metadata_kernel[grid](
         qo_lens,
         seq_lens,
@@ -330,9 +331,9 @@ def write_schedule(
         T=t,
         CAUSAL=causal,
         BLOCK=max(t, 256),
-        BLOCK_SM=triton.next_power_of_2(num_sm),
+        BLOCK_SM=next_pow2(num_sm),
         GATHER=pages is not None,
         PAGE_BLOCK=PAGE_BLOCK,
-        BLOCK_B=triton.next_power_of_2(max(n_req, 1)),
+        BLOCK_B=next_pow2(max(n_req, 1)),
         num_warps=4,
     )

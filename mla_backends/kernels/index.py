@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_backends.kernels.common import cdiv, next_pow2
+
 BLOCK = 128
 
 
@@ -128,7 +130,7 @@ def flat_page_indices(
     if out is None:
         out = torch.empty(max(total_pages, 1), dtype=torch.int32, device=rows.device)
     if b and max_pages:
-        grid = (b, triton.cdiv(max_pages, BLOCK))
+        grid = (b, cdiv(max_pages, BLOCK))
         _flat_page_indices_kernel[grid](
             req_to_token,
             rows,
@@ -138,7 +140,7 @@ def flat_page_indices(
             b,
             PAGE=page_size,
             BLOCK=BLOCK,
-            BLOCK_B=triton.next_power_of_2(b),
+            BLOCK_B=next_pow2(b),
         )
     return out[:total_pages]
 
@@ -156,7 +158,7 @@ def page_table(
     if out is None:
         out = torch.empty(b, width, dtype=torch.int32, device=rows.device)
     if b:
-        grid = (b, triton.cdiv(width, BLOCK))
+        grid = (b, cdiv(width, BLOCK))
         _page_table_kernel[grid](
             req_to_token,
             rows,
@@ -192,7 +194,7 @@ def _segments(
         else torch.empty(max(total, 1), dtype=torch.int32, device=rows.device)
     )
     if rows.numel() and max_len:
-        grid = (rows.numel(), triton.cdiv(max_len, BLOCK))
+        grid = (rows.numel(), cdiv(max_len, BLOCK))
         _segment_gather_kernel[grid](
             req_to_token,
             rows,

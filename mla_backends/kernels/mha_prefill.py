@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_backends.kernels.common import cdiv, next_pow2
 from mla_backends.kernels.mla_attention import _online_softmax
 
 LOG2E = 1.4426950408889634
@@ -230,8 +231,8 @@ def mha_prefill(
     if b == 0 or q.shape[0] == 0:
         return
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    d1 = triton.next_power_of_2(dqk) // 2 if dqk & (dqk - 1) else dqk  # largest pow2 <= dqk
-    grid = (b, triton.cdiv(max_q_len, block_m), h)
+    d1 = next_pow2(dqk) // 2 if dqk & (dqk - 1) else dqk  # largest pow2 <= dqk
+    grid = (b, cdiv(max_q_len, block_m), h)
     _mha_fwd_kernel[grid](
         q,
         k,
@@ -251,9 +252,9 @@ def mha_prefill(
         sm_scale * LOG2E,
         DQK=dqk,
         D1=d1,
-        D2=max(triton.next_power_of_2(dqk - d1), 16),
+        D2=max(next_pow2(dqk - d1), 16),
         DV=dv,
-        DV_PAD=triton.next_power_of_2(dv),
+        DV_PAD=next_pow2(dv),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         CAUSAL=causal,

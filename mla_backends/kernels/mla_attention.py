@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mla_backends.kernels.common import interpreting
+from mla_backends.kernels.common import cdiv, interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -263,7 +263,7 @@ def mla_attention(
     b = seq_lens.numel()
     if t == 0 or b == 0:
         return
-    m_blocks = triton.cdiv(max_q_len * h, block_m)
+    m_blocks = cdiv(max_q_len * h, block_m)
     if num_splits > 1:
         if workspace is None:
             workspace = (

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.kernels.common import interpreting
+from mla_backends.kernels.common import interpreting, next_pow2
 
 
 @triton.jit
@@ -88,8 +88,8 @@ def store_latent_rows(
         buf.stride(0),
         L=lat,
         R=r,
-        BLOCK_L=triton.next_power_of_2(lat),
-        BLOCK_R=triton.next_power_of_2(max(r, 1)),
+        BLOCK_L=next_pow2(lat),
+        BLOCK_R=next_pow2(max(r, 1)),
         IS_FP8=is_fp8,
         EXACT_FP8_ROUND=is_fp8 and interpreting(),
     )
