@@ -1,7 +1,7 @@
 """Why is our Triton decode kernel slow where it is? Registers, spills, shared memory and the
 pipelined IR of the compiled kernel, with its time against raw FlashMLA, per launch config.
 
-python3 scripts/probe_triton_regs.py OUT_DIR     (GPU; writes probe.json and the TTGIR / PTX
+python3 scripts/probe_triton_regs.py OUT_DIR [small]     (GPU; writes probe.json and the TTGIR / PTX
 of the H128 TMA configs as OUT_DIR/<shape>-<config>.ttgir)
 """
 
@@ -52,6 +52,23 @@ SHAPES = {  # (heads, q_len, batch, kv): (block_m, block_n, warps, stages, split
 }
 
 
+SMALL = {  # many splits per request: the rows where TMA tiles were slower (2026-11-22)
+    (16, 1, 16, 4096): [
+        (16, 64, 4, 3, 16, False),
+        (16, 32, 4, 4, 16, True),
+        (16, 32, 4, 4, 16, False),
+        (16, 32, 4, 2, 16, True),
+        (16, 32, 4, 4, 4, True),
+        (16, 64, 4, 3, 4, False),
+    ],
+    (16, 1, 1, 4096): [
+        (16, 64, 4, 3, 16, False),
+        (16, 32, 4, 4, 16, True),
+        (16, 32, 4, 4, 16, False),
+    ],
+}
+
+
 def compiled_kernels() -> list:  # type: ignore[type-arg]
     dev = torch.cuda.current_device()
     return list(_mla_attn_kernel.device_caches[dev][0].values())
@@ -68,9 +85,9 @@ def ir_counts(ttgir: str) -> dict[str, int]:
     return {k: len(re.findall(p, ttgir)) for k, p in pats.items()}
 
 
-def main(out: Path) -> None:
+def main(out: Path, shapes: dict) -> None:  # type: ignore[type-arg]
     rows = []
-    for (heads, q_len, batch, kv), cfgs in SHAPES.items():
+    for (heads, q_len, batch, kv), cfgs in shapes.items():
         s = decode_setup("triton", heads, q_len, batch, kv)
         s.rt.backend.init_forward_metadata(s.batch)
         nbytes, flops = traffic(s)
@@ -117,4 +134,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp"))
+    main(
+        Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp"), SMALL if "small" in sys.argv else SHAPES
+    )
