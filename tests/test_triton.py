@@ -188,7 +188,8 @@ def test_gpu_parity_matrix(case: Case) -> None:
 @gpu_only
 @pytest.mark.parametrize("batch", [1, 7, 130])
 def test_gpu_batch_sizes(batch: int) -> None:
-    for c in parity_cases("triton", (64,), (128,), ("bfloat16", "fp8"), ("decode", "verify")):
+    # batch 130 at 16 heads and page 64 runs the TMA tiles of block_m 16 (batch >= 32)
+    for c in parity_cases("triton", (64,), (16, 128), ("bfloat16", "fp8"), ("decode", "verify")):
         r = run_case(with_batch(c, batch), "cuda")
         assert r.ok, f"{c.id}: {r.detail}"
 

@@ -78,7 +78,7 @@ class TritonBackend(MLABackend):
     def _block_m(self, rows: int) -> int:
         return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
-    def _launch_cfg(self, block_m: int) -> dict[str, int]:
+    def _launch_cfg(self, block_m: int, batch_size: int) -> dict[str, int]:
         # From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py); the
         # interpreter wants tiny tiles. `tma` asks for TMA tiles where the page size allows
         # them (whole tiles inside one page, `mla_attention.tma_ok`).
@@ -92,7 +92,10 @@ class TritonBackend(MLABackend):
             return {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
         if block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
             return {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}
-        if self.pool.page_size % 32 == 0:  # H16 B256 kv1024: TMA 32-key tiles 0.92x, gather 0.84x
+        if self.pool.page_size % 32 == 0 and batch_size >= 32:
+            # H16 B256 kv1024: TMA 32-key tiles 0.90-0.92x FlashMLA, gather 0.84x. Small
+            # eager batches keep the gather: each TMA launch encodes two tensor maps on the
+            # host, which they cannot hide (H16 B1: 84 us against 27 us).
             return {"block_n": 32, "num_warps": 4, "num_stages": 4, "tma": True}
         return {"block_n": 64, "num_warps": 4, "num_stages": 3, "tma": False}
 
@@ -241,7 +244,7 @@ class TritonBackend(MLABackend):
             md.workspace,
             block_m=block_m,
             dot_f32=self._dot_f32,
-            **self._launch_cfg(block_m),
+            **self._launch_cfg(block_m, batch.batch_size),
         )
         return out, lse
 

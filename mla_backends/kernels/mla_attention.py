@@ -277,7 +277,7 @@ def mla_attention(
     use_tma = tma and tma_ok(kv, page_size, block_n)
     k_desc: object = kv
     kr_desc: object = kv
-    if use_tma:
+    if use_tma:  # built per call: a cached descriptor would keep a freed pool alive
         shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
         k_desc = TensorDescriptor(kv, shape, strides, [block_n, lat])
         kr_desc = TensorDescriptor(kv, shape, strides, [block_n, r])
