@@ -157,7 +157,6 @@ GPU_CASES = [
     Case("triton", page_size=16, num_heads=16, kv_dtype="float8_e4m3fn", dtype="bfloat16", q_len=2),
     Case("flashmla", page_size=64, num_heads=128, kv_dtype="bfloat16", dtype="bfloat16"),
     Case("flashmla", page_size=64, num_heads=16, kv_dtype="bfloat16", dtype="bfloat16", q_len=2),
-    Case("flashmla", page_size=64, num_heads=128, kv_dtype="float8_e4m3fn", dtype="bfloat16"),
     Case("flashinfer_mla", page_size=1, num_heads=128, kv_dtype="bfloat16", dtype="bfloat16"),
     Case(
         "flashinfer_mla",
