@@ -345,3 +345,71 @@ def test_accept_needs_a_verify_batch() -> None:
     with pytest.raises(ValueError, match=r"accepted counts must be in 0..2, got \[3\]"):
         eng.accept(rows, [3])
     assert eng.rt.allocator.seq_len(rows[0]) == 4  # a refused accept changed nothing
+
+
+# ---------------------------------------------------------------------------- HF checkpoint
+def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
+    from models.kimi_loader import load_kimi_linear, save_kimi_linear
+
+    src = _model()
+    save_kimi_linear(src, tmp_path)
+    # the file holds Kimi / fla names, not ours
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "model.layers.0.self_attn.q_conv1d.weight" in names
+    assert "model.layers.3.self_attn.kv_b_proj.weight" in names
+    assert not any(".attn." in n or n.endswith("conv_weight") for n in names)
+    got = load_kimi_linear(tmp_path)
+    seq = [5, 17, 3, 9, 250, 1, 77]
+    assert torch.equal(_full(got, "torch", seq), _full(src, "torch", seq))
+    assert got.extra_tensors == []
+
+    # each conv part lands in its third of our joined weight
+    t = load_file(str(tmp_path / "model.safetensors"))
+    c = CFG.kda_heads * CFG.kda_head_dim
+    t["model.layers.0.self_attn.k_conv1d.weight"] = torch.full((c, 1, CFG.conv_kernel), 7.0)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    w = load_kimi_linear(tmp_path).layers[0].attn.conv_weight
+    assert bool((w[c : 2 * c] == 7.0).all()) and not bool((w[:c] == 7.0).any())
+
+
+def test_hf_safetensors_errors_name_the_tensor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from models.kimi_loader import load_kimi_linear, save_kimi_linear
+    from models.loader import CheckpointError
+
+    save_kimi_linear(_model(), tmp_path)
+    file = tmp_path / "model.safetensors"
+    good = load_file(str(file))
+
+    bad = dict(good)
+    del bad["model.layers.1.self_attn.v_conv1d.weight"]
+    save_file(bad, str(file))
+    with pytest.raises(CheckpointError, match=r"lacks tensor 'model.layers.1.self_attn.v_conv1d"):
+        load_kimi_linear(tmp_path)
+
+    bad = dict(good)  # a MoE block instead of the dense MLP
+    del bad["model.layers.2.mlp.gate_proj.weight"]
+    bad["model.layers.2.block_sparse_moe.gate.weight"] = torch.zeros(4, CFG.hidden_size)
+    save_file(bad, str(file))
+    with pytest.raises(CheckpointError, match=r"lacks tensor 'model.layers.2.mlp.gate_proj"):
+        load_kimi_linear(tmp_path)
+
+    bad = dict(good)
+    bad["model.layers.3.self_attn.kv_b_proj.weight"] = good[
+        "model.layers.3.self_attn.kv_b_proj.weight"
+    ][:, :-1].contiguous()
+    save_file(bad, str(file))
+    with pytest.raises(CheckpointError, match=r"kv_b_proj.weight: checkpoint shape"):
+        load_kimi_linear(tmp_path)
+
+    save_file(good, str(file))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["linear_attn_config"]["full_attn_layers"] = [1, 5]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"full_attn_layers = \[1, 5\].*gives \[4, 8\]"):
+        load_kimi_linear(tmp_path)

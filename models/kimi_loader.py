@@ -1,0 +1,145 @@
+"""Load HF-layout safetensors into the Kimi-Linear-style model (`models/kimi_linear.py`).
+
+The layout follows Kimi-Linear's and fla's names for what this model has:
+- `model.` prefix, `self_attn.` for both layer kinds, `mlp.gate_proj / up_proj / down_proj`;
+- `model.embed_tokens`, `model.norm`, `lm_head` (tied to the embedding when absent and
+  `tie_word_embeddings`);
+- KDA short convolutions as three depthwise Conv1d weights `q_conv1d / k_conv1d /
+  v_conv1d.weight` of shape [heads * head_dim, 1, kernel], which are joined into our one
+  `conv_weight` [3 * heads * head_dim, kernel].
+
+config.json: the model fields of `KimiLinearConfig`, plus `linear_attn_config` {"num_heads",
+"head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers"} with 1-based layer
+numbers, as Kimi-Linear writes them. The layer lists must be the configured ratio's.
+Not covered: Kimi-Linear's MoE blocks (this model's MLP is dense); a checkpoint that has them
+fails with the missing dense MLP tensors named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
+from models.loader import CheckpointError, dequant_fp8_blocks, read_tensors
+
+_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
+    raw = dict(raw)
+    lin = raw.pop("linear_attn_config", None) or {}
+    raw.setdefault("kda_heads", lin.get("num_heads"))
+    raw.setdefault("kda_head_dim", lin.get("head_dim"))
+    raw.setdefault("conv_kernel", lin.get("short_conv_kernel_size"))
+    raw.setdefault("mla_heads", raw.get("num_attention_heads"))
+    names = {f.name for f in fields(KimiLinearConfig)}
+    cfg = KimiLinearConfig(**{k: v for k, v in raw.items() if k in names and v is not None})
+    kda = [i + 1 for i, k in enumerate(cfg.kinds) if k == "linear"]
+    full = [i + 1 for i, k in enumerate(cfg.kinds) if k == "full"]
+    for key, want in (("kda_layers", kda), ("full_attn_layers", full)):
+        if key in lin and sorted(lin[key]) != want:
+            raise CheckpointError(
+                f"config.json linear_attn_config.{key} = {sorted(lin[key])}, but "
+                f"linear_per_full = {cfg.linear_per_full} over {cfg.num_hidden_layers} layers "
+                f"gives {want}"
+            )
+    return cfg
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the checkpoint's (the conv weight is handled apart)."""
+    if name.startswith("lm_head."):
+        return name
+    return "model." + re.sub(r"^layers\.(\d+)\.attn\.", r"layers.\1.self_attn.", name)
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
+    if name not in tensors:
+        raise CheckpointError(f"checkpoint lacks tensor {name!r} {list(shape)}")
+    t = tensors[name]
+    if t.dtype == torch.float8_e4m3fn:
+        scale = tensors.get(name + "_scale_inv")
+        if scale is None:
+            raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
+        t = dequant_fp8_blocks(t, scale, name)
+    if not t.is_floating_point():
+        raise CheckpointError(f"{name}: dtype {t.dtype}, expected a floating dtype")
+    return t
+
+
+def _conv_weight(tensors: dict[str, torch.Tensor], prefix: str, shape: torch.Size) -> torch.Tensor:
+    parts = []
+    per = (shape[0] // 3, 1, shape[1])
+    for c in _CONV:
+        name = f"{prefix}.{c}.weight"
+        t = _tensor(tensors, name, torch.Size(per))
+        if tuple(t.shape) != per:
+            raise CheckpointError(f"{name}: checkpoint shape {list(t.shape)}, expected {list(per)}")
+        parts.append(t[:, 0])
+    return torch.cat(parts, 0)
+
+
+def load_kimi_linear(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> KimiLinearForCausalLM:
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    cfg = config_from_hf(raw)
+    model = KimiLinearForCausalLM(cfg)
+    tensors = read_tensors(path)
+    if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
+    loaded, used = {}, set()
+    for name, ref in model.state_dict().items():
+        if name.endswith(".attn.conv_weight"):
+            prefix = hf_name(name).removesuffix(".conv_weight")
+            t = _conv_weight(tensors, prefix, ref.shape)
+            used.update(f"{prefix}.{c}.weight" for c in _CONV)
+        else:
+            key = hf_name(name)
+            t = _tensor(tensors, key, ref.shape)
+            used.add(key)
+        if t.shape != ref.shape:
+            raise CheckpointError(
+                f"{hf_name(name)}: checkpoint shape {list(t.shape)}, model expects "
+                f"{list(ref.shape)}"
+            )
+        loaded[name] = t.to(dtype)
+    model.load_state_dict(loaded, strict=True)
+    model.extra_tensors = sorted(  # type: ignore[attr-defined]
+        k for k in tensors if k not in used and not k.endswith("_scale_inv")
+    )
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_kimi_linear(model: KimiLinearForCausalLM, path: str | Path) -> None:
+    """Write `model` in the layout `load_kimi_linear` reads (tests, tiny checkpoints)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".attn.conv_weight"):
+            prefix = hf_name(name).removesuffix(".conv_weight")
+            for c, part in zip(_CONV, t.chunk(3, 0)):
+                out[f"{prefix}.{c}.weight"] = part[:, None].contiguous()
+        else:
+            out[hf_name(name)] = t.contiguous()
+    save_file(out, str(path / "model.safetensors"))
+    c = model.cfg
+    raw = {f.name: getattr(c, f.name) for f in fields(c)}
+    raw["linear_attn_config"] = {
+        "num_heads": c.kda_heads,
+        "head_dim": c.kda_head_dim,
+        "short_conv_kernel_size": c.conv_kernel,
+        "kda_layers": [i + 1 for i, k in enumerate(c.kinds) if k == "linear"],
+        "full_attn_layers": [i + 1 for i, k in enumerate(c.kinds) if k == "full"],
+    }
+    (path / "config.json").write_text(json.dumps(raw, indent=1))
