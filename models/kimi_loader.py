@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
-from models.loader import CheckpointError, dequant_fp8_blocks, read_tensors
+from models.loader import CheckpointError, fetch_tensor, read_tensors
 
 _CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 
@@ -59,26 +59,12 @@ def hf_name(name: str) -> str:
     return "model." + re.sub(r"^layers\.(\d+)\.attn\.", r"layers.\1.self_attn.", name)
 
 
-def _tensor(tensors: dict[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
-    if name not in tensors:
-        raise CheckpointError(f"checkpoint lacks tensor {name!r} {list(shape)}")
-    t = tensors[name]
-    if t.dtype == torch.float8_e4m3fn:
-        scale = tensors.get(name + "_scale_inv")
-        if scale is None:
-            raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
-        t = dequant_fp8_blocks(t, scale, name)
-    if not t.is_floating_point():
-        raise CheckpointError(f"{name}: dtype {t.dtype}, expected a floating dtype")
-    return t
-
-
 def _conv_weight(tensors: dict[str, torch.Tensor], prefix: str, shape: torch.Size) -> torch.Tensor:
     parts = []
     per = (shape[0] // 3, 1, shape[1])
     for c in _CONV:
         name = f"{prefix}.{c}.weight"
-        t = _tensor(tensors, name, torch.Size(per))
+        t = fetch_tensor(tensors, name, torch.Size(per))
         if tuple(t.shape) != per:
             raise CheckpointError(f"{name}: checkpoint shape {list(t.shape)}, expected {list(per)}")
         parts.append(t[:, 0])
@@ -103,7 +89,7 @@ def load_kimi_linear(
             used.update(f"{prefix}.{c}.weight" for c in _CONV)
         else:
             key = hf_name(name)
-            t = _tensor(tensors, key, ref.shape)
+            t = fetch_tensor(tensors, key, ref.shape)
             used.add(key)
         if t.shape != ref.shape:
             raise CheckpointError(

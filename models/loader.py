@@ -51,6 +51,24 @@ def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, name: str) -> t
     return w.float() * s
 
 
+def fetch_tensor(
+    tensors: dict[str, torch.Tensor], name: str, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    """Checkpoint tensor `name` as a floating tensor (block-scaled FP8 dequantized); errors
+    name it. The caller checks the shape (`shape` is for the message when it is missing)."""
+    if name not in tensors:
+        raise CheckpointError(f"checkpoint lacks tensor {name!r} {list(shape)}")
+    t = tensors[name]
+    if t.dtype == torch.float8_e4m3fn:
+        scale = tensors.get(name + "_scale_inv")
+        if scale is None:
+            raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
+        t = dequant_fp8_blocks(t, scale, name)
+    if not t.is_floating_point():
+        raise CheckpointError(f"{name}: dtype {t.dtype}, expected a floating dtype")
+    return t
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -66,16 +84,10 @@ def load_model(
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
     loaded = {}
     for name, ref in want.items():
-        if name not in tensors:
-            raise CheckpointError(f"{path}: checkpoint lacks tensor {name!r} {list(ref.shape)}")
-        t = tensors[name]
-        if t.dtype == torch.float8_e4m3fn:
-            scale = tensors.get(name + "_scale_inv")
-            if scale is None:
-                raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
-            t = dequant_fp8_blocks(t, scale, name)
-        if not t.is_floating_point():
-            raise CheckpointError(f"{name}: dtype {t.dtype}, expected a floating dtype")
+        try:
+            t = fetch_tensor(tensors, name, ref.shape)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
         if t.shape != ref.shape:
             raise CheckpointError(
                 f"{name}: checkpoint shape {list(t.shape)}, model expects {list(ref.shape)}"
