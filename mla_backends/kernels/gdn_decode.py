@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.kernels.common import cdiv
-
 
 @triton.jit
 def _gdn_decode_kernel(
@@ -78,7 +76,7 @@ def gdn_decode(
     if b == 0:
         return out
     bv = min(dv, 8 if b * h <= 256 else 32)  # small batches: more programs in flight
-    _gdn_decode_kernel[(cdiv(dv, bv), b * h)](
+    _gdn_decode_kernel[(triton.cdiv(dv, bv), b * h)](
         q,
         k,
         v,
