@@ -94,7 +94,7 @@ def main(out: Path, shapes: dict) -> None:  # type: ignore[type-arg]
         fm = time_flashmla(s)
         for cfg in cfgs:
             before = set(map(id, compiled_kernels()))
-            call = decode_call(s, *cfg)
+            call = decode_call(s, *cfg)[0]
             try:
                 us = bench_us(call, 10, 40)
             except Exception as e:  # out of resources

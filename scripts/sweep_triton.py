@@ -34,7 +34,9 @@ CFGS = [  # block_m (None = backend default), block_n, warps, stages
 SPLITS = [1, 2, 4]
 
 
-def decode_call(s, bm: int, bn: int, w: int, st: int, splits: int, tma: bool = True):  # type: ignore[no-untyped-def]
+def decode_call(
+    s, bm: int, bn: int, w: int, st: int, splits: int, tma: bool = True, gluon: bool = False
+):  # type: ignore[no-untyped-def]
     """A no-argument call of our decode kernel on setup `s` with this launch config."""
     be = s.rt.backend
     md = be.metadata
@@ -62,9 +64,10 @@ def decode_call(s, bm: int, bn: int, w: int, st: int, splits: int, tma: bool = T
             num_warps=w,
             num_stages=st,
             tma=tma,
+            gluon=gluon,
         )
 
-    return call
+    return call, out, lse
 
 
 def decode_sweep() -> list[dict]:
@@ -80,7 +83,7 @@ def decode_sweep() -> list[dict]:
         for bm, bn, w, st in CFGS:
             bm = bm or be._block_m(rows_q)
             for splits in SPLITS:
-                call = decode_call(s, bm, bn, w, st, splits)
+                call = decode_call(s, bm, bn, w, st, splits)[0]
                 try:
                     us = bench_us(call, 10, 40)
                 except Exception as e:  # out of resources etc.

@@ -78,17 +78,18 @@ class TritonBackend(MLABackend):
     def _block_m(self, rows: int) -> int:
         return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
-    def _launch_cfg(self, block_m: int, batch_size: int) -> dict[str, int]:
+    def _launch_cfg(self, block_m: int, batch_size: int) -> dict[str, int | bool]:
         # From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py); the
         # interpreter wants tiny tiles. `tma` asks for TMA tiles where the page size allows
         # them (whole tiles inside one page, `mla_attention.tma_ok`).
         if self._dot_f32:
             return {"block_n": 16, "num_warps": 4, "num_stages": 1, "tma": False}
         if block_m >= 64:
-            # TMA stages sit in shared memory beside the [64, 576] query: two 64-key stages
-            # fit in 227 KB, three do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
+            # The Gluon kernel where it can run (SM90, bf16 / fp16, page % 64 == 0); else
+            # TMA stages beside the [64, 576] query: two 64-key stages fit in 227 KB, three
+            # do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
             if self.pool.page_size % 64 == 0:
-                return {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True}
+                return {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True, "gluon": True}
             return {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
         if block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
             return {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}

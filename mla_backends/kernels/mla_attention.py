@@ -250,6 +250,7 @@ def mla_attention(
     num_stages: int = 2,
     dot_f32: bool = False,
     tma: bool = True,
+    gluon: bool = False,
 ) -> None:
     """q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], table [B, W] page ids,
     qo_indptr [B + 1], seq_lens [B] (KV length incl. new tokens) -> out [T, H, L], lse [T, H].
@@ -257,7 +258,9 @@ def mla_attention(
     `max_q_len` and `num_splits` come from the host (never read off the device). FP8 KV:
     `kv_scale` multiplies scores and output, so rows are dequantized in registers only.
     workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32).
-    tma: load whole page-aligned tiles through TMA where the GPU and page size allow it."""
+    tma: load whole page-aligned tiles through TMA where the GPU and page size allow it.
+    gluon: take the Gluon kernel (64-row blocks, `mla_attention_gluon`) where `gluon_ok`;
+    block_m / block_n / warps / stages then apply only to the fallback."""
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     b = seq_lens.numel()
@@ -273,6 +276,28 @@ def mla_attention(
         part_out, part_lse = workspace
     else:
         part_out, part_lse = out, lse  # unused
+    if gluon and kv_scale == 1.0 and _gluon_ok(q_nope, kv, page_size):
+        from mla_backends.kernels import mla_attention_gluon as mg
+
+        m_blocks = cdiv(max_q_len * h, mg.BLOCK_M)
+        mg.launch(
+            q_nope,
+            q_rope,
+            kv,
+            table,
+            qo_indptr,
+            seq_lens,
+            page_size,
+            sm_scale * LOG2E,
+            m_blocks,
+            num_splits,
+            out,
+            lse,
+            part_out,
+            part_lse,
+        )
+        _merge(part_out, part_lse, out, lse, num_splits)
+        return
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
     use_tma = tma and tma_ok(kv, page_size, block_n)
     k_desc: object = kv
@@ -318,17 +343,40 @@ def mla_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
-        _merge_kernel[(t * h,)](
-            part_out,
-            part_lse,
-            out,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            lse.stride(0),
-            H=h,
-            L=lat,
-            NUM_SPLITS=num_splits,
-            num_warps=4,
-        )
+    _merge(part_out, part_lse, out, lse, num_splits)
+
+
+def _merge(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    num_splits: int,
+) -> None:
+    if num_splits == 1:
+        return
+    t, h, lat = out.shape
+    _merge_kernel[(t * h,)](
+        part_out,
+        part_lse,
+        out,
+        lse,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        H=h,
+        L=lat,
+        NUM_SPLITS=num_splits,
+        num_warps=4,
+    )
+
+
+def _gluon_ok(q_nope: torch.Tensor, kv: torch.Tensor, page_size: int) -> bool:
+    """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
+    if not kv.is_cuda or interpreting():
+        return False
+    try:
+        from mla_backends.kernels.mla_attention_gluon import gluon_ok
+    except ImportError:  # a Triton without triton.experimental.gluon
+        return False
+    return gluon_ok(q_nope, kv, page_size)

@@ -1,0 +1,404 @@
+"""Absorbed MLA attention for 64-row query blocks on Hopper, in Gluon (bf16 / fp16 latent).
+
+Why a second kernel: with `tl.dot`, Triton lays a dot whose result feeds another dot out as
+`warpsPerCTA = [8, 1]` ("chained dot", the flash-attention heuristic). At 64 query rows and
+8 warps that gives each warpgroup the whole `[64, BLOCK_N]` score tile, so both compute it:
+2.36 M of each warpgroup's 3.41 M MACs per tile are the 576-deep score GEMM done twice.
+Gluon lets us write the layouts: the score tile is split over keys (`[4, 2]`), the output
+over its 512 columns (`[4, 2]`), and P goes through shared memory to both warpgroups.
+
+Same contract as `mla_attention._mla_attn_kernel` (grid, row mapping, causality, split
+partials, `_merge_kernel`). Whole tiles inside one page come in through TMA into a ring of
+`STAGES` buffers; the partial tail tile is a masked register load stored into a free
+buffer, so rows past `seq_len` (stale, NaN poison) never reach P @ V. GPU only (SM90):
+there is no interpreter for Gluon.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mla_backends.kernels.common import interpreting
+
+# One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
+# Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
+BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def gluon_ok(q_nope: torch.Tensor, kv: torch.Tensor, page_size: int) -> bool:
+    """SM90 exactly (wgmma), bf16 / fp16 latent read by queries of the same dtype, whole
+    64-key tiles inside one page, TMA-aligned rows, the 576 = 512 + 64 latent layout."""
+    return (
+        kv.is_cuda
+        and not interpreting()
+        and torch.cuda.get_device_capability(kv.device) == (9, 0)
+        and kv.dtype in _GL_DTYPES
+        and q_nope.dtype == kv.dtype
+        and page_size % BLOCK_N == 0
+        and kv.stride(1) == 1
+        and (kv.stride(0) * kv.element_size()) % 16 == 0
+        and kv.data_ptr() % 16 == 0
+        and q_nope.shape[2] == 512
+        and kv.shape[1] == 576
+    )
+
+
+@gluon.jit
+def _issue_tile(
+    KDesc,
+    KRDesc,
+    k_smem,
+    kr_smem,
+    bars,
+    Table,
+    b,
+    stride_tab,
+    lo,
+    j,
+    n_full,
+    L: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """TMA for whole tile j of this split into ring slot j % STAGES (skipped past n_full)."""
+    pred = j < n_full
+    start = lo + j * BLOCK_N
+    page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
+    row = page * PAGE + start % PAGE
+    s = j % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(KDesc, [row, 0], bar, k_smem.index(s), pred)
+    tma.async_copy_global_to_shared(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+
+
+@gluon.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q_smem,
+    qr_smem,
+    k_buf,
+    kr_buf,
+    p_smem,
+    start,
+    visible,
+    qk_scale_log2,
+    S_L: gl.constexpr,
+    O_L: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """One tile: S = Q K^T over L + R (each warpgroup its half of the keys), online softmax,
+    P to shared memory, then P @ V (each warpgroup its half of the 512 output columns)."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False)
+    s = warpgroup_mma(qr_smem, kr_buf.permute((1, 0)), s)
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    s = gl.where(n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
+    # in shared memory (and visible to the async proxy) before either wgmma starts.
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(p_smem, k_buf, acc)
+    # Hazard: the slot and P are rewritten next; both warpgroups must be done reading them.
+    gl.thread_barrier()
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _mla_attn_gluon_kernel(
+    QNope,
+    QRope,
+    KV,
+    KDesc,
+    KRDesc,
+    Table,
+    QoIndptr,
+    SeqLens,
+    Out,
+    Lse,
+    PartOut,
+    PartLse,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qr_t,
+    stride_qr_h,
+    stride_kv,
+    stride_tab,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    qk_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    dtype: gl.constexpr = KDesc.dtype
+
+    mblk = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    q_start = gl.load(QoIndptr + b)
+    q_len = gl.load(QoIndptr + b + 1) - q_start
+    if mblk * BLOCK_M >= q_len * H:
+        return
+    seq = gl.load(SeqLens + b)
+    last_tok = gl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1) // H
+    kv_end = gl.minimum(gl.maximum(seq - q_len + last_tok + 1, 0), seq)
+    chunk = gl.cdiv(gl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, kv_end)
+    n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], KDesc.layout)
+    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], KRDesc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    for i in gl.static_range(STAGES):
+        _issue_tile(
+            KDesc,
+            KRDesc,
+            k_smem,
+            kr_smem,
+            bars,
+            Table,
+            b,
+            stride_tab,
+            lo,
+            i,
+            n_full,
+            L,
+            PAGE,
+            BLOCK_N,
+            STAGES,
+        )
+
+    # Query rows (token, head), head fastest; rows past the request are zero.
+    rows_ld = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_L))
+    ok_ld = rows_ld < q_len * H
+    t_ld = (q_start + rows_ld // H).to(gl.int64)
+    h_ld = rows_ld % H
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
+    qn = gl.load(
+        QNope + t_ld[:, None] * stride_qn_t + h_ld[:, None] * stride_qn_h + offs_l[None, :],
+        mask=ok_ld[:, None],
+        other=0.0,
+    )
+    q_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype), qn
+    )
+    qr = gl.load(
+        QRope + t_ld[:, None] * stride_qr_t + h_ld[:, None] * stride_qr_h + offs_r[None, :],
+        mask=ok_ld[:, None],
+        other=0.0,
+    )
+    qr_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype), qr
+    )
+    p_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    )
+    fence_async_shared()
+    gl.thread_barrier()
+
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+
+    for j in range(n_full):
+        s = j % STAGES
+        mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+        acc, m_i, l_i = _attend(
+            acc,
+            m_i,
+            l_i,
+            q_smem,
+            qr_smem,
+            k_smem.index(s),
+            kr_smem.index(s),
+            p_smem,
+            lo + j * BLOCK_N,
+            visible,
+            qk_scale_log2,
+            S_L,
+            O_L,
+            BLOCK_M,
+            BLOCK_N,
+        )
+        _issue_tile(
+            KDesc,
+            KRDesc,
+            k_smem,
+            kr_smem,
+            bars,
+            Table,
+            b,
+            stride_tab,
+            lo,
+            j + STAGES,
+            n_full,
+            L,
+            PAGE,
+            BLOCK_N,
+            STAGES,
+        )
+
+    start = lo + n_full * BLOCK_N
+    if start < hi:
+        # The partial tail tile: masked loads give 0 past hi, so no stale row is read. Every
+        # TMA issued above has been waited on, so slot 0 is free.
+        n_ld = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
+        n_ok = n_ld < hi
+        page = gl.load(Table + b * stride_tab + n_ld // PAGE, mask=n_ok, other=0).to(gl.int64)
+        slot = page * PAGE + n_ld % PAGE
+        k = gl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
+        k_smem.index(0).store(k)
+        kr = gl.load(
+            KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
+        )
+        kr_smem.index(0).store(kr)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc, m_i, l_i = _attend(
+            acc,
+            m_i,
+            l_i,
+            q_smem,
+            qr_smem,
+            k_smem.index(0),
+            kr_smem.index(0),
+            p_smem,
+            start,
+            visible,
+            qk_scale_log2,
+            S_L,
+            O_L,
+            BLOCK_M,
+            BLOCK_N,
+        )
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    ok_o = rows_o < q_len * H
+    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    ok_s = rows_s < q_len * H
+    if NUM_SPLITS == 1:
+        t_o = (q_start + rows_o // H).to(gl.int64)
+        o_ptr = Out + t_o[:, None] * stride_o_t + (rows_o % H)[:, None] * stride_o_h
+        gl.store(o_ptr + offs_o[None, :], out.to(Out.dtype.element_ty), mask=ok_o[:, None])
+        t_s = (q_start + rows_s // H).to(gl.int64)
+        gl.store(Lse + t_s * stride_lse_t + rows_s % H, lse, mask=ok_s)
+    else:
+        prow_o = (q_start * H + rows_o).to(gl.int64) * NUM_SPLITS + split
+        gl.store(PartOut + prow_o[:, None] * L + offs_o[None, :], out, mask=ok_o[:, None])
+        prow_s = (q_start * H + rows_s).to(gl.int64) * NUM_SPLITS + split
+        gl.store(PartLse + prow_s, lse, mask=ok_s)
+
+
+def _smem_layout(block: list[int], dt: gl.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(block, dt)
+
+
+def launch(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    qk_scale_log2: float,
+    m_blocks: int,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> None:
+    """One launch over (m_blocks, batch, num_splits); arguments as `mla_attention`'s.
+    Check `gluon_ok` first."""
+    lat, r = q_nope.shape[2], q_rope.shape[2]
+    dt = _GL_DTYPES[kv.dtype]
+    shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
+    # built per call: a cached descriptor would keep a freed pool alive
+    k_desc, kr_desc = (
+        TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout([BLOCK_N, w], dt))
+        for w in (lat, r)
+    )
+    _mla_attn_gluon_kernel[(m_blocks, seq_lens.numel(), num_splits)](
+        q_nope,
+        q_rope,
+        kv,
+        k_desc,
+        kr_desc,
+        table,
+        qo_indptr,
+        seq_lens,
+        out,
+        lse,
+        part_out,
+        part_lse,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        kv.stride(0),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        qk_scale_log2,
+        H=q_nope.shape[1],
+        L=lat,
+        R=r,
+        PAGE=page_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits,
+        STAGES=STAGES,
+        num_warps=8,
+    )

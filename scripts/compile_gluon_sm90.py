@@ -1,0 +1,77 @@
+"""Compile the Gluon decode kernel for SM90 offline (no GPU: Triton ships ptxas) and print
+what the compiled kernel uses, as JSON: registers, local memory (spills), shared memory, and
+the wgmma shapes in its PTX.
+
+python3 scripts/compile_gluon_sm90.py [bf16|fp16]
+
+Run without TRITON_INTERPRET=1: under the interpreter the nested @gluon.jit helpers become
+interpreted functions the compiler cannot call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from mla_backends.kernels import mla_attention_gluon as mg
+
+
+def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-untyped-def]
+    """The kernel as the backend launches it at DeepSeek dims (H128, page 64)."""
+    gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
+    descs = {
+        name: f"tensordesc<{dtype}[{mg.BLOCK_N}, {w}],{mg._smem_layout([mg.BLOCK_N, w], gl_dt)!r}>"
+        for name, w in (("KDesc", 512), ("KRDesc", 64))
+    }
+    ints = "stride_qn_t stride_qn_h stride_qr_t stride_qr_h stride_kv stride_tab"
+    ints += " stride_o_t stride_o_h stride_lse_t"
+    sig = {
+        "QNope": f"*{dtype}",
+        "QRope": f"*{dtype}",
+        "KV": f"*{dtype}",
+        **descs,
+        "Table": "*i32",
+        "QoIndptr": "*i32",
+        "SeqLens": "*i32",
+        "Out": f"*{dtype}",
+        "Lse": "*fp32",
+        "PartOut": "*fp32",
+        "PartLse": "*fp32",
+        **{n: "i32" for n in ints.split()},
+        "qk_scale_log2": "fp32",
+    }
+    const = dict(H=128, L=512, R=64, PAGE=64, BLOCK_M=mg.BLOCK_M, BLOCK_N=mg.BLOCK_N)
+    const.update(NUM_SPLITS=num_splits, STAGES=mg.STAGES)
+    sig.update({k: "constexpr" for k in const})
+    src = GluonASTSource(mg._mla_attn_gluon_kernel, sig, const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def usage(dtype: str = "bf16") -> dict:  # type: ignore[type-arg]
+    k = compile_sm90(dtype)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(k.asm["cubin"])
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    res = {k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL):(\d+)", text)}
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.", k.asm["ptx"])
+    return dict(res, shared=k.metadata.shared, wgmma=sorted(set(shapes)))
+
+
+if __name__ == "__main__":
+    print(json.dumps(usage(sys.argv[1] if len(sys.argv) > 1 else "bf16")))

@@ -1,0 +1,55 @@
+"""The Gluon 64-row decode kernel: compiled for SM90 on any machine (no GPU needed), and taken
+by the triton backend on an SM90 GPU (its parity is the triton GPU matrix's H128 rows)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_backends.testing import parity_cases, run_case
+
+gluon_mod = pytest.importorskip(
+    "mla_backends.kernels.mla_attention_gluon", reason="this Triton has no Gluon"
+)
+ROOT = Path(__file__).resolve().parents[1]
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+SM90 = torch.cuda.is_available() and not INTERP and torch.cuda.get_device_capability() == (9, 0)
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str) -> None:
+    # A subprocess without TRITON_INTERPRET: the interpreter would wrap the jit helpers.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_gluon_sm90.py"), dtype],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    use = json.loads(run.stdout.strip().splitlines()[-1])
+    assert use["local"] == 0, f"register spills: {use}"
+    assert use["reg"] <= 255 and use["shared"] <= SMEM_LIMIT, use
+    # The point of this kernel: each warpgroup computes its own 32 keys of the score tile
+    # and its own 256 of the 512 output columns, never the whole [64, 64] score tile.
+    assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
+
+
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+def test_backend_takes_gluon_kernel_at_128_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    launch = gluon_mod.launch
+    monkeypatch.setattr(gluon_mod, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    for c in parity_cases("triton", (64,), (128,), ("bfloat16",), ("decode", "verify")):
+        r = run_case(c, "cuda")
+        assert r.ok, f"{c.id}: {r.detail}"
+    assert calls, "the triton backend did not take the Gluon kernel at H128, page 64, bf16"
