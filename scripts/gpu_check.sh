@@ -7,6 +7,8 @@
 #   host-time breakdown, decode steps eager vs graphs at batch 1-8);
 #   fi: the flashinfer_mla slice of all that (its GPU tests, plan host time, decode table vs
 #   raw fa3, graph steps), for checking a change to that backend in one short run.
+#   triton: the triton slice (its GPU tests, Gluon kernel included; the Gluon probe; decode
+#   table of triton and flashmla vs raw FlashMLA).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
 mode=${1:-full}
@@ -26,6 +28,8 @@ unset TRITON_INTERPRET
 rc=0
 if [ "$mode" = fi ]; then
   kexpr="gpu and (fi_schedule or flashinfer or metadata or graph_replay)"
+elif [ "$mode" = triton ]; then
+  kexpr="(gpu and triton and not kimi and not linear and not fi_schedule) or gluon"
 fi
 if [ "$mode" != models ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfEx --durations=15 -k "$kexpr" tests/ \
@@ -46,6 +50,11 @@ main('$out/decode', ['flashinfer_mla'], ['raw_flashinfer_fa3'], quick=False, pre
   step graphs 150 python3 -m mla_backends bench --config configs/deepseek_v3_h100.yaml \
     --backends flashinfer_mla --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
+elif [ "$mode" = triton ]; then
+  step probe 150 python3 scripts/probe_gluon.py "$out"
+  step decode 240 python3 -c "
+from mla_backends.benchmark import main
+main('$out/decode', ['triton', 'flashmla'], ['raw_flashmla'], quick=False, prefill=False)"
 elif [ "$mode" = models ]; then
   step plan 60 python3 scripts/profile_fi_plan.py 256
   step linear 120 python3 scripts/bench_linear.py --out "$out/linear"

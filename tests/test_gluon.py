@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from mla_backends.testing import parity_cases, run_case
+from mla_backends.testing import Case, parity_cases, run_case
 
 gluon_mod = pytest.importorskip(
     "mla_backends.kernels.mla_attention_gluon", reason="this Triton has no Gluon"
@@ -44,12 +45,30 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str) -> None:
     assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
 
 
+def _gluon_cases() -> list[Case]:
+    """Rows the backend gives the Gluon kernel: H128, and H16 at q_len 2 and 3 (32 and 48
+    query rows), bf16 and fp16, pages 64 and 128, the core matrix's edge lengths and NaN."""
+    cases = parity_cases("triton", (64, 128), (128,), ("bfloat16", "float16"), ("decode",))
+    verify = parity_cases("triton", (64,), (16, 128), ("bfloat16",), ("verify",))
+    return cases + verify + [replace(c, q_len=2) for c in verify if c.num_heads == 16]
+
+
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
-def test_backend_takes_gluon_kernel_at_128_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", _gluon_cases(), ids=lambda c: c.id)
+def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     launch = gluon_mod.launch
     monkeypatch.setattr(gluon_mod, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    for c in parity_cases("triton", (64,), (128,), ("bfloat16",), ("decode", "verify")):
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"
+    assert calls, f"{case.id}: the triton backend did not take the Gluon kernel"
+
+
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+def test_fp8_pool_and_small_pages_keep_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gluon_mod, "launch", lambda *a, **k: pytest.fail("Gluon took it"))
+    for c in parity_cases("triton", (16,), (128,), ("bfloat16",), ("decode",)) + parity_cases(
+        "triton", (64,), (128,), ("fp8",), ("decode",)
+    ):
         r = run_case(c, "cuda")
         assert r.ok, f"{c.id}: {r.detail}"
-    assert calls, "the triton backend did not take the Gluon kernel at H128, page 64, bf16"

@@ -71,12 +71,23 @@ class TritonBackend(MLABackend):
         self._k_attn, self._k_mha, self._k_store = mla_attention, mha_prefill, store
         self._dot_f32 = common.interpreting()
         self._sms = common.num_sms(self.device)
+        self._gluon = self._gluon_usable()
         self.metadata: TritonMetadata | None = None
         self._graphs: dict[tuple[int, int], TritonMetadata] = {}
 
     # ------------------------------------------------------------------ tuning
+    def _gluon_usable(self) -> bool:
+        """Whether 64-row blocks take the Gluon kernel here (it re-checks each call)."""
+        kv = self.pool.kv_buffer[0]
+        lat = self.dims.kv_lora_rank
+        return self._k_attn.gluon_usable(kv.dtype, kv, self.pool.page_size, lat)
+
     def _block_m(self, rows: int) -> int:
-        return 16 if rows <= 16 else 32 if rows <= 32 else 64
+        if rows <= 16:
+            return 16
+        # H16 q_len 2: half a Gluon block measured 0.88x FlashMLA, the 32-row Triton
+        # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
+        return 32 if rows <= 32 and not self._gluon else 64
 
     def _launch_cfg(self, block_m: int, batch_size: int) -> dict[str, int | bool]:
         # From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py); the

@@ -276,7 +276,7 @@ def mla_attention(
         part_out, part_lse = workspace
     else:
         part_out, part_lse = out, lse  # unused
-    if gluon and kv_scale == 1.0 and _gluon_ok(q_nope, kv, page_size):
+    if gluon and kv_scale == 1.0 and gluon_usable(q_nope.dtype, kv, page_size, lat):
         from mla_backends.kernels import mla_attention_gluon as mg
 
         m_blocks = cdiv(max_q_len * h, mg.BLOCK_M)
@@ -371,7 +371,7 @@ def _merge(
     )
 
 
-def _gluon_ok(q_nope: torch.Tensor, kv: torch.Tensor, page_size: int) -> bool:
+def gluon_usable(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
     """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
     if not kv.is_cuda or interpreting():
         return False
@@ -379,4 +379,4 @@ def _gluon_ok(q_nope: torch.Tensor, kv: torch.Tensor, page_size: int) -> bool:
         from mla_backends.kernels.mla_attention_gluon import gluon_ok
     except ImportError:  # a Triton without triton.experimental.gluon
         return False
-    return gluon_ok(q_nope, kv, page_size)
+    return gluon_ok(q_dtype, kv, page_size, lat)

@@ -35,7 +35,7 @@ BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def gluon_ok(q_nope: torch.Tensor, kv: torch.Tensor, page_size: int) -> bool:
+def gluon_ok(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
     """SM90 exactly (wgmma), bf16 / fp16 latent read by queries of the same dtype, whole
     64-key tiles inside one page, TMA-aligned rows, the 576 = 512 + 64 latent layout."""
     return (
@@ -43,12 +43,12 @@ def gluon_ok(q_nope: torch.Tensor, kv: torch.Tensor, page_size: int) -> bool:
         and not interpreting()
         and torch.cuda.get_device_capability(kv.device) == (9, 0)
         and kv.dtype in _GL_DTYPES
-        and q_nope.dtype == kv.dtype
+        and q_dtype == kv.dtype
         and page_size % BLOCK_N == 0
         and kv.stride(1) == 1
         and (kv.stride(0) * kv.element_size()) % 16 == 0
         and kv.data_ptr() % 16 == 0
-        and q_nope.shape[2] == 512
+        and lat == 512
         and kv.shape[1] == 576
     )
 
