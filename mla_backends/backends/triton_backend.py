@@ -89,7 +89,7 @@ class TritonBackend(MLABackend):
         # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
         return 32 if rows <= 32 and not self._gluon else 64
 
-    def _launch_cfg(self, block_m: int, batch_size: int) -> dict[str, int | bool]:
+    def _launch_cfg(self, block_m: int, batch_size: int, num_splits: int) -> dict[str, int | bool]:
         # From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py); the
         # interpreter wants tiny tiles. `tma` asks for TMA tiles where the page size allows
         # them (whole tiles inside one page, `mla_attention.tma_ok`).
@@ -104,10 +104,11 @@ class TritonBackend(MLABackend):
             return {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
         if block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
             return {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}
-        if self.pool.page_size % 32 == 0 and batch_size >= 32:
-            # H16 B256 kv1024: TMA 32-key tiles 0.90-0.92x FlashMLA, gather 0.84x. Small
-            # eager batches keep the gather: each TMA launch encodes two tensor maps on the
-            # host, which they cannot hide (H16 B1: 84 us against 27 us).
+        if self.pool.page_size % 32 == 0 and batch_size >= 32 and num_splits <= 2:
+            # H16 B256 kv1024 (1 split): TMA 32-key tiles 0.90-0.92x FlashMLA, gather 0.84x;
+            # B128 kv8192 (2 splits): 0.85x both. At 4+ splits (B64 and below) TMA measured
+            # 0.59-0.61x against the gather's 0.84-0.87x, and small eager batches cannot hide
+            # the two tensor maps each TMA launch encodes on the host (B1: 84 us vs 27 us).
             return {"block_n": 32, "num_warps": 4, "num_stages": 4, "tma": True}
         return {"block_n": 64, "num_warps": 4, "num_stages": 3, "tma": False}
 
@@ -256,7 +257,7 @@ class TritonBackend(MLABackend):
             md.workspace,
             block_m=block_m,
             dot_f32=self._dot_f32,
-            **self._launch_cfg(block_m, batch.batch_size),
+            **self._launch_cfg(block_m, batch.batch_size, md.num_splits),
         )
         return out, lse
 

@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -32,6 +33,7 @@ from mla_backends.kernels.common import interpreting
 # One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
 # Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
+OVERLAP = True  # P @ V(j) and S(j + 1) issued back to back (async wgmma)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -84,6 +86,49 @@ def _issue_tile(
 
 
 @gluon.jit
+def _softmax_to_p(
+    acc,
+    m_i,
+    l_i,
+    s,
+    p_smem,
+    start,
+    visible,
+    qk_scale_log2,
+    S_L: gl.constexpr,
+    O_L: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Causal mask and online softmax of the score tile s; the accumulator rescaled, and P
+    written to shared memory for the P @ V of both warpgroups."""
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    s = gl.where(n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
+    # in shared memory (and visible to the async proxy) before either wgmma starts.
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _scores_async(
+    q_smem, qr_smem, k_buf, kr_buf, S_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
+):
+    """S = Q K^T over L + R, issued (not waited): each warpgroup its half of the keys."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(qr_smem, kr_buf.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
 def _attend(
     acc,
     m_i,
@@ -101,29 +146,17 @@ def _attend(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """One tile: S = Q K^T over L + R (each warpgroup its half of the keys), online softmax,
-    P to shared memory, then P @ V (each warpgroup its half of the 512 output columns)."""
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False)
-    s = warpgroup_mma(qr_smem, kr_buf.permute((1, 0)), s)
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    s = gl.where(n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
-    # in shared memory (and visible to the async proxy) before either wgmma starts.
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
+    """One tile, in order: scores, softmax, then P @ V (each warpgroup its half of the 512
+    output columns)."""
+    s = _scores_async(q_smem, qr_smem, k_buf, kr_buf, S_L, BLOCK_M, BLOCK_N)
+    s = warpgroup_mma_wait(0, deps=[s])
+    acc, m_i, l_i = _softmax_to_p(
+        acc, m_i, l_i, s, p_smem, start, visible, qk_scale_log2, S_L, O_L, BLOCK_N
+    )
     acc = warpgroup_mma(p_smem, k_buf, acc)
     # Hazard: the slot and P are rewritten next; both warpgroups must be done reading them.
     gl.thread_barrier()
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -158,6 +191,7 @@ def _mla_attn_gluon_kernel(
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -244,43 +278,102 @@ def _mla_attn_gluon_kernel(
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_L))
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
 
-    for j in range(n_full):
-        s = j % STAGES
-        mbarrier.wait(bars.index(s), (j // STAGES) & 1)
-        acc, m_i, l_i = _attend(
-            acc,
-            m_i,
-            l_i,
-            q_smem,
-            qr_smem,
-            k_smem.index(s),
-            kr_smem.index(s),
-            p_smem,
-            lo + j * BLOCK_N,
-            visible,
-            qk_scale_log2,
-            S_L,
-            O_L,
-            BLOCK_M,
-            BLOCK_N,
-        )
-        _issue_tile(
-            KDesc,
-            KRDesc,
-            k_smem,
-            kr_smem,
-            bars,
-            Table,
-            b,
-            stride_tab,
-            lo,
-            j + STAGES,
-            n_full,
-            L,
-            PAGE,
-            BLOCK_N,
-            STAGES,
-        )
+    if OVERLAP:
+        # P @ V of tile j and the scores of tile j + 1 go to the tensor cores back to back;
+        # slot j is refilled once P @ V(j) has finished in both warpgroups.
+        if n_full > 0:
+            mbarrier.wait(bars.index(0), 0)
+            sc = _scores_async(
+                q_smem, qr_smem, k_smem.index(0), kr_smem.index(0), S_L, BLOCK_M, BLOCK_N
+            )
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            acc, m_i, l_i = _softmax_to_p(
+                acc, m_i, l_i, sc, p_smem, lo, visible, qk_scale_log2, S_L, O_L, BLOCK_N
+            )
+        for j in range(n_full - 1):
+            cur = j % STAGES
+            nxt = (j + 1) % STAGES
+            pv = warpgroup_mma(p_smem, k_smem.index(cur), acc, is_async=True)
+            mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
+            sc = _scores_async(
+                q_smem, qr_smem, k_smem.index(nxt), kr_smem.index(nxt), S_L, BLOCK_M, BLOCK_N
+            )
+            # Hazard: wgmma groups retire in order, and the scores may be one group or two;
+            # waiting down to one outstanding retires P @ V(j) either way.
+            acc = warpgroup_mma_wait(1, deps=[pv])
+            gl.thread_barrier()  # both warpgroups are done reading slot cur and P(j)
+            _issue_tile(
+                KDesc,
+                KRDesc,
+                k_smem,
+                kr_smem,
+                bars,
+                Table,
+                b,
+                stride_tab,
+                lo,
+                j + STAGES,
+                n_full,
+                L,
+                PAGE,
+                BLOCK_N,
+                STAGES,
+            )
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            acc, m_i, l_i = _softmax_to_p(
+                acc,
+                m_i,
+                l_i,
+                sc,
+                p_smem,
+                lo + (j + 1) * BLOCK_N,
+                visible,
+                qk_scale_log2,
+                S_L,
+                O_L,
+                BLOCK_N,
+            )
+        if n_full > 0:
+            acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
+            gl.thread_barrier()
+    else:
+        for j in range(n_full):
+            cur = j % STAGES
+            mbarrier.wait(bars.index(cur), (j // STAGES) & 1)
+            acc, m_i, l_i = _attend(
+                acc,
+                m_i,
+                l_i,
+                q_smem,
+                qr_smem,
+                k_smem.index(cur),
+                kr_smem.index(cur),
+                p_smem,
+                lo + j * BLOCK_N,
+                visible,
+                qk_scale_log2,
+                S_L,
+                O_L,
+                BLOCK_M,
+                BLOCK_N,
+            )
+            _issue_tile(
+                KDesc,
+                KRDesc,
+                k_smem,
+                kr_smem,
+                bars,
+                Table,
+                b,
+                stride_tab,
+                lo,
+                j + STAGES,
+                n_full,
+                L,
+                PAGE,
+                BLOCK_N,
+                STAGES,
+            )
 
     start = lo + n_full * BLOCK_N
     if start < hi:
@@ -358,6 +451,7 @@ def launch(
     lse: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    overlap: bool | None = None,
 ) -> None:
     """One launch over (m_blocks, batch, num_splits); arguments as `mla_attention`'s.
     Check `gluon_ok` first."""
@@ -400,5 +494,6 @@ def launch(
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
         STAGES=STAGES,
+        OVERLAP=OVERLAP if overlap is None else overlap,
         num_warps=8,
     )
