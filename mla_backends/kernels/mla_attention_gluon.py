@@ -108,7 +108,9 @@ def _softmax_to_p(
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
+    # l is kept per element and summed once at the end: a per-tile row sum would be a
+    # second cross-warpgroup reduction (two more barriers) on every tile.
+    l_i = l_i * alpha[:, None] + p
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
     # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
     # in shared memory (and visible to the async proxy) before either wgmma starts.
@@ -275,7 +277,7 @@ def _mla_attn_gluon_kernel(
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
 
     if OVERLAP:
@@ -411,6 +413,7 @@ def _mla_attn_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
+    l_i = gl.sum(l_i, 1)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
