@@ -275,7 +275,8 @@ def decode_table(backends: list[str], peers: list[str], shapes=ANCHOR_SHAPES) ->
 
 def prefill_table(backends: list[str], tokens: int = 8192, heads: int = 128) -> dict:
     """MHA-mode prefill, one causal request of `tokens`: torch SDPA and FlashInfer's raw
-    ragged wrapper against our backends' `forward_mha` (no LSE) and our Triton kernel (LSE)."""
+    ragged wrapper against our backends' `forward_mha` (without and with LSE) and our Triton
+    kernel (LSE)."""
     import torch.nn.functional as F
 
     from mla_backends.batch import RaggedLayout
@@ -331,6 +332,9 @@ def prefill_table(backends: list[str], tokens: int = 8192, heads: int = 128) -> 
         )
         be = Runtime.build(cfg).backend
         fns[f"{name}_backend"] = lambda be=be: be.forward_mha(q, k, v, layout)
+        fns[f"{name}_backend_lse"] = lambda be=be: be.forward_mha(q, k, v, layout, return_lse=True)[
+            0
+        ]
     ref = fns["sdpa"]().float()
     for name, fn in fns.items():
         try:

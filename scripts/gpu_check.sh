@@ -8,7 +8,7 @@
 #   fi: the flashinfer_mla slice of all that (its GPU tests, plan host time, decode table vs
 #   raw fa3, graph steps), for checking a change to that backend in one short run.
 #   triton: the triton slice (its GPU tests, Gluon kernel included; the Gluon probe; decode
-#   table of triton and flashmla vs raw FlashMLA).
+#   table of triton and flashmla vs raw FlashMLA; MHA prefill table).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
 mode=${1:-full}
@@ -54,7 +54,7 @@ elif [ "$mode" = triton ]; then
   step probe 150 python3 scripts/probe_gluon.py "$out"
   step decode 240 python3 -c "
 from mla_backends.benchmark import main
-main('$out/decode', ['triton', 'flashmla'], ['raw_flashmla'], quick=False, prefill=False)"
+main('$out/decode', ['triton', 'flashmla'], ['raw_flashmla'], quick=False, prefill=True)"
 elif [ "$mode" = models ]; then
   step plan 60 python3 scripts/profile_fi_plan.py 256
   step linear 120 python3 scripts/bench_linear.py --out "$out/linear"

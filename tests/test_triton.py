@@ -205,7 +205,7 @@ def test_gpu_mha_prefill(causal: bool) -> None:
 
 @gpu_only
 def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
-    """No LSE asked and q_len == kv_len: the SDPA route; it must equal the Triton route."""
+    """No LSE asked and q_len == kv_len: the SDPA route; it must equal the Triton kernel."""
     from mla_backends.batch import RaggedLayout
     from mla_backends.config import Config
     from mla_backends.runtime import Runtime
@@ -226,5 +226,31 @@ def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
     k = torch.randn_like(q)
     v = torch.randn(layout.num_q, 16, 128, device="cuda", dtype=torch.bfloat16)
     plain = be.forward_mha(q, k, v, layout)
+    be._cudnn_lse = False  # the LSE route through our Triton kernel
     with_lse, _ = be.forward_mha(q, k, v, layout, return_lse=True)
     torch.testing.assert_close(plain, with_lse, atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_mha_prefill_with_lse_through_cudnn(
+    causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LSE asked and q_len == kv_len: cuDNN with compute_log_sumexp, out and LSE against the
+    fp64 reference (an empty request included); it must really take that route."""
+    from mla_backends.backends.triton_backend import TritonBackend
+
+    calls = []
+    route = TritonBackend._cudnn_prefill
+
+    def counted(*a):  # type: ignore[no-untyped-def]
+        res = route(*a)
+        calls.append(1)  # only when cuDNN returned (a failure falls back to Triton)
+        return res
+
+    monkeypatch.setattr(TritonBackend, "_cudnn_prefill", counted)
+    lens = [1, 300, 0, 77, 128]
+    for dtype in ("bfloat16", "float16"):
+        r = run_mha_case("triton", lens, lens, causal, dtype, 16, device="cuda")
+        assert r.ok, r.detail
+    assert len(calls) == 2, "the LSE route did not go through cuDNN"

@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 (tests only)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config
 from mla_backends.indices import build_page_table, cumsum_indptr, page_table_width
+
+logger = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> bool:
@@ -72,6 +75,7 @@ class TritonBackend(MLABackend):
         self._dot_f32 = common.interpreting()
         self._sms = common.num_sms(self.device)
         self._gluon = self._gluon_usable()
+        self._cudnn_lse = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
         self.metadata: TritonMetadata | None = None
         self._graphs: dict[tuple[int, int], TritonMetadata] = {}
 
@@ -274,6 +278,12 @@ class TritonBackend(MLABackend):
         if not need_lse and q.is_cuda and self._sdpa_fits(layout, causal):
             return self._sdpa_prefill(q, k, v, layout, causal, out), None
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if self._cudnn_lse and q.is_cuda and self._sdpa_fits(layout, causal):
+            try:
+                return self._cudnn_prefill(q, k, v, layout, causal, out, lse)
+            except RuntimeError as e:  # this cuDNN / torch cannot: our kernel, from now on
+                self._cudnn_lse = False
+                logger.warning("cuDNN attention with LSE unavailable (%s); using Triton", e)
         cfg = (
             {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1} if self._dot_f32 else {}
         )
@@ -291,6 +301,38 @@ class TritonBackend(MLABackend):
             dot_f32=self._dot_f32,
             **cfg,
         )
+        return out, lse
+
+    def _cudnn_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """LSE asked (chunk merges): the cuDNN kernel torch SDPA picks on Hopper, called with
+        compute_log_sumexp, per request (BENCHMARKS.md: MHA prefill with LSE). Natural-log
+        LSE; requests with no keys give out 0 and LSE -inf, as the merge expects."""
+        cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+        qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
+        for i in range(layout.batch_size):
+            qs, qe, ks, ke = qo[i], qo[i + 1], kv[i], kv[i + 1]
+            if qe == qs:
+                continue
+            if ke == ks:
+                out[qs:qe].zero_()
+                lse[qs:qe] = float("-inf")
+                continue
+            qi, ki, vi = (
+                x[a:e].transpose(0, 1).unsqueeze(0)
+                for x, a, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke))
+            )
+            res = cudnn(qi, ki, vi, None, True, 0.0, causal, False, scale=self.scale)
+            out[qs:qe] = res[0][0].transpose(0, 1)
+            lse[qs:qe] = res[1].reshape(q.shape[1], qe - qs).transpose(0, 1)
         return out, lse
 
     @staticmethod
