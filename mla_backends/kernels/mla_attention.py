@@ -19,6 +19,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mla_backends.kernels.common import cdiv, interpreting
 
 LOG2E = 1.4426950408889634
+# The Gluon kernel (mla_attention_gluon.py) is written against Triton 3.6's Gluon API.
+_GLUON_API = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 LN2 = 0.6931471805599453
 
 
@@ -374,6 +376,8 @@ def _merge(
 def gluon_usable(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
     """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
     if not kv.is_cuda or interpreting():
+        return False
+    if not _GLUON_API:
         return False
     try:
         from mla_backends.kernels.mla_attention_gluon import gluon_ok
