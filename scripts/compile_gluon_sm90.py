@@ -2,7 +2,7 @@
 what the compiled kernel uses, as JSON: registers, local memory (spills), shared memory, and
 the wgmma shapes in its PTX.
 
-python3 scripts/compile_gluon_sm90.py [bf16|fp16]     (one line per OVERLAP setting)
+python3 scripts/compile_gluon_sm90.py [bf16|fp16]
 
 Run without TRITON_INTERPRET=1: under the interpreter the nested @gluon.jit helpers become
 interpreted functions the compiler cannot call.
@@ -25,7 +25,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from mla_backends.kernels import mla_attention_gluon as mg
 
 
-def compile_sm90(dtype: str = "bf16", num_splits: int = 2, overlap: bool = mg.OVERLAP):  # type: ignore[no-untyped-def]
+def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-untyped-def]
     """The kernel as the backend launches it at DeepSeek dims (H128, page 64)."""
     gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
     descs = {
@@ -50,14 +50,14 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, overlap: bool = mg.OV
         "qk_scale_log2": "fp32",
     }
     const = dict(H=128, L=512, R=64, PAGE=64, BLOCK_M=mg.BLOCK_M, BLOCK_N=mg.BLOCK_N)
-    const.update(NUM_SPLITS=num_splits, STAGES=mg.STAGES, OVERLAP=overlap)
+    const.update(NUM_SPLITS=num_splits, STAGES=mg.STAGES)
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(mg._mla_attn_gluon_kernel, sig, const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
-def usage(dtype: str = "bf16", overlap: bool = mg.OVERLAP) -> dict:  # type: ignore[type-arg]
-    k = compile_sm90(dtype, overlap=overlap)
+def usage(dtype: str = "bf16") -> dict:  # type: ignore[type-arg]
+    k = compile_sm90(dtype)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
@@ -74,6 +74,4 @@ def usage(dtype: str = "bf16", overlap: bool = mg.OVERLAP) -> dict:  # type: ign
 
 
 if __name__ == "__main__":
-    dt = sys.argv[1] if len(sys.argv) > 1 else "bf16"
-    for ov in (True, False):
-        print(json.dumps(dict(usage(dt, ov), overlap=ov)))
+    print(json.dumps(usage(sys.argv[1] if len(sys.argv) > 1 else "bf16")))

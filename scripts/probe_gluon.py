@@ -13,22 +13,17 @@ from pathlib import Path
 import torch
 
 from mla_backends.benchmark import bench_us, decode_setup, time_flashmla, traffic
-from mla_backends.kernels import mla_attention_gluon as mg
 from scripts.sweep_triton import decode_call
 
-# (heads, q_len, batch, kv): [(block_m, block_n, warps, stages, splits, tma, gluon, overlap)]
-OLD, GL, GL_OV = (
-    (64, 64, 8, 2, 1, True, False, False),
-    (64, 64, 8, 2, 1, True, True, False),
-    (64, 64, 8, 2, 1, True, True, True),
-)
+# (heads, q_len, batch, kv): [(block_m, block_n, warps, stages, splits, tma, gluon)]
+OLD, GLUON = (64, 64, 8, 2, 1, True, False), (64, 64, 8, 2, 1, True, True)
 SHAPES = {
-    (128, 1, 64, 4096): [OLD, GL, GL_OV],
-    (128, 1, 128, 8192): [GL, GL_OV],
-    (128, 2, 64, 4096): [GL, GL_OV],
-    (128, 1, 256, 1024): [GL, GL_OV],
-    (128, 1, 16, 4096): [GL, GL_OV, (64, 64, 8, 2, 2, True, True, True)],
-    (16, 2, 128, 8192): [GL, GL_OV],
+    (128, 1, 64, 4096): [OLD, GLUON],
+    (128, 1, 128, 8192): [OLD, GLUON],
+    (128, 2, 64, 4096): [OLD, GLUON],
+    (128, 1, 256, 1024): [OLD, GLUON],
+    (128, 1, 16, 4096): [GLUON, (64, 64, 8, 2, 2, True, True), (64, 64, 8, 2, 4, True, True)],
+    (16, 2, 128, 8192): [(32, 64, 4, 2, 2, False, False), GLUON],
 }
 
 
@@ -52,8 +47,7 @@ def main(out_dir: Path) -> None:
         )
         ref_call()
         for cfg in cfgs:
-            mg.OVERLAP = cfg[7]  # read by mg.launch at each call
-            call, o, lse = decode_call(s, *cfg[:7])
+            call, o, lse = decode_call(s, *cfg)
             try:
                 call()
                 torch.cuda.synchronize()

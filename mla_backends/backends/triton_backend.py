@@ -275,12 +275,13 @@ class TritonBackend(MLABackend):
         need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
-        if not need_lse and q.is_cuda and self._sdpa_fits(layout, causal):
-            return self._sdpa_prefill(q, k, v, layout, causal, out), None
+        torch_fits = q.is_cuda and self._sdpa_fits(layout, causal)
+        if not need_lse and torch_fits:
+            return self._torch_prefill(q, k, v, layout, causal, out, None)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if self._cudnn_lse and q.is_cuda and self._sdpa_fits(layout, causal):
+        if self._cudnn_lse and torch_fits:
             try:
-                return self._cudnn_prefill(q, k, v, layout, causal, out, lse)
+                return self._torch_prefill(q, k, v, layout, causal, out, lse)
             except RuntimeError as e:  # this cuDNN / torch cannot: our kernel, from now on
                 self._cudnn_lse = False
                 logger.warning("cuDNN attention with LSE unavailable (%s); using Triton", e)
@@ -303,7 +304,13 @@ class TritonBackend(MLABackend):
         )
         return out, lse
 
-    def _cudnn_prefill(
+    @staticmethod
+    def _sdpa_fits(layout: RaggedLayout, causal: bool) -> bool:
+        # SDPA's is_causal is top-left aligned: it equals our bottom-right rule only when
+        # every request has as many queries as keys.
+        return not causal or torch.equal(layout.qo_indptr_cpu, layout.kv_indptr_cpu)
+
+    def _torch_prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -311,11 +318,14 @@ class TritonBackend(MLABackend):
         layout: RaggedLayout,
         causal: bool,
         out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LSE asked (chunk merges): the cuDNN kernel torch SDPA picks on Hopper, called with
-        compute_log_sumexp, per request (BENCHMARKS.md: MHA prefill with LSE). Natural-log
-        LSE; requests with no keys give out 0 and LSE -inf, as the merge expects."""
+        lse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per request through torch: SDPA (cuDNN on Hopper) when no LSE is asked, else the
+        same cuDNN kernel called with compute_log_sumexp (natural-log LSE, for chunk merges).
+        Both measured faster than our Triton kernel at 8k tokens (BENCHMARKS.md). Requests
+        with no keys give out 0 and LSE -inf, as the merge expects."""
+        import torch.nn.functional as F
+
         cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
         qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
         for i in range(layout.batch_size):
@@ -324,49 +334,18 @@ class TritonBackend(MLABackend):
                 continue
             if ke == ks:
                 out[qs:qe].zero_()
-                lse[qs:qe] = float("-inf")
-                continue
-            qi, ki, vi = (
-                x[a:e].transpose(0, 1).unsqueeze(0)
-                for x, a, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke))
-            )
-            res = cudnn(qi, ki, vi, None, True, 0.0, causal, False, scale=self.scale)
-            out[qs:qe] = res[0][0].transpose(0, 1)
-            lse[qs:qe] = res[1].reshape(q.shape[1], qe - qs).transpose(0, 1)
-        return out, lse
-
-    @staticmethod
-    def _sdpa_fits(layout: RaggedLayout, causal: bool) -> bool:
-        # SDPA's is_causal is top-left aligned: it equals our bottom-right rule only when
-        # every request has as many queries as keys.
-        return not causal or torch.equal(layout.qo_indptr_cpu, layout.kv_indptr_cpu)
-
-    def _sdpa_prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """No LSE asked: torch SDPA (cuDNN on Hopper) per request; measured faster than our
-        Triton kernel at 8k tokens (BENCHMARKS.md). Requests with no keys give 0."""
-        import torch.nn.functional as F
-
-        qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
-        for i in range(layout.batch_size):
-            qs, qe, ks, ke = qo[i], qo[i + 1], kv[i], kv[i + 1]
-            if qe == qs:
-                continue
-            if ke == ks:
-                out[qs:qe].zero_()
+                if lse is not None:
+                    lse[qs:qe] = float("-inf")
                 continue
             # 4-D [1, H, S, D]: 3-D inputs fall back to the math kernel (50x slower at 8k).
             qi, ki, vi = (
                 x[a:e].transpose(0, 1).unsqueeze(0)
                 for x, a, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke))
             )
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=self.scale)
+            if lse is None:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=self.scale)
+            else:
+                o, lse_i = cudnn(qi, ki, vi, None, True, 0.0, causal, False, scale=self.scale)[:2]
+                lse[qs:qe] = lse_i.reshape(q.shape[1], qe - qs).transpose(0, 1)
             out[qs:qe] = o[0].transpose(0, 1)
-        return out
+        return out, lse

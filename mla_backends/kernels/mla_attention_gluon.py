@@ -33,7 +33,6 @@ from mla_backends.kernels.common import interpreting
 # One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
 # Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
-OVERLAP = True  # P @ V(j) and S(j + 1) issued back to back (async wgmma)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -193,7 +192,6 @@ def _mla_attn_gluon_kernel(
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -280,102 +278,63 @@ def _mla_attn_gluon_kernel(
     l_i = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
 
-    if OVERLAP:
-        # P @ V of tile j and the scores of tile j + 1 go to the tensor cores back to back;
-        # slot j is refilled once P @ V(j) has finished in both warpgroups.
-        if n_full > 0:
-            mbarrier.wait(bars.index(0), 0)
-            sc = _scores_async(
-                q_smem, qr_smem, k_smem.index(0), kr_smem.index(0), S_L, BLOCK_M, BLOCK_N
-            )
-            sc = warpgroup_mma_wait(0, deps=[sc])
-            acc, m_i, l_i = _softmax_to_p(
-                acc, m_i, l_i, sc, p_smem, lo, visible, qk_scale_log2, S_L, O_L, BLOCK_N
-            )
-        for j in range(n_full - 1):
-            cur = j % STAGES
-            nxt = (j + 1) % STAGES
-            pv = warpgroup_mma(p_smem, k_smem.index(cur), acc, is_async=True)
-            mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
-            sc = _scores_async(
-                q_smem, qr_smem, k_smem.index(nxt), kr_smem.index(nxt), S_L, BLOCK_M, BLOCK_N
-            )
-            # Hazard: wgmma groups retire in order, and the scores may be one group or two;
-            # waiting down to one outstanding retires P @ V(j) either way.
-            acc = warpgroup_mma_wait(1, deps=[pv])
-            gl.thread_barrier()  # both warpgroups are done reading slot cur and P(j)
-            _issue_tile(
-                KDesc,
-                KRDesc,
-                k_smem,
-                kr_smem,
-                bars,
-                Table,
-                b,
-                stride_tab,
-                lo,
-                j + STAGES,
-                n_full,
-                L,
-                PAGE,
-                BLOCK_N,
-                STAGES,
-            )
-            sc = warpgroup_mma_wait(0, deps=[sc])
-            acc, m_i, l_i = _softmax_to_p(
-                acc,
-                m_i,
-                l_i,
-                sc,
-                p_smem,
-                lo + (j + 1) * BLOCK_N,
-                visible,
-                qk_scale_log2,
-                S_L,
-                O_L,
-                BLOCK_N,
-            )
-        if n_full > 0:
-            acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
-            gl.thread_barrier()
-    else:
-        for j in range(n_full):
-            cur = j % STAGES
-            mbarrier.wait(bars.index(cur), (j // STAGES) & 1)
-            acc, m_i, l_i = _attend(
-                acc,
-                m_i,
-                l_i,
-                q_smem,
-                qr_smem,
-                k_smem.index(cur),
-                kr_smem.index(cur),
-                p_smem,
-                lo + j * BLOCK_N,
-                visible,
-                qk_scale_log2,
-                S_L,
-                O_L,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            _issue_tile(
-                KDesc,
-                KRDesc,
-                k_smem,
-                kr_smem,
-                bars,
-                Table,
-                b,
-                stride_tab,
-                lo,
-                j + STAGES,
-                n_full,
-                L,
-                PAGE,
-                BLOCK_N,
-                STAGES,
-            )
+    # P @ V of tile j and the scores of tile j + 1 go to the tensor cores back to back;
+    # slot j is refilled once P @ V(j) has finished in both warpgroups.
+    if n_full > 0:
+        mbarrier.wait(bars.index(0), 0)
+        sc = _scores_async(
+            q_smem, qr_smem, k_smem.index(0), kr_smem.index(0), S_L, BLOCK_M, BLOCK_N
+        )
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        acc, m_i, l_i = _softmax_to_p(
+            acc, m_i, l_i, sc, p_smem, lo, visible, qk_scale_log2, S_L, O_L, BLOCK_N
+        )
+    for j in range(n_full - 1):
+        cur = j % STAGES
+        nxt = (j + 1) % STAGES
+        pv = warpgroup_mma(p_smem, k_smem.index(cur), acc, is_async=True)
+        mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
+        sc = _scores_async(
+            q_smem, qr_smem, k_smem.index(nxt), kr_smem.index(nxt), S_L, BLOCK_M, BLOCK_N
+        )
+        # Hazard: wgmma groups retire in order, and the scores may be one group or two;
+        # waiting down to one outstanding retires P @ V(j) either way.
+        acc = warpgroup_mma_wait(1, deps=[pv])
+        gl.thread_barrier()  # both warpgroups are done reading slot cur and P(j)
+        _issue_tile(
+            KDesc,
+            KRDesc,
+            k_smem,
+            kr_smem,
+            bars,
+            Table,
+            b,
+            stride_tab,
+            lo,
+            j + STAGES,
+            n_full,
+            L,
+            PAGE,
+            BLOCK_N,
+            STAGES,
+        )
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        acc, m_i, l_i = _softmax_to_p(
+            acc,
+            m_i,
+            l_i,
+            sc,
+            p_smem,
+            lo + (j + 1) * BLOCK_N,
+            visible,
+            qk_scale_log2,
+            S_L,
+            O_L,
+            BLOCK_N,
+        )
+    if n_full > 0:
+        acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
+        gl.thread_barrier()
 
     start = lo + n_full * BLOCK_N
     if start < hi:
@@ -454,7 +413,6 @@ def launch(
     lse: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
-    overlap: bool | None = None,
 ) -> None:
     """One launch over (m_blocks, batch, num_splits); arguments as `mla_attention`'s.
     Check `gluon_ok` first."""
@@ -497,6 +455,5 @@ def launch(
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
         STAGES=STAGES,
-        OVERLAP=OVERLAP if overlap is None else overlap,
         num_warps=8,
     )
