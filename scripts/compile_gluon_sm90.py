@@ -29,7 +29,7 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-u
     """The kernel as the backend launches it at DeepSeek dims (H128, page 64)."""
     gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
     descs = {
-        name: f"tensordesc<{dtype}[{mg.BLOCK_N}, {w}],{mg._smem_layout([mg.BLOCK_N, w], gl_dt)!r}>"
+        name: f"tensordesc<{dtype}[{mg.BLOCK_N}, {w}],{mg._smem_layout((mg.BLOCK_N, w), gl_dt)!r}>"
         for name, w in (("KDesc", 512), ("KRDesc", 64))
     }
     ints = "stride_qn_t stride_qn_h stride_qr_t stride_qr_h stride_kv stride_tab"

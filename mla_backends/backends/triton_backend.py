@@ -104,7 +104,8 @@ class TritonBackend(MLABackend):
             # TMA stages beside the [64, 576] query: two 64-key stages fit in 227 KB, three
             # do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
             if self.pool.page_size % 64 == 0:
-                return {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True, "gluon": True}
+                cfg = {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True}
+                return {**cfg, "gluon": self._gluon}
             return {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
         if block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
             return {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}

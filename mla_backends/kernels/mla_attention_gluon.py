@@ -16,6 +16,8 @@ there is no interpreter for Gluon.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,13 +38,18 @@ BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@functools.cache
+def _sm(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def gluon_ok(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
     """SM90 exactly (wgmma), bf16 / fp16 latent read by queries of the same dtype, whole
     64-key tiles inside one page, TMA-aligned rows, the 576 = 512 + 64 latent layout."""
     return (
         kv.is_cuda
         and not interpreting()
-        and torch.cuda.get_device_capability(kv.device) == (9, 0)
+        and _sm(kv.device.index) == (9, 0)
         and kv.dtype in _GL_DTYPES
         and q_dtype == kv.dtype
         and page_size % BLOCK_N == 0
@@ -394,8 +401,9 @@ def _mla_attn_gluon_kernel(
         gl.store(PartLse + prow_s, lse, mask=ok_s)
 
 
-def _smem_layout(block: list[int], dt: gl.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(block, dt)
+@functools.cache
+def _smem_layout(block: tuple[int, int], dt: gl.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(block), dt)
 
 
 def launch(
@@ -421,7 +429,7 @@ def launch(
     shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
     # built per call: a cached descriptor would keep a freed pool alive
     k_desc, kr_desc = (
-        TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout([BLOCK_N, w], dt))
+        TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout((BLOCK_N, w), dt))
         for w in (lat, r)
     )
     _mla_attn_gluon_kernel[(m_blocks, seq_lens.numel(), num_splits)](
