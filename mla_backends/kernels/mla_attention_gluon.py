@@ -9,9 +9,11 @@ over its 512 columns (`[4, 2]`), and P goes through shared memory to both warpgr
 
 Same contract as `mla_attention._mla_attn_kernel` (grid, row mapping, causality, split
 partials, `_merge_kernel`). Whole tiles inside one page come in through TMA into a ring of
-`STAGES` buffers; the partial tail tile is a masked register load stored into a free
+`STAGES` buffers; P @ V of tile j and the scores of tile j + 1 go to the tensor cores back
+to back (async wgmma). The partial tail tile is a masked register load stored into a free
 buffer, so rows past `seq_len` (stale, NaN poison) never reach P @ V. GPU only (SM90):
-there is no interpreter for Gluon.
+there is no interpreter for Gluon; `scripts/compile_gluon_sm90.py` compiles it offline.
+Measured: BENCHMARKS.md, "Triton backend with a Gluon kernel".
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ def _attend(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """One tile, in order: scores, softmax, then P @ V (each warpgroup its half of the 512
-    output columns)."""
+    """One tile, in order (the partial tail tile, after the pipelined loop): scores,
+    softmax, then P @ V (each warpgroup its half of the 512 output columns)."""
     s = _scores_async(q_smem, qr_smem, k_buf, kr_buf, S_L, BLOCK_M, BLOCK_N)
     s = warpgroup_mma_wait(0, deps=[s])
     acc, m_i, l_i = _softmax_to_p(
