@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from mla_backends.benchmark import bench_us, decode_setup, time_flashmla, traffic
+from mla_backends.benchmark import DecodeSetup, bench_us, decode_setup, time_flashmla, traffic
 from mla_backends.kernels.mha_prefill import mha_prefill
 from mla_backends.kernels.mla_attention import mla_attention
 
@@ -35,8 +36,15 @@ SPLITS = [1, 2, 4]
 
 
 def decode_call(
-    s, bm: int, bn: int, w: int, st: int, splits: int, tma: bool = True, gluon: bool = False
-):  # type: ignore[no-untyped-def]
+    s: DecodeSetup,
+    bm: int,
+    bn: int,
+    w: int,
+    st: int,
+    splits: int,
+    tma: bool = True,
+    gluon: bool = False,
+) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A no-argument call of our decode kernel on setup `s` with this launch config."""
     be = s.rt.backend
     md = be.metadata
