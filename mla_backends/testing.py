@@ -253,8 +253,10 @@ def run_mha_case(
     dims: MLADims | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    return_lse: bool = True,
 ) -> Result:
-    """MHA-mode prefill through `backend` vs the fp64 reference, per request."""
+    """MHA-mode prefill through `backend` vs the fp64 reference, per request. Rows of requests
+    with no keys must be exactly 0 (and LSE -inf), with or without `return_lse`."""
     dims = (dims or MLADims()).with_heads(num_heads)
     device = torch.device(device)
     case = Case(
@@ -284,9 +286,11 @@ def run_mha_case(
     q = torch.randn(layout.num_q, num_heads, dims.qk_head_dim, generator=gen).to(act)
     k = torch.randn(layout.num_kv, num_heads, dims.qk_head_dim, generator=gen).to(act)
     v = torch.randn(layout.num_kv, num_heads, dims.v_head_dim, generator=gen).to(act)
-    out, lse = rt.backend.forward_mha(
-        q.to(device), k.to(device), v.to(device), layout, causal, return_lse=True
-    )
+    q, k, v = (x.to(device) for x in (q, k, v))
+    if return_lse:
+        out, lse = rt.backend.forward_mha(q, k, v, layout, causal, return_lse=True)
+    else:
+        out, lse = rt.backend.forward_mha(q, k, v, layout, causal), None
     refs, ref_lses = [], []
     qo, kvp = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
     for i in range(layout.batch_size):
@@ -301,8 +305,15 @@ def run_mha_case(
         ref_lses.append(lse_i)
     atol, rtol, lse_tol = TOLERANCES[dtype]
     out_err, d1 = _compare("out", out, torch.cat(refs), atol, rtol)
-    lse_err, d2 = _compare("lse", lse, torch.cat(ref_lses), lse_tol, 0.0)
-    detail = "; ".join(x for x in (d1, d2) if x)
+    lse_err, d2 = (
+        (0.0, "") if lse is None else _compare("lse", lse, torch.cat(ref_lses), lse_tol, 0.0)
+    )
+    kv_lens_t = torch.tensor(kv_lens)
+    empty = (kv_lens_t == 0).repeat_interleave(torch.tensor(q_lens), output_size=layout.num_q)
+    d3 = ""
+    if bool(empty.any()) and bool((out.cpu()[empty] != 0).any()):
+        d3 = "out: rows of requests with no keys are not exactly 0"
+    detail = "; ".join(x for x in (d1, d2, d3) if x)
     return Result(case, out_err, lse_err, out_err, not detail, detail)
 
 

@@ -418,13 +418,17 @@ class FlashInferMLABackend(MLABackend):
         need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = self._ragged_wrapper(layout, causal)
-        if not need_lse:
-            return w.run(q, k, v), None
-        out, lse = w.run(q, k, v, return_lse=True, lse_base="ln")
-        # Requests with no keys: FlashInfer leaves them undefined; the contract says 0 / -inf.
+        if need_lse:
+            out, lse = w.run(q, k, v, return_lse=True, lse_base="ln")
+        else:
+            out, lse = w.run(q, k, v), None
+        # Hazard: FlashInfer leaves the rows of requests with no keys undefined (with or without
+        # LSE); the contract says out 0 / lse -inf. Decided on the host: no cost without them.
+        kv_lens_cpu = layout.kv_indptr_cpu[1:] - layout.kv_indptr_cpu[:-1]
+        if not bool((kv_lens_cpu == 0).any()):
+            return out, lse
         kv_lens = layout.kv_indptr[1:] - layout.kv_indptr[:-1]
         q_lens = (layout.qo_indptr[1:] - layout.qo_indptr[:-1]).long()
         empty = (kv_lens == 0).repeat_interleave(q_lens, output_size=q.shape[0])
-        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
-            empty[:, None], float("-inf")
-        )
+        out = out.masked_fill(empty[:, None, None], 0.0)
+        return out, None if lse is None else lse.masked_fill(empty[:, None], float("-inf"))

@@ -1,0 +1,56 @@
+"""MHA-mode prefill rows of requests with no keys: out exactly 0 (and LSE -inf), with and
+without LSE, for every backend that has an MHA path (FlashInfer leaves such rows undefined)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mla_backends.config import MLADims
+from mla_backends.testing import run_mha_case
+
+GPU = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+# Kernel-legal and small enough for the interpreter; every dimension distinct.
+SMALL = MLADims(
+    num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
+)
+# (q_lens, kv_lens, causal): the issue's example (rows 5-7 have no keys), and a causal batch
+# where every request has as many queries as keys (the SDPA / cuDNN route of `triton`).
+LAYOUTS = {
+    "full-5x4-3x0": ([5, 3], [4, 0], False),
+    "causal-6x6-0x0-4x4": ([6, 0, 4], [6, 0, 4], True),
+    "full-2x0-7x9": ([2, 7], [0, 9], False),
+}
+
+
+def _cases(device: str) -> list[object]:
+    names = ["torch", "triton"] if device == "cpu" else ["torch", "triton", "flashinfer_mla"]
+    return [
+        pytest.param(n, lay, lse, id=f"{n}-{lay}-{'lse' if lse else 'nolse'}")
+        for n in names
+        for lay in LAYOUTS
+        for lse in (True, False)
+    ]
+
+
+@pytest.mark.parametrize("name,layout,lse", _cases("cpu"))
+def test_zero_key_rows_cpu(name: str, layout: str, lse: bool) -> None:
+    if name == "triton" and not INTERP:
+        pytest.skip("the triton backend on CPU needs TRITON_INTERPRET=1")
+    q_lens, kv_lens, causal = LAYOUTS[layout]
+    r = run_mha_case(name, q_lens, kv_lens, causal, "float32", 4, SMALL, "cpu", return_lse=lse)
+    assert r.ok, r.detail
+
+
+@pytest.mark.skipif(not GPU or INTERP, reason="needs a CUDA GPU (not the interpreter)")
+@pytest.mark.parametrize("name,layout,lse", _cases("cuda"))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_zero_key_rows(name: str, layout: str, lse: bool, dtype: str) -> None:
+    if name == "flashinfer_mla" and dtype == "float32":
+        pytest.skip("flashinfer_mla takes bf16 / fp16 activations")
+    q_lens, kv_lens, causal = LAYOUTS[layout]
+    r = run_mha_case(name, q_lens, kv_lens, causal, dtype, 16, None, "cuda", return_lse=lse)
+    assert r.ok, r.detail
