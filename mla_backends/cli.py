@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_arguments(b)
     b.set_defaults(func=lambda a: bench.run(a) and 0)
-    from models import run as run_model
+    from mla_backends.models import run as run_model
 
     r = sub.add_parser(
         "run",

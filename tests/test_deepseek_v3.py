@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mla_backends.config import Config
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
+from mla_backends.models.engine import Engine
+from mla_backends.models.loader import CheckpointError, load_model
 from mla_backends.runtime import Runtime
-from models.deepseek_v3 import DeepseekV3Config, rope_tables
-from models.engine import Engine
-from models.loader import CheckpointError, load_model
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 TINY_HF = dict(
@@ -198,7 +198,7 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
     """Real MLA dims (512 + 64, 16 heads), bf16, page 64: prefill, prefix extend, decode steps
     replayed through captured whole-model graphs, a q_len 3 verify, a final extend, against
     one full prefill on the same backends, and against an fp32 torch-backend full forward."""
-    from models.run import random_model
+    from mla_backends.models.run import random_model
 
     raw = dict(TINY_HF, hidden_size=512, num_attention_heads=16, num_key_value_heads=16)
     raw.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)

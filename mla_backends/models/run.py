@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from mla_backends.config import Config, load_config
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.engine import Engine
+from mla_backends.models.loader import load_model
 from mla_backends.runtime import Runtime
-from models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from models.engine import Engine
-from models.loader import load_model
 
 # Largest relative logit difference from the torch backend, after every layer, per dtype.
 AGREE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 BLOCK = 128
 
