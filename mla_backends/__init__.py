@@ -5,13 +5,22 @@ from mla_backends.backends.base import BackendContext, Capability, MLABackend
 from mla_backends.backends.registry import available_backends, get_backend_class, register_backend
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.checks import ShapeError
-from mla_backends.config import DEEPSEEK_V3, TINY, Config, ConfigError, MLADims, load_config
+from mla_backends.config import (
+    DEEPSEEK_V3,
+    TINY,
+    TINY_KERNEL,
+    Config,
+    ConfigError,
+    MLADims,
+    load_config,
+)
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 from mla_backends.runtime import Runtime, create_backend
 
 __all__ = [
     "DEEPSEEK_V3",
     "TINY",
+    "TINY_KERNEL",
     "BackendContext",
     "Capability",
     "Config",

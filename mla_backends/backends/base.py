@@ -73,6 +73,9 @@ class MLABackend(ABC):
     roles: ClassVar[tuple[str, ...]] = ROLES
     supports_graphs: ClassVar[bool] = False
     provides_lse: ClassVar[bool] = True  # False: forward_absorbed(return_lse=True) raises
+    # True: runs compiled on a CPU; "auto" on a CPU prefers such a backend to one that runs
+    # there only interpreted (Triton's interpreter, a test tool).
+    cpu_native: ClassVar[bool] = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
