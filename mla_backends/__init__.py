@@ -14,7 +14,13 @@ from mla_backends.config import (
     MLADims,
     load_config,
 )
-from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
+from mla_backends.pool import (
+    LayerIndexError,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    RequestRowError,
+    UncalibratedScaleWarning,
+)
 from mla_backends.runtime import Runtime, create_backend
 
 __all__ = [
@@ -27,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ForwardBatch",
     "ForwardMode",
+    "LayerIndexError",
     "MLABackend",
     "MLADims",
     "MLATokenToKVPool",
@@ -34,8 +41,10 @@ __all__ = [
     "PagedTokenAllocator",
     "RaggedLayout",
     "ReqToTokenPool",
+    "RequestRowError",
     "Runtime",
     "ShapeError",
+    "UncalibratedScaleWarning",
     "available_backends",
     "create_backend",
     "get_backend_class",
