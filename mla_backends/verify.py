@@ -37,8 +37,8 @@ def use_triton_interpreter(device: torch.device) -> bool:
     imported stay compiled-only, so then this leaves the setting alone and returns False."""
     if device.type != "cpu" or importlib.util.find_spec("triton") is None:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
+    if "TRITON_INTERPRET" in os.environ:  # the user's choice stands
+        return os.environ["TRITON_INTERPRET"] == "1"
     loaded = [m for m in sys.modules if m.startswith("mla_backends.kernels.")]
     if any(m != "mla_backends.kernels.common" for m in loaded):
         return False

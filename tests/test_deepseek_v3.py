@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Cli
 
 from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
@@ -347,10 +348,7 @@ def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_run_command_serves_a_batch(tmp_path: Path, backend: str) -> None:
-    import subprocess
-    import sys
-
+def test_run_command_serves_a_batch(cli: Cli, tmp_path: Path, backend: str) -> None:
     if backend == "triton" and not INTERP:
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     cfg = tmp_path / "c.yaml"
@@ -359,23 +357,6 @@ def test_run_command_serves_a_batch(tmp_path: Path, backend: str) -> None:
         "kv_dtype: float32\ndtype: float32\n"
         "model: {base: tiny, qk_rope_head_dim: 16, v_head_dim: 16}\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mla_backends",
-            "run",
-            "--config",
-            str(cfg),
-            "--requests",
-            "3",
-            "--max-new",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parent.parent,
-    )
+    proc = cli("run", "--config", str(cfg), "--requests", "3", "--max-new", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tokens/s" in proc.stdout and ": agree" in proc.stdout
