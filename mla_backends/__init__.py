@@ -5,19 +5,35 @@ from mla_backends.backends.base import BackendContext, Capability, MLABackend
 from mla_backends.backends.registry import available_backends, get_backend_class, register_backend
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.checks import ShapeError
-from mla_backends.config import DEEPSEEK_V3, TINY, Config, ConfigError, MLADims, load_config
-from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
+from mla_backends.config import (
+    DEEPSEEK_V3,
+    TINY,
+    TINY_KERNEL,
+    Config,
+    ConfigError,
+    MLADims,
+    load_config,
+)
+from mla_backends.pool import (
+    LayerIndexError,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    RequestRowError,
+    UncalibratedScaleWarning,
+)
 from mla_backends.runtime import Runtime, create_backend
 
 __all__ = [
     "DEEPSEEK_V3",
     "TINY",
+    "TINY_KERNEL",
     "BackendContext",
     "Capability",
     "Config",
     "ConfigError",
     "ForwardBatch",
     "ForwardMode",
+    "LayerIndexError",
     "MLABackend",
     "MLADims",
     "MLATokenToKVPool",
@@ -25,8 +41,10 @@ __all__ = [
     "PagedTokenAllocator",
     "RaggedLayout",
     "ReqToTokenPool",
+    "RequestRowError",
     "Runtime",
     "ShapeError",
+    "UncalibratedScaleWarning",
     "available_backends",
     "create_backend",
     "get_backend_class",

@@ -86,6 +86,8 @@ class PagedTokenAllocator:
                 raise ValueError(f"row {row}: extend length {n} < 0")
             if not 1 <= row <= self.req_to_token.size:
                 raise ValueError(f"row {row} is not a request row (1..{self.req_to_token.size})")
+        self.req_to_token.check_rows(list(rows))
+        for row, n in zip(rows, extend_lens):
             new_len = self.seq_len(row) + n
             if new_len > max_len:
                 raise ValueError(f"row {row}: length {new_len} exceeds max_context_len {max_len}")
@@ -105,6 +107,7 @@ class PagedTokenAllocator:
             row_idx.append(torch.full((n,), row, dtype=torch.int64))
             pos_idx.append(pos)
             self._lens[row] = start + n
+            self.req_to_token.filled[row] = start + n
         flat = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
         out = flat.to(self.req_to_token.device)
         if flat.numel():
@@ -126,6 +129,7 @@ class PagedTokenAllocator:
         self._free.extend(reversed(pages[keep:]))
         del pages[keep:]
         self._lens[row] = new_len
+        self.req_to_token.filled[row] = new_len
 
     def free(self, row: int) -> None:
         """Return all pages of a request. Its req_to_token row is left as is (stale, unread)."""
@@ -133,3 +137,4 @@ class PagedTokenAllocator:
             raise ValueError(f"row {row} holds no KV pages")
         self._free.extend(reversed(self._pages.pop(row)))
         del self._lens[row]
+        self.req_to_token.filled[row] = 0

@@ -92,6 +92,9 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64, device: slot of each new token
     positions: torch.Tensor  # [T] int64, device: position of each new token in its request
     num_draft_tokens: int = 0
+    # [B] int32, cpu: the request rows, for host-side checks (`ReqToTokenPool.check_batch`);
+    # None in batches built over static buffers (a graph runner's).
+    req_pool_indices_cpu: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -137,6 +140,7 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
             positions=positions.to(device),
             num_draft_tokens=draft,
+            req_pool_indices_cpu=rows_t,
         )
 
     @property

@@ -1,37 +1,128 @@
-"""Command-line entry point: `python -m mla_backends verify --config configs/default.yaml`."""
+"""Command-line entry point: `mla-backends verify | run | bench` (`python -m mla_backends ...`).
+
+`--config` is optional everywhere: a YAML path, or the name of a config shipped in the package
+(`default`, `deepseek_v3_h100`); without it the shipped default. Bad input ends the command with
+one line on stderr and exit status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 from mla_backends.config import ConfigError, load_config
 
+USAGE_ERROR = 2
+
+
+class UsageError(ValueError):
+    """A command-line value that can only be checked against the loaded config (say, more
+    requests than the config's pool holds); the message names the option and the range."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad value in one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= {low}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def int_list(low: int = 1) -> Callable[[str], list[int]]:
+    """A comma list of integers >= low, e.g. `1,8,64`."""
+
+    def parse(text: str) -> list[int]:
+        values = []
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                value = int(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {part!r} is not an integer; expected a comma list of "
+                    f"integers >= {low}, e.g. 1,8,64"
+                ) from None
+            if value < low:
+                raise argparse.ArgumentTypeError(f"{text!r}: {value} is out of range (>= {low})")
+            values.append(value)
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected at least one integer")
+        return values
+
+    parse.__name__ = "comma list"
+    return parse
+
+
+def existing_dir(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}; expected a checkpoint directory")
+    return path
+
+
+def add_config_argument(p: argparse.ArgumentParser, help_extra: str = "") -> None:
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML config path, or a shipped config name (default, deepseek_v3_h100); "
+        "default: the shipped default" + help_extra,
+    )
+
 
 def _verify(args: argparse.Namespace) -> int:
-    from mla_backends.verify import format_table, verify
+    from mla_backends.verify import format_table, not_runnable, use_triton_interpreter, verify
 
     config = load_config(args.config)
+    if use_triton_interpreter(config.torch_device):
+        print("triton kernels run under the Triton interpreter on this CPU (TRITON_INTERPRET=1)")
     print(
-        f"config {args.config}: {config.model}, page {config.page_size}, "
+        f"config {args.config or 'default (shipped)'}: {config.model}, page {config.page_size}, "
         f"kv {config.kv_dtype}, device {config.torch_device}"
     )
     rows = verify(config, seed=args.seed)
     print(format_table(rows))
+    for name, reason in not_runnable(config).items():
+        print(f"not run here: {name}: {reason}")
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed or not rows else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mla-backends", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    from mla_backends import bench
+    from mla_backends.models import run as run_model
+
+    parser = OneLineParser(prog="mla-backends", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("verify", help="check every runnable backend against the MHA oracle")
-    p.add_argument("--config", default="configs/default.yaml")
+    p = sub.add_parser(
+        "verify",
+        help="check every backend this machine can run against the MHA oracle",
+        description="Every backend this machine can run (on a CPU with triton installed, "
+        "the triton backend under the Triton interpreter too), decode / verify / extend and "
+        "MHA prefill, against the fp64 MHA-expanded reference.",
+    )
+    add_config_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_verify)
-    from mla_backends import bench
-
     b = sub.add_parser(
         "bench",
         help="time the config's backends over a grid; table, JSON, roofline plot",
@@ -39,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_arguments(b)
     b.set_defaults(func=lambda a: bench.run(a) and 0)
-    from models import run as run_model
-
     r = sub.add_parser(
         "run",
         help="serve a batch through a DeepSeek-V3 model on the backends",
@@ -48,12 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_model.add_arguments(r)
     r.set_defaults(func=run_model.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mla_backends.models.loader import CheckpointError
+
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        print(f"mla-backends {args.command}: config error: {e}", file=sys.stderr)
+    except UsageError as e:
+        print(f"mla-backends {args.command}: error: {e}", file=sys.stderr)
+    except CheckpointError as e:
+        print(f"mla-backends {args.command}: checkpoint error: {e}", file=sys.stderr)
+    return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Configuration: YAML at the edge, frozen dataclasses inside.
 
-`load_config(path)` is the only place YAML is read. Unknown keys, bad names and backend
-choices that cannot run here fail at load, naming the file, the key and the allowed values.
+`load_config(path)` is the only place YAML is read; with no path it reads the default config
+shipped in the package (`mla_backends/configs/default.yaml`), and a shipped config can be
+named without its path (`deepseek_v3_h100`). Unknown keys, values of the wrong type, bad names
+and backend choices that cannot run here fail at load, naming the file, the key and the
+allowed values.
 """
 
 from __future__ import annotations
@@ -9,11 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 PAGE_SIZES = (1, 16, 32, 64, 128)
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -27,6 +34,28 @@ ACT_DTYPES = {k: v for k, v in KV_DTYPES.items() if k != "float8_e4m3fn"}
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the file, key and allowed values."""
+
+
+def _check_int(owner: str, name: str, value: object, low: int) -> None:
+    # bool is an int subclass and YAML reads `1.0` as a float: both are refused, not coerced.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{owner}{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
+        )
+    if value < low:
+        raise ConfigError(f"{owner}{name} must be an integer >= {low}, got {value}")
+
+
+def _check_number(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{owner}{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def _check_str(name: str, value: object, allowed: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{name} must be a string, one of {allowed}, got {value!r} ({type(value).__name__})"
+        )
 
 
 @dataclass(frozen=True)
@@ -48,13 +77,13 @@ class MLADims:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"MLADims.{name} must be > 0, got {getattr(self, name)}")
-        if self.qk_rope_head_dim < 0:
-            raise ConfigError(f"MLADims.qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
+            _check_int("model.", name, getattr(self, name), 1)
+        _check_int("model.", "qk_rope_head_dim", self.qk_rope_head_dim, 0)
+        for name in ("rope_scaling_factor", "mscale_all_dim"):
+            _check_number("model.", name, getattr(self, name))
         if self.rope_scaling_factor < 1.0:
             raise ConfigError(
-                f"MLADims.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}"
+                f"model.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}"
             )
 
     @property
@@ -102,7 +131,23 @@ TINY = MLADims(
     rope_scaling_factor=4.0,
     mscale_all_dim=0.707,
 )
-NAMED_DIMS: dict[str, MLADims] = {"deepseek-v3": DEEPSEEK_V3, "tiny": TINY}
+# The smallest shape the Triton kernels take (kv_lora_rank and qk_rope_head_dim powers of two
+# >= 16), dimensions still distinct, P + R = 40 not a power of two: the default config's model,
+# so `verify` on a CPU runs the triton backend under the interpreter in seconds.
+TINY_KERNEL = MLADims(
+    num_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=24,
+    v_head_dim=12,
+    rope_scaling_factor=4.0,
+    mscale_all_dim=0.707,
+)
+NAMED_DIMS: dict[str, MLADims] = {
+    "deepseek-v3": DEEPSEEK_V3,
+    "tiny": TINY,
+    "tiny-kernel": TINY_KERNEL,
+}
 
 
 @dataclass(frozen=True)
@@ -127,19 +172,31 @@ class Config:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, MLADims):
+            raise ConfigError(f"model must be an MLADims, got {type(self.model).__name__}")
+        _check_int("", "page_size", self.page_size, 1)
         if self.page_size not in PAGE_SIZES:
             raise ConfigError(f"page_size={self.page_size} is not one of {PAGE_SIZES}")
+        _check_str("kv_dtype", self.kv_dtype, sorted(KV_DTYPES))
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+        _check_str("dtype", self.dtype, sorted(ACT_DTYPES))
         if self.dtype not in ACT_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(ACT_DTYPES)}")
         for name in ("num_layers", "num_pages", "max_requests", "max_context_len"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if any(bs <= 0 for bs in self.cuda_graph_batch_sizes):
+            _check_int("", name, getattr(self, name), 1)
+        sizes = self.cuda_graph_batch_sizes
+        if not isinstance(sizes, (tuple, list)) or not all(
+            isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 for bs in sizes
+        ):
             raise ConfigError(
-                f"cuda_graph_batch_sizes must be positive: {self.cuda_graph_batch_sizes}"
+                f"cuda_graph_batch_sizes must be a list of positive integers, e.g. [1, 2, 4, 8], "
+                f"got {sizes!r}"
             )
+        object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
+        for key in ("prefill_backend", "decode_backend"):
+            _check_str(key, getattr(self, key), "auto or a backend name")
+        _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
@@ -165,14 +222,21 @@ def _model_from_yaml(value: Any, where: str) -> MLADims:
         return NAMED_DIMS[value]
     if isinstance(value, dict):
         value = dict(value)
-        base = NAMED_DIMS[value.pop("base", "deepseek-v3")]
+        base_name = value.pop("base", "deepseek-v3")
+        if not isinstance(base_name, str) or base_name not in NAMED_DIMS:
+            raise ConfigError(
+                f"{where}: model.base={base_name!r} is not one of {sorted(NAMED_DIMS)}"
+            )
         allowed = {f.name for f in dataclasses.fields(MLADims)}
         unknown = sorted(set(value) - allowed)
         if unknown:
             raise ConfigError(
                 f"{where}: unknown key(s) model.{unknown}; allowed: {sorted(allowed)}"
             )
-        return dataclasses.replace(base, **value)
+        try:
+            return dataclasses.replace(NAMED_DIMS[base_name], **value)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
     raise ConfigError(f"{where}: model must be a name {sorted(NAMED_DIMS)} or a mapping of dims")
 
 
@@ -187,8 +251,6 @@ def config_from_dict(raw: dict[str, Any], where: str = "<dict>") -> Config:
     raw = dict(raw)
     if "model" in raw:
         raw["model"] = _model_from_yaml(raw["model"], where)
-    if "cuda_graph_batch_sizes" in raw:
-        raw["cuda_graph_batch_sizes"] = tuple(raw["cuda_graph_batch_sizes"])
     try:
         cfg = Config(**raw)
     except ConfigError as e:
@@ -200,10 +262,40 @@ def config_from_dict(raw: dict[str, Any], where: str = "<dict>") -> Config:
     return resolve_backends(cfg, where)
 
 
-def load_config(path: str | Path) -> Config:
-    path = Path(path)
+def shipped_configs() -> dict[str, Traversable]:
+    """The YAML configs inside the package, by name without `.yaml`."""
+    folder = resources.files("mla_backends") / "configs"
+    return {p.name[:-5]: p for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def config_source(path: str | Path | None) -> Path | Traversable:
+    """What `load_config(path)` reads: the file at `path`; else a shipped config of that name
+    (`default`, `deepseek_v3_h100`, with or without `.yaml`); None is the shipped default."""
+    shipped = shipped_configs()
+    if path is None:
+        return shipped["default"]
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory; --config takes a YAML file")
+    if p.is_file():
+        return p
+    name = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    if p.parent == Path(".") and name in shipped:
+        return shipped[name]
+    raise ConfigError(
+        f"{p}: no such config file; give a YAML path or a shipped config: {sorted(shipped)}"
+    )
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Read, validate and resolve a YAML config (None: the shipped default)."""
+    src = config_source(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = src.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{src}: cannot read: {e}") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return config_from_dict(raw or {}, str(path))
+        raise ConfigError(f"{src}: not valid YAML: {e}") from None
+    return config_from_dict({} if raw is None else raw, str(src))

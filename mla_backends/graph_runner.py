@@ -165,6 +165,9 @@ class CudaGraphRunner:
             )
         if not self._graphs:
             raise RuntimeError("capture() first")
+        check = getattr(self.backend, "check_batch", None)
+        if check is not None:  # rows and lengths, on the host: the replay itself checks nothing
+            check(batch)
         bs = self.padded_size(batch.batch_size)
         self._load(batch, inputs, bs)
         static = self._static_batch(bs, batch)

@@ -8,19 +8,59 @@ V is the first L columns of the same rows; it is never stored twice.
 FP8 contract: one fp32 scale per layer, `stored = value / scale`, `value = stored * scale`,
 calibrated over the whole D-wide row (latent and rope together), and exactly representable
 in bf16 (`bf16_ceil`), so every backend, whatever precision it applies it in, reads the same
-values.
+values. Set it before storing rows: `calibrate_scale(layer, k_nope, k_rope)` on sample rows,
+or `set_scale(layer, scale)`. The default scale 1.0 saturates every value beyond +-448 (and
+rounds small ones coarsely); storing or attending over FP8 rows of a layer whose scale was
+never set warns once per layer (`UncalibratedScaleWarning`, a host-side flag: no sync).
+
+Layer indices are checked at this boundary: a layer outside 0..num_layers-1 (-1 included,
+which Python indexing would read as the last layer) raises `LayerIndexError`.
 """
 
 from __future__ import annotations
 
+import operator
 import struct
+import warnings
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from mla_backends.checks import check_tensor
 
+if TYPE_CHECKING:
+    from mla_backends.batch import ForwardBatch
+
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class LayerIndexError(IndexError):
+    """A layer index outside 0..num_layers-1 was passed to the pool or a backend."""
+
+
+class RequestRowError(ValueError):
+    """A batch names a request row that was never allocated, or reads more tokens of a row
+    than the row has stored (prefix_lens + new tokens beyond what the allocator handed out)."""
+
+
+class UncalibratedScaleWarning(UserWarning):
+    """FP8 rows stored or read under a layer scale that was never set (the default 1.0)."""
+
+
+class LayerBuffers(tuple):
+    """The per-layer buffers of a pool; indexing checks the layer (Hazard: a plain list takes
+    -1 as the last layer and would silently read or write it)."""
+
+    def __getitem__(self, layer):  # type: ignore[no-untyped-def, override]
+        if not isinstance(layer, slice):
+            layer = operator.index(layer)
+            if not 0 <= layer < len(self):
+                raise LayerIndexError(
+                    f"layer {layer} is out of range: the pool has layers 0..{len(self) - 1}"
+                )
+        return super().__getitem__(layer)
 
 
 def bf16_ceil(x: float) -> float:
@@ -59,14 +99,16 @@ class MLATokenToKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_slots = (num_pages + 1) * page_size
-        self.kv_buffer = [
+        self.kv_buffer = LayerBuffers(
             torch.zeros(self.num_slots, self.kv_dim, dtype=dtype, device=self.device)
             for _ in range(num_layers)
-        ]
+        )
         # Scales live on the host (kernels take Python floats) and on the device (kernels that
         # take a tensor, and graph-captured code). They change only via set_scale, never per call.
         self._scales_host = [1.0] * num_layers
         self.scales = torch.ones(num_layers, dtype=torch.float32, device=self.device)
+        self._scale_set = [False] * num_layers
+        self._scale_warned = [False] * num_layers
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -82,12 +124,40 @@ class MLATokenToKVPool:
     def total_bytes(self) -> int:
         return self.bytes_per_token * self.num_slots
 
+    # ----------------------------------------------------------------- layers
+    def check_layer(self, layer: int) -> int:
+        """`layer` if it is one of this pool's layers, else LayerIndexError. Host only."""
+        layer = operator.index(layer)
+        if not 0 <= layer < self.num_layers:
+            raise LayerIndexError(
+                f"layer {layer} is out of range: the pool has layers 0..{self.num_layers - 1}"
+            )
+        return layer
+
     # ----------------------------------------------------------------- scales
     def scale(self, layer: int) -> float:
-        return self._scales_host[layer]
+        return self._scales_host[self.check_layer(layer)]
+
+    def scale_is_set(self, layer: int) -> bool:
+        return self._scale_set[self.check_layer(layer)]
+
+    def warn_if_uncalibrated(self, layer: int) -> None:
+        """Warn once per layer when an FP8 layer is used under the default scale 1.0 that was
+        never set. A host-side flag: no device work, nothing once warned or calibrated."""
+        if self.is_fp8 and not self._scale_set[layer] and not self._scale_warned[layer]:
+            self._scale_warned[layer] = True
+            warnings.warn(
+                f"FP8 KV pool, layer {layer}: rows stored / read under the default scale 1.0, "
+                f"never set: values beyond +-{FP8_MAX:g} saturate. Call "
+                "MLATokenToKVPool.calibrate_scale(layer, k_nope, k_rope) on sample rows, or "
+                "set_scale(layer, scale), before storing.",
+                UncalibratedScaleWarning,
+                stacklevel=3,
+            )
 
     def set_scale(self, layer: int, scale: float) -> float:
         """Set the layer scale; returns the scale actually used (rounded up to bf16)."""
+        layer = self.check_layer(layer)
         if not scale > 0.0:
             raise ValueError(f"layer {layer}: kv scale must be > 0, got {scale}")
         if not self.is_fp8 and scale != 1.0:
@@ -97,6 +167,7 @@ class MLATokenToKVPool:
         scale = bf16_ceil(scale)
         self._scales_host[layer] = scale
         self.scales[layer] = scale
+        self._scale_set[layer] = True
         return scale
 
     def calibrate_scale(self, layer: int, k_nope: torch.Tensor, k_rope: torch.Tensor) -> float:
@@ -105,6 +176,7 @@ class MLATokenToKVPool:
         Hazard: calibrating on the latent alone saturates the rope part, whose range differs.
         This reads a max back to the host; call it at calibration time, never in decode.
         """
+        layer = self.check_layer(layer)
         amax = max(k_nope.abs().max().item(), k_rope.abs().max().item() if k_rope.numel() else 0.0)
         return self.set_scale(layer, max(amax, 1e-12) / FP8_MAX)
 
@@ -116,6 +188,8 @@ class MLATokenToKVPool:
 
         k_nope [T, L], k_rope [T, R]. FP8 pools store `value / scale` (saturated at +-448).
         """
+        layer = self.check_layer(layer)
+        self.warn_if_uncalibrated(layer)
         t = loc.shape[0] if loc.dim() == 1 else -1
         check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
         check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
@@ -125,6 +199,7 @@ class MLATokenToKVPool:
 
     def quantize(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Convert rows to the storage dtype under the layer scale."""
+        layer = self.check_layer(layer)
         if not self.is_fp8:
             return rows.to(self.dtype)
         # Saturate instead of producing NaN: e4m3fn has no inf, out-of-range casts give NaN.
@@ -133,6 +208,7 @@ class MLATokenToKVPool:
 
     def dequantize(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Rows in storage dtype -> float32 values (scale applied)."""
+        layer = self.check_layer(layer)
         if not self.is_fp8:
             return rows.float()
         return rows.float() * self.scales[layer]
@@ -164,7 +240,9 @@ class ReqToTokenPool:
     """int32 `[max_requests + 1, max_context_len]` map (request row, position) -> slot.
 
     Row 0 is reserved: it points at the dummy page (all zeros = slot 0) and is what padded
-    CUDA-graph rows use.
+    CUDA-graph rows use. On the host it knows which rows are allocated and how many leading
+    positions of each hold stored tokens (`filled`, kept by the allocator), so a batch that
+    names a row never allocated, or reads past what a row stored, fails (`check_batch`).
     """
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
@@ -176,6 +254,12 @@ class ReqToTokenPool:
         )
         self._free_rows = list(range(max_requests, 0, -1))  # pop() hands out 1, 2, ...
         self._used_rows: set[int] = set()
+        # Host arrays indexed by request row; row 0 (padding) counts as allocated and holds
+        # max_context_len dummy-page positions.
+        self.allocated = np.zeros(max_requests + 1, dtype=bool)
+        self.allocated[0] = True
+        self.filled = np.zeros(max_requests + 1, dtype=np.int64)
+        self.filled[0] = max_context_len
 
     @property
     def available(self) -> int:
@@ -189,6 +273,8 @@ class ReqToTokenPool:
             )
         rows = [self._free_rows.pop() for _ in range(n)]
         self._used_rows.update(rows)
+        self.allocated[rows] = True
+        self.filled[rows] = 0
         return rows
 
     def free(self, row: int) -> None:
@@ -196,3 +282,36 @@ class ReqToTokenPool:
             raise ValueError(f"ReqToTokenPool: row {row} is not an allocated request row")
         self._used_rows.remove(row)
         self._free_rows.append(row)
+        self.allocated[row] = False
+        self.filled[row] = 0
+
+    def check_rows(self, rows: list[int] | tuple[int, ...]) -> None:
+        """RequestRowError unless every row is an allocated request row."""
+        bad = [r for r in rows if not (0 < r <= self.size and self.allocated[r])]
+        if bad:
+            raise RequestRowError(
+                f"request row(s) {bad} were never allocated (or were freed): take rows from "
+                f"ReqToTokenPool.alloc; allocated now: {sorted(self._used_rows)}"
+            )
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        """RequestRowError if the batch names a row never allocated, or reads more tokens of a
+        row (prefix + new) than the row has stored. Host arrays and the batch's CPU copies
+        only (no sync); a batch without CPU rows (a graph runner's static one) is skipped."""
+        rows_cpu = batch.req_pool_indices_cpu
+        if rows_cpu is None or rows_cpu.numel() == 0:
+            return
+        rows = rows_cpu.numpy().astype(np.int64)
+        if rows.min() < 0 or rows.max() > self.size or not self.allocated[rows].all():
+            self.check_rows(rows.tolist())
+        seq = batch.seq_lens_cpu.numpy()
+        over = np.nonzero(seq > self.filled[rows])[0]
+        if over.size:
+            i = int(over[0])
+            pre, new = int(batch.extend_prefix_lens_cpu[i]), int(batch.extend_seq_lens_cpu[i])
+            raise RequestRowError(
+                f"request row {int(rows[i])} (batch index {i}): the batch reads {int(seq[i])} "
+                f"tokens (prefix_lens {pre} + {new} new), the row has {int(self.filled[rows[i]])} "
+                "stored; store them first (PagedTokenAllocator.alloc_extend), and pass the "
+                "prefix the row really has"
+            )

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass
+
+import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import available_backends, get_backend_class
@@ -23,6 +28,24 @@ class Row:
     detail: str
 
 
+def use_triton_interpreter(device: torch.device) -> bool:
+    """On a CPU with triton installed, run the Triton kernels under Triton's interpreter
+    (sets TRITON_INTERPRET=1 for this process); True if they will run interpreted.
+
+    Hazard: Triton (3.4 through 3.9, `knobs.runtime.interpret`) reads TRITON_INTERPRET when
+    `@triton.jit` wraps a kernel, i.e. when a kernel module is first imported: kernels already
+    imported stay compiled-only, so then this leaves the setting alone and returns False."""
+    if device.type != "cpu" or importlib.util.find_spec("triton") is None:
+        return False
+    if "TRITON_INTERPRET" in os.environ:  # the user's choice stands
+        return os.environ["TRITON_INTERPRET"] == "1"
+    loaded = [m for m in sys.modules if m.startswith("mla_backends.kernels.")]
+    if any(m != "mla_backends.kernels.common" for m in loaded):
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
 def _runnable_config(config: Config, name: str, cap: Capability, role: str) -> Config | None:
     """The config with `name` in both roles, at the config's page size or the backend's."""
     cls = get_backend_class(name)
@@ -31,6 +54,22 @@ def _runnable_config(config: Config, name: str, cap: Capability, role: str) -> C
         if cls.supports(cfg, cap, role) is None:
             return cfg
     return None
+
+
+def not_runnable(config: Config) -> dict[str, str]:
+    """The backends `verify` skips on this machine, each with the reason it gives at a page
+    size it takes."""
+    cap = Capability.detect(config.torch_device)
+    reasons = {}
+    for name in available_backends():
+        if _runnable_config(config, name, cap, "decode") is None:
+            cls = get_backend_class(name)
+            page = config.page_size if config.page_size in cls.page_sizes else cls.page_sizes[0]
+            cfg = dataclasses.replace(
+                config, page_size=page, prefill_backend=name, decode_backend=name
+            )
+            reasons[name] = cls.supports(cfg, cap, "decode") or "no page size it takes fits"
+    return reasons
 
 
 def _dtype_keys(config: Config) -> list[str]:

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from mla_backends.config import Config
+from mla_backends.models.engine import Engine
+from mla_backends.models.run import random_model
 from mla_backends.runtime import Runtime
-from models.engine import Engine
-from models.run import random_model
 
 STACK = dict(
     vocab_size=129280,

@@ -47,7 +47,7 @@ if [ "$mode" = fi ]; then
   step decode 200 python3 -c "
 from mla_backends.benchmark import main
 main('$out/decode', ['flashinfer_mla'], ['raw_flashinfer_fa3'], quick=False, prefill=False)"
-  step graphs 150 python3 -m mla_backends bench --config configs/deepseek_v3_h100.yaml \
+  step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
 elif [ "$mode" = triton ]; then
@@ -59,7 +59,7 @@ elif [ "$mode" = models ]; then
   step plan 60 python3 scripts/profile_fi_plan.py 256
   step linear 120 python3 scripts/bench_linear.py --out "$out/linear"
   step stack ${STACK_TIMEOUT:-240} python3 scripts/dsv3_stack.py --out "$out/stack"
-  step graphs 150 python3 -m mla_backends bench --config configs/deepseek_v3_h100.yaml \
+  step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
 elif [ "$mode" != "tests" ]; then

@@ -74,6 +74,7 @@ def test_random_alloc_free_keeps_invariants(page: int) -> None:
 
 def test_out_of_pages_names_requested_and_free() -> None:
     rp = ReqToTokenPool(4, 1024, "cpu")
+    rp.alloc(2)
     alloc = PagedTokenAllocator(4, 16, rp)
     alloc.alloc_extend([1], [40])  # 3 pages
     with pytest.raises(OutOfPagesError, match=r"requested 2 page\(s\) of 16 tokens, 1 free"):
@@ -85,6 +86,7 @@ def test_out_of_pages_names_requested_and_free() -> None:
 
 def test_decode_takes_a_new_page_only_when_the_last_is_full() -> None:
     rp = ReqToTokenPool(2, 1024, "cpu")
+    rp.alloc(1)
     alloc = PagedTokenAllocator(8, 16, rp)
     alloc.alloc_extend([1], [15])
     assert len(alloc.pages(1)) == 1
@@ -96,6 +98,7 @@ def test_decode_takes_a_new_page_only_when_the_last_is_full() -> None:
 
 def test_bad_requests_are_refused() -> None:
     rp = ReqToTokenPool(2, 32, "cpu")
+    rp.alloc(2)
     alloc = PagedTokenAllocator(8, 16, rp)
     with pytest.raises(ValueError, match="exceeds max_context_len 32"):
         alloc.alloc_extend([1], [33])
@@ -112,6 +115,7 @@ def test_bad_requests_are_refused() -> None:
 
 def test_dummy_page_never_handed_out_even_when_exhausted() -> None:
     rp = ReqToTokenPool(1, 4096, "cpu")
+    rp.alloc(1)
     alloc = PagedTokenAllocator(5, 64, rp)
     slots = alloc.alloc_extend([1], [5 * 64])
     assert slots.min() >= 64 and torch.unique(slots).numel() == 320

@@ -8,9 +8,14 @@ import pytest
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class, resolve_backends
-from mla_backends.config import DEEPSEEK_V3, TINY, Config, ConfigError, load_config
-
-CONFIGS = Path(__file__).parent.parent / "configs"
+from mla_backends.config import (
+    DEEPSEEK_V3,
+    TINY_KERNEL,
+    Config,
+    ConfigError,
+    load_config,
+    shipped_configs,
+)
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -20,11 +25,34 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_default_config_loads_and_resolves_auto() -> None:
-    cfg = load_config(CONFIGS / "default.yaml")
-    assert cfg.model == TINY
+    cfg = load_config()
+    assert cfg.model == TINY_KERNEL
     assert cfg.prefill_backend != "auto" and cfg.decode_backend != "auto"
     cap = Capability.detect(cfg.torch_device)
     assert get_backend_class(cfg.decode_backend).supports(cfg, cap, "decode") is None
+
+
+def test_config_argument_takes_a_path_or_a_shipped_name(tmp_path: Path) -> None:
+    assert load_config("default") == load_config() == load_config("default.yaml")
+    with pytest.raises(ConfigError, match=r"nope.yaml: no such config file; .*'default'"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"is a directory; --config takes a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"default: no such config file"):
+        load_config(tmp_path / "default")  # a shipped name only without a folder
+
+
+def test_auto_on_a_cpu_never_picks_an_interpreted_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton interpreter enabled (tests, `verify`) the triton backend can run on a
+    CPU, but "auto" keeps to the backend that runs there compiled."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = load_config()
+    if cfg.torch_device.type != "cpu":
+        pytest.skip("a CUDA device is present: auto picks a GPU backend")
+    assert (cfg.prefill_backend, cfg.decode_backend) == ("torch", "torch")
+    triton = Config(device="cpu", decode_backend="triton", prefill_backend="triton")
+    if get_backend_class("triton").supports(triton, Capability("cpu"), "decode") is None:
+        assert resolve_backends(triton).decode_backend == "triton"  # still there when named
 
 
 def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
@@ -41,7 +69,7 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
         ("kv_dtype: int8\n", r"c.yaml: kv_dtype='int8' is not one of .*float8_e4m3fn"),
         (
             "model: deepseek-v4\n",
-            r"c.yaml: model='deepseek-v4' is not one of \['deepseek-v3', 'tiny'\]",
+            r"c.yaml: model='deepseek-v4' is not one of \['deepseek-v3', 'tiny', 'tiny-kernel'\]",
         ),
         (
             "model: {heads: 3}\n",
@@ -51,10 +79,31 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
             "decode_backend: flashmlaa\n",
             r"decode_backend='flashmlaa' is unknown; allowed: .*flashmla",
         ),
-        ("num_pages: 0\n", r"c.yaml: num_pages must be > 0"),
+        ("num_pages: 0\n", r"c.yaml: num_pages must be an integer >= 1, got 0"),
         ("[1, 2]\n", r"c.yaml: top level must be a mapping"),
         ("page_size: [16\n", r"c.yaml: not valid YAML"),
         ("device: tpu\n", r"device='tpu' is not one of"),
+        (
+            "model: {base: deepseek-v4}\n",
+            r"c.yaml: model.base='deepseek-v4' is not one of \['deepseek-v3', 'tiny', "
+            r"'tiny-kernel'\]",
+        ),
+        ("model: {num_heads: 4.5}\n", r"c.yaml: model.num_heads must be an integer >= 1, got 4.5"),
+        ("model: {qk_rope_head_dim: -1}\n", r"c.yaml: model.qk_rope_head_dim must be .* >= 0"),
+        ("model: {mscale_all_dim: yes}\n", r"c.yaml: model.mscale_all_dim must be a number"),
+        ("num_pages: 1.5\n", r"c.yaml: num_pages must be an integer >= 1, got 1.5 \(float\)"),
+        ("num_layers: true\n", r"c.yaml: num_layers must be an integer >= 1, got True \(bool\)"),
+        ("page_size: 16.0\n", r"c.yaml: page_size must be an integer >= 1, got 16.0"),
+        ("max_requests: '8'\n", r"c.yaml: max_requests must be an integer >= 1, got '8' \(str\)"),
+        ("max_context_len: -5\n", r"c.yaml: max_context_len must be an integer >= 1, got -5"),
+        (
+            "cuda_graph_batch_sizes: 4\n",
+            r"c.yaml: cuda_graph_batch_sizes must be a list of positive integers, .*got 4",
+        ),
+        ("cuda_graph_batch_sizes: [1, 0]\n", r"cuda_graph_batch_sizes must be a list of positive"),
+        ("cuda_graph_batch_sizes: [1.5]\n", r"cuda_graph_batch_sizes must be a list of positive"),
+        ("kv_dtype: 8\n", r"c.yaml: kv_dtype must be a string, one of .*got 8 \(int\)"),
+        ("decode_backend: 3\n", r"c.yaml: decode_backend must be a string"),
     ],
 )
 def test_bad_yaml_fails_naming_file_key_and_allowed(
@@ -109,10 +158,13 @@ def test_backend_that_cannot_run_fails_at_load(tmp_path: Path) -> None:
 
 
 def test_shipped_configs_parse() -> None:
-    """Every YAML in configs/ is valid; GPU-only choices may refuse this machine, clearly."""
-    for path in sorted(CONFIGS.glob("*.yaml")):
+    """Every YAML shipped in the package is valid; GPU-only choices may refuse this machine,
+    clearly."""
+    shipped = shipped_configs()
+    assert {"default", "deepseek_v3_h100"} <= set(shipped)
+    for name, path in sorted(shipped.items()):
         try:
-            load_config(path)
+            load_config(name)
         except ConfigError as e:
             assert str(path) in str(e), str(e)
             assert "cannot run here" in str(e) or "no usable CUDA device" in str(e), str(e)

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Cli
 
 from mla_backends.config import Config
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
+from mla_backends.models.engine import Engine
+from mla_backends.models.loader import CheckpointError, load_model
 from mla_backends.runtime import Runtime
-from models.deepseek_v3 import DeepseekV3Config, rope_tables
-from models.engine import Engine
-from models.loader import CheckpointError, load_model
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 TINY_HF = dict(
@@ -198,7 +199,7 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
     """Real MLA dims (512 + 64, 16 heads), bf16, page 64: prefill, prefix extend, decode steps
     replayed through captured whole-model graphs, a q_len 3 verify, a final extend, against
     one full prefill on the same backends, and against an fp32 torch-backend full forward."""
-    from models.run import random_model
+    from mla_backends.models.run import random_model
 
     raw = dict(TINY_HF, hidden_size=512, num_attention_heads=16, num_key_value_heads=16)
     raw.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
@@ -347,10 +348,7 @@ def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_run_command_serves_a_batch(tmp_path: Path, backend: str) -> None:
-    import subprocess
-    import sys
-
+def test_run_command_serves_a_batch(cli: Cli, tmp_path: Path, backend: str) -> None:
     if backend == "triton" and not INTERP:
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     cfg = tmp_path / "c.yaml"
@@ -359,23 +357,6 @@ def test_run_command_serves_a_batch(tmp_path: Path, backend: str) -> None:
         "kv_dtype: float32\ndtype: float32\n"
         "model: {base: tiny, qk_rope_head_dim: 16, v_head_dim: 16}\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mla_backends",
-            "run",
-            "--config",
-            str(cfg),
-            "--requests",
-            "3",
-            "--max-new",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parent.parent,
-    )
+    proc = cli("run", "--config", str(cfg), "--requests", "3", "--max-new", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tokens/s" in proc.stdout and ": agree" in proc.stdout

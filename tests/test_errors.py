@@ -71,3 +71,174 @@ def test_metadata_must_be_built_first(setup) -> None:  # type: ignore[no-untyped
     rt, batch = setup
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
         rt.backend.forward_absorbed(0, *_q(), None, None, batch)
+
+
+# ---------------------------------------------------------------- API misuse: named errors
+
+
+def _backends_here() -> list[str]:
+    from mla_backends.backends.base import Capability
+    from mla_backends.backends.registry import why_not
+    from mla_backends.config import TINY_KERNEL, Config
+
+    cfg = Config(model=TINY_KERNEL, device="cpu")
+    return [n for n in ("torch", "triton") if why_not(n, cfg, Capability("cpu"), "decode") is None]
+
+
+def _tiny_case(backend: str, kv_dtype: str = "bfloat16"):  # type: ignore[no-untyped-def]
+    from mla_backends.config import TINY_KERNEL
+
+    case = Case(
+        backend=backend,
+        mode=ForwardMode.DECODE,
+        num_heads=TINY_KERNEL.num_heads,
+        kv_dtype=kv_dtype,
+        kv_lens=(5, 9),
+        dims=TINY_KERNEL,
+    )
+    return build_case(case, torch.device("cpu"))
+
+
+def _tiny_q(batch, d):  # type: ignore[no-untyped-def]
+    t = batch.num_tokens
+    return (
+        torch.randn(t, d.num_heads, d.kv_lora_rank).bfloat16(),
+        torch.randn(t, d.num_heads, d.qk_rope_head_dim).bfloat16(),
+        torch.randn(t, d.kv_lora_rank).bfloat16(),
+        torch.randn(t, d.qk_rope_head_dim).bfloat16(),
+    )
+
+
+@pytest.mark.parametrize("layer", [-1, 1, 7])
+def test_pool_rejects_a_layer_outside_its_range(layer: int) -> None:
+    from mla_backends.pool import LayerIndexError, MLATokenToKVPool
+
+    pool = MLATokenToKVPool(1, 4, 16, 32, 16, torch.bfloat16)  # one layer: 0
+    loc = torch.arange(16, 18)
+    rows = torch.zeros(2, 32), torch.zeros(2, 16)
+    msg = rf"layer {layer} is out of range: the pool has layers 0..0"
+    for call in (
+        lambda: pool.set_mla_kv_buffer(layer, loc, *rows),
+        lambda: pool.load_rows(layer, loc),
+        lambda: pool.scale(layer),
+        lambda: pool.set_scale(layer, 1.0),
+        lambda: pool.get_kv_buffer(layer),
+        lambda: pool.get_paged_buffer(layer),
+        lambda: pool.get_ckv_kpe(layer),
+        lambda: pool.kv_buffer[layer],  # what kernels index directly
+    ):
+        with pytest.raises(LayerIndexError, match=msg):
+            call()
+    pool.set_mla_kv_buffer(0, loc, *rows)  # layer 0 is fine
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_backend_rejects_a_layer_outside_the_pool(backend: str) -> None:
+    from mla_backends.pool import LayerIndexError
+
+    rt, batch = _tiny_case(backend)  # build_case: one layer
+    rt.backend.init_forward_metadata(batch)
+    q_nope, q_rope, k_nope, k_rope = _tiny_q(batch, rt.config.model)
+    before = rt.kv_pool.kv_buffer[0].view(torch.int16).clone()  # NaN-poisoned: bitwise
+    for layer in (-1, 1):
+        with pytest.raises(LayerIndexError, match=rf"layer {layer} is out of range"):
+            rt.backend.forward_absorbed(layer, q_nope, q_rope, k_nope, k_rope, batch)
+        with pytest.raises(LayerIndexError, match=rf"layer {layer} is out of range"):
+            rt.backend.store_kv(layer, batch.out_cache_loc, k_nope, k_rope)
+    assert torch.equal(rt.kv_pool.kv_buffer[0].view(torch.int16), before)  # nothing written
+    out = rt.backend.forward_absorbed(0, q_nope, q_rope, k_nope, k_rope, batch)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_prefix_longer_than_what_a_request_stored_is_refused(backend: str) -> None:
+    from mla_backends.pool import RequestRowError
+
+    rt, batch = _tiny_case(backend)  # rows hold 5 and 9 tokens (the decode token included)
+    rows = batch.req_pool_indices_cpu.tolist()
+    assert [int(rt.req_pool.filled[r]) for r in rows] == [5, 9]
+    q_nope, q_rope, _, _ = _tiny_q(batch, rt.config.model)
+    for prefix, row, reads, stored in (([5, 8], rows[0], 6, 5), ([4, 40], rows[1], 41, 9)):
+        bad = ForwardBatch.build(
+            ForwardMode.DECODE, rows, prefix, [1, 1], batch.out_cache_loc, "cpu"
+        )
+        want = (
+            rf"request row {row} .*reads {reads} tokens \(prefix_lens {reads - 1} \+ 1 new\), "
+            rf"the row has {stored} stored"
+        )
+        with pytest.raises(RequestRowError, match=want):  # before any index is built
+            rt.backend.init_forward_metadata(bad)
+        with pytest.raises(RequestRowError, match=want):  # and without metadata asked for
+            rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, bad)
+    rt.backend.init_forward_metadata(batch)
+    rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, batch)  # the true prefix is fine
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_request_rows_never_allocated_are_refused(backend: str) -> None:
+    from mla_backends.pool import RequestRowError
+
+    rt, batch = _tiny_case(backend)
+    rows = batch.req_pool_indices_cpu.tolist()
+    stranger = rt.req_pool.size  # a valid index, never handed out by alloc()
+    assert stranger not in rows
+    q_nope, q_rope, _, _ = _tiny_q(batch, rt.config.model)
+    bad = ForwardBatch.build(
+        ForwardMode.DECODE, [rows[0], stranger], [4, 0], [1, 1], batch.out_cache_loc, "cpu"
+    )
+    want = rf"request row\(s\) \[{stranger}\] were never allocated"
+    with pytest.raises(RequestRowError, match=want):
+        rt.backend.init_forward_metadata(bad)
+    with pytest.raises(RequestRowError, match=want):
+        rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, bad)
+    with pytest.raises(RequestRowError, match=r"were never allocated"):
+        rt.allocator.alloc_extend([stranger], [3])
+    rt.req_pool.free(rows[1])  # freed rows are refused too
+    with pytest.raises(
+        RequestRowError, match=rf"\[{rows[1]}\] were never allocated \(or were freed\)"
+    ):
+        rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, batch)
+
+
+def test_padding_row_zero_stays_usable() -> None:
+    """Request row 0 (padding, the dummy page) is never allocated yet always allowed."""
+    rt, batch = _tiny_case("torch")
+    rows = batch.req_pool_indices_cpu.tolist()
+    loc = torch.cat([batch.out_cache_loc, torch.zeros(1, dtype=torch.int64)])
+    padded = ForwardBatch.build(ForwardMode.DECODE, [*rows, 0], [4, 8, 0], [1, 1, 1], loc, "cpu")
+    rt.backend.init_forward_metadata(padded)
+    q_nope, q_rope, _, _ = _tiny_q(padded, rt.config.model)
+    rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, padded)
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_uncalibrated_fp8_pool_warns_once_per_layer(backend: str) -> None:
+    from mla_backends.config import TINY_KERNEL, Config
+    from mla_backends.pool import UncalibratedScaleWarning
+    from mla_backends.runtime import Runtime
+
+    cfg = Config(
+        model=TINY_KERNEL,
+        num_layers=2,
+        prefill_backend=backend,
+        decode_backend=backend,
+        kv_dtype="float8_e4m3fn",
+        num_pages=4,
+        max_requests=2,
+        max_context_len=32,
+        device="cpu",
+    )
+    rt = Runtime.build(cfg)
+    rows = rt.req_pool.alloc(1)
+    loc = rt.allocator.alloc_extend(rows, [3])
+    batch = ForwardBatch.build(ForwardMode.EXTEND, rows, [0], [3], loc, "cpu")
+    rt.backend.init_forward_metadata(batch)
+    q_nope, q_rope, k_nope, k_rope = _tiny_q(batch, TINY_KERNEL)
+    rt.kv_pool.set_scale(1, 0.05)  # layer 1 calibrated, layer 0 left at the default
+    with pytest.warns(UncalibratedScaleWarning) as seen:
+        for layer in (0, 0, 1, 1):
+            rt.backend.forward_absorbed(layer, q_nope, q_rope, k_nope, k_rope, batch)
+        rt.kv_pool.set_mla_kv_buffer(0, loc, k_nope, k_rope)
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    msg = str(seen[0].message)
+    assert "layer 0" in msg and "calibrate_scale" in msg and "set_scale" in msg

@@ -14,14 +14,14 @@ from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import Config, MLADims
 from mla_backends.linear.backend import LinearAttentionBackend
 from mla_backends.linear.state_pool import LinearStatePool
-from mla_backends.runtime import Runtime
-from models.engine import Engine
-from models.kimi_linear import (
+from mla_backends.models.engine import Engine
+from mla_backends.models.kimi_linear import (
     KimiLinearConfig,
     KimiLinearForCausalLM,
     short_conv,
     short_conv_step,
 )
+from mla_backends.runtime import Runtime
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 CFG = KimiLinearConfig()
@@ -351,7 +351,7 @@ def test_accept_needs_a_verify_batch() -> None:
 def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file
 
-    from models.kimi_loader import load_kimi_linear, save_kimi_linear
+    from mla_backends.models.kimi_loader import load_kimi_linear, save_kimi_linear
 
     src = _model()
     save_kimi_linear(src, tmp_path)
@@ -379,8 +379,8 @@ def test_hf_safetensors_errors_name_the_tensor(tmp_path) -> None:  # type: ignor
 
     from safetensors.torch import load_file, save_file
 
-    from models.kimi_loader import load_kimi_linear, save_kimi_linear
-    from models.loader import CheckpointError
+    from mla_backends.models.kimi_loader import load_kimi_linear, save_kimi_linear
+    from mla_backends.models.loader import CheckpointError
 
     save_kimi_linear(_model(), tmp_path)
     file = tmp_path / "model.safetensors"

@@ -8,6 +8,7 @@ batch)` refills them in place. Padded rows carry `cuda_graph_seq_len_fill_value`
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -73,6 +74,27 @@ class MLABackend(ABC):
     roles: ClassVar[tuple[str, ...]] = ROLES
     supports_graphs: ClassVar[bool] = False
     provides_lse: ClassVar[bool] = True  # False: forward_absorbed(return_lse=True) raises
+    # True: runs compiled on a CPU; "auto" on a CPU prefers such a backend to one that runs
+    # there only interpreted (Triton's interpreter, a test tool).
+    cpu_native: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Every backend's `init_forward_metadata` first runs `check_batch`, so a batch naming
+        request rows never allocated, or reading past what a row stored, fails with a named
+        error before any index is built from it (an index past the stored tokens reads stale
+        or dummy slots, or out of bounds in a kernel)."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("init_forward_metadata")
+        if init is None or getattr(init, "checks_batch", False):
+            return
+
+        @functools.wraps(init)
+        def checked(self: MLABackend, batch: ForwardBatch) -> None:
+            self.check_batch(batch)
+            init(self, batch)
+
+        checked.checks_batch = True  # type: ignore[attr-defined]
+        cls.init_forward_metadata = checked  # type: ignore[method-assign]
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -81,6 +103,7 @@ class MLABackend(ABC):
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.device = ctx.device
         self.scale = ctx.dims.softmax_scale
+        self._checked_batch: ForwardBatch | None = None
 
     # ------------------------------------------------------------------ capability
     @classmethod
@@ -103,6 +126,14 @@ class MLABackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build everything the attention calls of this batch need, once."""
 
+    # ------------------------------------------------------------------ checks
+    def check_batch(self, batch: ForwardBatch) -> None:
+        """RequestRowError if the batch names a request row never allocated or reads past
+        what a row stored (`ReqToTokenPool.check_batch`); once per batch object, host only."""
+        if batch is not self._checked_batch:
+            self.ctx.req_to_token_pool.check_batch(batch)
+            self._checked_batch = batch
+
     # ------------------------------------------------------------------ attention
     def forward_absorbed(
         self,
@@ -120,6 +151,9 @@ class MLABackend(ABC):
         k_nope [T, L], k_rope [T, R] are stored at `batch.out_cache_loc` first (pass None if
         they are stored already). Returns out [T, H, L] in q's dtype, and lse [T, H] fp32
         (natural log) if asked."""
+        layer = self.pool.check_layer(layer)
+        self.pool.warn_if_uncalibrated(layer)
+        self.check_batch(batch)
         d, t = self.dims, batch.num_tokens
         act = (torch.float32, torch.bfloat16, torch.float16)
         check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), act, self.device)
@@ -169,6 +203,8 @@ class MLABackend(ABC):
         merged with the new tokens' causal part by LSE. Sizes from the CPU copies: no sync."""
         from mla_backends.indices import build_token_indices
 
+        layer = self.pool.check_layer(layer)
+        self.check_batch(batch)
         pre_cpu = batch.extend_prefix_lens_cpu
         _, slots = build_token_indices(
             self.req_to_token, batch.req_pool_indices, batch.extend_prefix_lens, int(pre_cpu.sum())

@@ -15,7 +15,7 @@ rotate so a plan never overwrites a buffer whose host-to-device copy may still b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,8 +33,9 @@ from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config
 from mla_backends.fi_schedule import MAX_WORKS, cluster_size, synthetic_info
 from mla_backends.indices import build_page_indices
-from mla_backends.kernels.fi_schedule import PageGather, work_bound, write_schedule
-from mla_backends.kernels.index import flat_page_indices
+
+if TYPE_CHECKING:
+    from mla_backends.kernels.fi_schedule import PageGather
 
 WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
@@ -87,6 +88,9 @@ class _FaMLAKernel:
         lat: int,
         rope: int,
     ) -> None:
+        from mla_backends.kernels import fi_schedule  # triton: only once a kernel can run
+
+        self._sched = fi_schedule
         fa = require("flashinfer.mla._batch_mla._backends._fa_common")
         self.mask_causal = require("flashinfer.utils").MaskMode.CAUSAL.value
         self.mask_none = require("flashinfer.utils").MaskMode.NON_CAUSAL.value
@@ -136,12 +140,12 @@ class _FaMLAKernel:
         q = batch.extend_seq_lens_cpu.numpy()
         cluster = cluster_size(q, heads)
         max_q = int(q.max()) if q.size else 0
-        bound = work_bound(q.size, max_q, heads, cluster, self.num_sm // cluster)
+        bound = self._sched.work_bound(q.size, max_q, heads, cluster, self.num_sm // cluster)
         if max_q == 0 or bound > MAX_WORKS:
             return None
         info = self.layout_ok(heads, head_dim, cluster)
         if info is not None:
-            write_schedule(
+            self._sched.write_schedule(
                 self.int_ws,
                 cluster,
                 heads,
@@ -254,6 +258,9 @@ class FlashInferMLABackend(MLABackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         require("flashinfer")
+        from mla_backends.kernels import fi_schedule, index  # triton: only once built
+
+        self._k_sched, self._k_index = fi_schedule, index
         cap = torch.cuda.get_device_capability(self.device)
         self._variant = "fa3" if cap == (9, 0) else "fa2"
         self._kernel: _FaMLAKernel | None = None  # built (JIT) on first use
@@ -289,11 +296,13 @@ class FlashInferMLABackend(MLABackend):
             out = torch.empty(max(total_pages, 1), dtype=torch.int32, device=self.device)
         info = None
         if self.device.type == "cuda":
-            gather = PageGather(self.req_to_token, batch.req_pool_indices, out, max_pages)
+            gather = self._k_sched.PageGather(
+                self.req_to_token, batch.req_pool_indices, out, max_pages
+            )
             info = self.kernel.plan_on_device(batch, d.num_heads, d.kv_lora_rank, ps, gather)
         if info is None:
             if self.device.type == "cuda":  # one launch; the indptr stays on the host
-                flat_page_indices(
+                self._k_index.flat_page_indices(
                     self.req_to_token,
                     batch.req_pool_indices,
                     batch.seq_lens,

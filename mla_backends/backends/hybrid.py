@@ -108,6 +108,9 @@ class HybridBackend:
         return self.full.cuda_graph_seq_len_fill_value
 
     # ------------------------------------------------------------------ per layer
+    def check_batch(self, batch: ForwardBatch) -> None:
+        self.full.check_batch(batch)
+
     def forward_absorbed(self, layer_id: int, *args, **kwargs):  # type: ignore[no-untyped-def]
         return self.full.forward_absorbed(self._slot(layer_id, "full"), *args, **kwargs)
 

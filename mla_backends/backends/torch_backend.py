@@ -51,6 +51,7 @@ def build_torch_metadata(
 class TorchBackend(MLABackend):
     name = "torch"
     supports_graphs = True
+    cpu_native = True
 
     def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
         super().__init__(ctx)

@@ -14,12 +14,13 @@ fla on a CUDA device when the package is importable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mla_backends.backends.kernel_packages import missing
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import check_tensor
-from mla_backends.kernels.gdn_decode import gdn_decode
 from mla_backends.linear import fla_ops
 from mla_backends.linear.recurrence import gated_delta_rule
 from mla_backends.linear.state_pool import LinearStatePool
@@ -38,6 +39,11 @@ class LinearAttentionBackend:
             raise ValueError(f"linear kernels 'fla': {reason}")
         self.kernels = kernels
         self.name = f"linear_{kernels}"
+        self._gdn_decode: Callable[..., torch.Tensor] | None = None
+        if kernels == "fla":  # triton is imported only when a Triton kernel can run
+            from mla_backends.kernels.gdn_decode import gdn_decode
+
+            self._gdn_decode = gdn_decode
         self.pool = pool
         self.scale = scale
         self._batch: ForwardBatch | None = None
@@ -98,7 +104,7 @@ class LinearAttentionBackend:
             if self.kernels == "fla":
                 rec_l = self.pool.recurrent[layer]
                 if g.dim() == 2:  # GDN: our kernel (fla's GDN kernel cannot index state slots)
-                    return gdn_decode(q, k, v, g, beta, rec_l, rows, self.scale)
+                    return self._gdn_decode(q, k, v, g, beta, rec_l, rows, self.scale)
                 return fla_ops.decode(q, k, v, g, beta, rec_l, rows, self.scale)
             return self._decode(layer, q, k, v, g, beta, rows.long()).to(v.dtype)
         if self.kernels == "fla":

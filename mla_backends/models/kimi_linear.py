@@ -21,7 +21,7 @@ from torch import nn
 
 from mla_backends.backends.hybrid import HybridBackend, ratio_kinds
 from mla_backends.batch import ForwardBatch, ForwardMode
-from models.deepseek_v3 import MLP, DeepseekV3Config, MLAttention, RMSNorm
+from mla_backends.models.deepseek_v3 import MLP, DeepseekV3Config, MLAttention, RMSNorm
 
 
 @dataclass(frozen=True)

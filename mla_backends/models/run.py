@@ -1,7 +1,8 @@
 """`run`: load DeepSeek-V3 (a checkpoint directory, or a random model at a named size saved to
 safetensors and reloaded), serve a batch of prompts of different lengths through prefill and
 greedy decode on the configured backends, report tokens/s and the largest logit difference
-against the same run on the torch backend."""
+against the same run with attention by the fp64 reference (`ReferenceBackend`), which shares
+no kernel with any backend."""
 
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ from pathlib import Path
 
 import torch
 
+from mla_backends.backends.base import BackendContext
+from mla_backends.backends.registry import resolve_backends
+from mla_backends.cli import UsageError, add_config_argument, existing_dir, int_at_least
 from mla_backends.config import Config, load_config
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.engine import Engine
+from mla_backends.models.loader import load_model
+from mla_backends.reference import ReferenceBackend
 from mla_backends.runtime import Runtime
-from models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from models.engine import Engine
-from models.loader import load_model
 
-# Largest relative logit difference from the torch backend, after every layer, per dtype.
+# Largest relative logit difference from the fp64-reference-attention run, per dtype.
 AGREE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 RANDOM_SIZES: dict[str, dict] = {
     "tiny": dict(
@@ -56,18 +61,44 @@ RANDOM_SIZES: dict[str, dict] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/default.yaml", help="backends, page size, pool")
+    add_config_argument(p, " (backends, page size, pool)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="HF-layout checkpoint directory (config.json + safetensors)")
+    src.add_argument(
+        "--model",
+        type=existing_dir,
+        help="HF-layout checkpoint directory (config.json + safetensors)",
+    )
     src.add_argument(
         "--random",
         default="tiny",
         choices=sorted(RANDOM_SIZES),
         help="random weights at a named size, saved and reloaded (default)",
     )
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--max-new", type=int, default=8)
+    p.add_argument(
+        "--requests",
+        type=int_at_least(1),
+        default=4,
+        help="requests in the batch; at most what the config's pool holds (the error says)",
+    )
+    p.add_argument("--max-new", type=int_at_least(1), default=8, help="tokens generated each")
     p.add_argument("--seed", type=int, default=0)
+
+
+def prompt_lengths(n: int) -> list[int]:
+    return [3 + 11 * i for i in range(n)]
+
+
+def max_requests(config: Config, max_new: int) -> int:
+    """The most requests `run` can serve under `config`: request rows, context length and KV
+    pages for prompts of `prompt_lengths` plus `max_new` tokens each."""
+    n, pages = 0, 0
+    while n < config.max_requests:
+        total = prompt_lengths(n + 1)[-1] + max_new - 1
+        pages += -(-total // config.page_size)
+        if total > config.max_context_len or pages > config.num_pages:
+            break
+        n += 1
+    return n
 
 
 def random_model(
@@ -98,10 +129,19 @@ def save_random(size: str, path: Path, seed: int) -> None:
 
 
 def _serve(
-    model: DeepseekV3ForCausalLM, config: Config, prompts: list[list[int]], max_new: int
+    model: DeepseekV3ForCausalLM,
+    config: Config,
+    prompts: list[list[int]],
+    max_new: int,
+    reference: bool = False,
 ) -> tuple[list[torch.Tensor], float, list[list[int]]]:
-    """Prefill all prompts, then greedy decode; (logits per step, tokens/s, generated ids)."""
-    eng = Engine(model, Runtime.build(config))
+    """Prefill all prompts, then greedy decode; (logits per step, tokens/s, generated ids).
+    reference: attention by the fp64 `ReferenceBackend` instead of the configured backends."""
+    rt = Runtime.build(config)
+    backend = (
+        ReferenceBackend(BackendContext(config, rt.kv_pool, rt.req_pool)) if reference else None
+    )
+    eng = Engine(model, rt, backend)
     rows = eng.new_requests(len(prompts))
     t0 = time.perf_counter()
     steps = [eng.extend(rows, prompts)]
@@ -121,26 +161,33 @@ def _serve(
 
 def run(args: argparse.Namespace) -> int:
     base = load_config(args.config)
+    base = dataclasses.replace(base, max_context_len=max(base.max_context_len, 64 + args.max_new))
+    allowed = max_requests(base, args.max_new)
+    if args.requests > allowed:
+        raise UsageError(
+            f"--requests {args.requests} is out of range: 1..{allowed} with this config "
+            f"({args.config or 'the shipped default'}: max_requests {base.max_requests}, "
+            f"{base.num_pages} pages of {base.page_size} tokens, max_context_len "
+            f"{base.max_context_len}; prompts of 3, 14, 25, ... tokens plus --max-new "
+            f"{args.max_new})"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else Path(tmp)
         if not args.model:
             save_random(args.random, path, args.seed)
         model = load_model(path, dtype=base.torch_dtype, device=base.torch_device)
     c = model.cfg
-    config = dataclasses.replace(
-        base,
-        model=c.attention_dims,
-        num_layers=c.num_hidden_layers,
-        max_context_len=max(base.max_context_len, 64 + args.max_new),
+    config = resolve_backends(
+        dataclasses.replace(base, model=c.attention_dims, num_layers=c.num_hidden_layers),
+        f"{args.config or 'default config'} with the model's dims",
     )
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [
         torch.randint(0, c.vocab_size, (n,), generator=gen).tolist()
-        for n in [3 + 11 * i for i in range(args.requests)]
+        for n in prompt_lengths(args.requests)
     ]
     steps, tps, out = _serve(model, config, prompts, args.max_new)
-    ref_cfg = dataclasses.replace(config, prefill_backend="torch", decode_backend="torch")
-    ref_steps, _, ref_out = _serve(model, ref_cfg, prompts, args.max_new)
+    ref_steps, _, ref_out = _serve(model, config, prompts, args.max_new, reference=True)
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(steps, ref_steps))
     print(
         f"model {path if args.model else 'random:' + args.random}: {c.num_hidden_layers} "
@@ -157,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
     tol = AGREE[config.dtype]
     ok = diff <= tol
     print(
-        f"logits vs torch backend: max relative difference {diff:.2e} (tolerance {tol:g}): "
-        f"{'agree' if ok else 'DISAGREE'}; greedy tokens "
+        f"logits vs the same model with fp64 reference attention: max relative difference "
+        f"{diff:.2e} (tolerance {tol:g}): {'agree' if ok else 'DISAGREE'}; greedy tokens "
         f"{'identical' if out == ref_out else 'differ'}"
     )
     return 0 if ok else 1

@@ -10,16 +10,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 BLOCK = 128
 
 
 class CheckpointError(ValueError):
     """A checkpoint tensor is missing, mis-shaped or of the wrong dtype (the message names it)."""
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The checkpoint's `config.json` as a dict; CheckpointError naming the file otherwise."""
+    cfg = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if not cfg.is_file():
+        raise CheckpointError(f"{path}: no config.json (an HF-layout checkpoint directory has one)")
+    try:
+        raw = json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg}: cannot read it as JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg}: top level must be an object, got {type(raw).__name__}")
+    return raw
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -76,7 +93,12 @@ def load_model(
     chunked_prefix_min: int | None = None,
 ) -> DeepseekV3ForCausalLM:
     path = Path(path)
-    cfg = DeepseekV3Config.from_hf(json.loads((path / "config.json").read_text()))
+    try:
+        cfg = DeepseekV3Config.from_hf(read_config_json(path))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     model = DeepseekV3ForCausalLM(cfg, chunked_prefix_min)
     tensors = read_tensors(path)
     want = model.state_dict()

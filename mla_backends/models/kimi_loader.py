@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
-from models.loader import CheckpointError, fetch_tensor, read_tensors
+from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
+from mla_backends.models.loader import CheckpointError, fetch_tensor, read_tensors
 
 _CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 

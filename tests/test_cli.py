@@ -1,0 +1,195 @@
+"""The command line as a user meets it: from any directory, with the shipped default config;
+every bad input gets one clear line on stderr and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import PACKAGE_ROOT, Cli
+
+from mla_backends.backends.registry import _REGISTRY, register_backend
+from mla_backends.backends.torch_backend import TorchBackend
+
+
+def test_help_works_beside_a_foreign_models_package(cli: Cli, tmp_path: Path) -> None:
+    pkg = tmp_path / "models"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('the wrong models package')\n")
+    proc = cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "verify" in proc.stdout and "run" in proc.stdout and "bench" in proc.stdout
+    proc = cli("run", "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "--requests" in proc.stdout, proc.stderr
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "device: cpu\n")
+    return str(path)
+
+
+# (id, argv builder (tmp_path -> args), regex the one stderr line must match)
+BAD_INPUTS = [
+    (
+        "missing-config",
+        lambda t: ["verify", "--config", str(t / "missing.yaml")],
+        r"config error: .*missing.yaml: no such config file; give a YAML path or a shipped "
+        r"config: \['deepseek_v3_h100', 'default'\]",
+    ),
+    (
+        "directory-as-config",
+        lambda t: ["verify", "--config", str(t)],
+        r"config error: .*: is a directory; --config takes a YAML file",
+    ),
+    (
+        "unknown-model-base",
+        lambda t: ["verify", "--config", _yaml(t, "model: {base: deepseek-v4}\n")],
+        r"c.yaml: model.base='deepseek-v4' is not one of \['deepseek-v3', 'tiny', 'tiny-kernel'\]",
+    ),
+    (
+        "graph-sizes-not-a-list",
+        lambda t: ["verify", "--config", _yaml(t, "cuda_graph_batch_sizes: 4\n")],
+        r"c.yaml: cuda_graph_batch_sizes must be a list of positive integers, e.g. \[1, 2, 4, 8\], "
+        r"got 4",
+    ),
+    (
+        "float-num-pages",
+        lambda t: ["bench", "--config", _yaml(t, "num_pages: 1.5\n")],
+        r"c.yaml: num_pages must be an integer >= 1, got 1.5 \(float\)",
+    ),
+    (
+        "float-page-size",
+        lambda t: ["run", "--config", _yaml(t, "page_size: 16.0\n")],
+        r"c.yaml: page_size must be an integer >= 1, got 16.0 \(float\)",
+    ),
+    (
+        "bench-unknown-backend",
+        lambda t: ["bench", "--backends", "bogus"],
+        r"bench: error: argument --backends: unknown backend 'bogus'; known: .*torch",
+    ),
+    (
+        "bench-kv-len-not-int",
+        lambda t: ["bench", "--kv-len", "abc"],
+        r"bench: error: argument --kv-len: 'abc': 'abc' is not an integer; expected a comma list "
+        r"of integers >= 1",
+    ),
+    (
+        "run-zero-requests",
+        lambda t: ["run", "--requests", "0"],
+        r"run: error: argument --requests: 0 is out of range: must be >= 1",
+    ),
+    (
+        "run-too-many-requests",
+        lambda t: ["run", "--requests", "100"],
+        r"run: error: --requests 100 is out of range: 1\.\.26 with this config \(the shipped "
+        r"default: max_requests 64, 256 pages of 16 tokens",
+    ),
+    (
+        "run-missing-model-folder",
+        lambda t: ["run", "--model", str(t / "no-such-checkpoint")],
+        r"run: error: argument --model: .*no-such-checkpoint does not exist; expected a "
+        r"checkpoint directory",
+    ),
+    (
+        "run-model-folder-without-config",
+        lambda t: ["run", "--model", str(t)],
+        r"run: checkpoint error: .*: no config.json",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "argv, pattern", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_is_one_clear_line_and_exit_2(
+    cli: Cli,
+    tmp_path: Path,
+    argv,
+    pattern: str,  # type: ignore[no-untyped-def]
+) -> None:
+    proc = cli(*argv(tmp_path), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert proc.stdout == ""  # it failed before doing any work
+
+
+def test_run_from_an_empty_folder_checks_against_the_fp64_reference(cli: Cli) -> None:
+    proc = cli("run", "--requests", "3", "--max-new", "3", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "logits vs the same model with fp64 reference attention" in proc.stdout
+    assert ": agree;" in proc.stdout
+
+
+def test_run_catches_a_backend_that_is_wrong(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`run` compares with the fp64 reference, not with itself: the torch backend with a
+    softmax scale off by 10 % disagrees."""
+    from mla_backends.cli import main
+
+    @register_backend("wrong_scale_test")
+    class WrongScale(TorchBackend):
+        name = "wrong_scale_test"
+
+        def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(ctx)
+            self.scale *= 1.1
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "device: cpu\ndtype: float32\nkv_dtype: float32\n"
+        "prefill_backend: wrong_scale_test\ndecode_backend: wrong_scale_test\n"
+    )
+    try:
+        assert main(["run", "--config", str(cfg), "--requests", "2", "--max-new", "3"]) == 1
+    finally:
+        del _REGISTRY["wrong_scale_test"]
+    assert "DISAGREE" in capsys.readouterr().out
+
+
+def test_cli_values_parse_with_named_ranges() -> None:
+    from mla_backends.cli import int_at_least, int_list
+
+    assert int_list(1)("1, 8,64") == [1, 8, 64]
+    for bad, msg in [("", "at least one"), ("0", "out of range"), ("1,x", "'x' is not")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            int_list(1)(bad)
+    assert int_at_least(0)("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match=r"-1 is out of range: must be >= 0"):
+        int_at_least(0)("-1")
+
+
+def test_config_loading_and_run_import_no_triton(tmp_path: Path) -> None:
+    """A base install (no triton) loads every config and runs `run` on a CPU: triton is
+    imported only once a Triton backend is built."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("device: cpu\n")
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys\n"
+        "from mla_backends.cli import main\n"
+        "from mla_backends.config import load_config, shipped_configs\n"
+        "for name in shipped_configs():\n"
+        "    try:\n"
+        "        load_config(name)\n"
+        "    except Exception as e:  # GPU configs refuse a CPU machine, by a ConfigError\n"
+        "        assert type(e).__name__ == 'ConfigError', e\n"
+        f"argv = ['run', '--config', {str(cfg)!r}, '--requests', '2', '--max-new', '2']\n"
+        "assert main(argv) == 0\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'triton')\n"
+        "assert not bad, bad\n"
+        "print('no triton')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(PACKAGE_ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "no triton" in proc.stdout, proc.stdout + proc.stderr
