@@ -20,7 +20,8 @@ from mla_backends.kernels.common import cdiv, interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# The Gluon kernel (mla_attention_gluon.py) is written against Triton 3.6's Gluon API.
+# The Gluon kernel (mla_attention_gluon.py) needs the Gluon API of Triton 3.6 or newer (names
+# that moved since 3.6 are resolved there, once, at import).
 _GLUON_API = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 
 

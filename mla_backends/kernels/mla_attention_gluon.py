@@ -34,6 +34,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_backends.kernels.common import interpreting
 
+# Gluon names that moved: gl.thread_barrier (3.6) is gl.barrier from 3.7; TMA's
+# async_copy_global_to_shared (3.6, 3.7) is async_load from 3.8 and raises from 3.9.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 # One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
 # Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
@@ -89,8 +94,8 @@ def _issue_tile(
     s = j % STAGES
     bar = bars.index(s)
     mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(KDesc, [row, 0], bar, k_smem.index(s), pred)
-    tma.async_copy_global_to_shared(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+    _tma_load(KDesc, [row, 0], bar, k_smem.index(s), pred)
+    _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
 
 
 @gluon.jit
@@ -124,7 +129,7 @@ def _softmax_to_p(
     # in shared memory (and visible to the async proxy) before either wgmma starts.
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
-    gl.thread_barrier()
+    _barrier()
     return acc, m_new, l_i
 
 
@@ -165,7 +170,7 @@ def _attend(
     )
     acc = warpgroup_mma(p_smem, k_buf, acc)
     # Hazard: the slot and P are rewritten next; both warpgroups must be done reading them.
-    gl.thread_barrier()
+    _barrier()
     return acc, m_i, l_i
 
 
@@ -279,7 +284,7 @@ def _mla_attn_gluon_kernel(
         dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     )
     fence_async_shared()
-    gl.thread_barrier()
+    _barrier()
 
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
@@ -309,7 +314,7 @@ def _mla_attn_gluon_kernel(
         # Hazard: wgmma groups retire in order, and the scores may be one group or two;
         # waiting down to one outstanding retires P @ V(j) either way.
         acc = warpgroup_mma_wait(1, deps=[pv])
-        gl.thread_barrier()  # both warpgroups are done reading slot cur and P(j)
+        _barrier()  # both warpgroups are done reading slot cur and P(j)
         _issue_tile(
             KDesc,
             KRDesc,
@@ -343,7 +348,7 @@ def _mla_attn_gluon_kernel(
         )
     if n_full > 0:
         acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
-        gl.thread_barrier()
+        _barrier()
 
     start = lo + n_full * BLOCK_N
     if start < hi:
@@ -360,7 +365,7 @@ def _mla_attn_gluon_kernel(
         )
         kr_smem.index(0).store(kr)
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
         acc, m_i, l_i = _attend(
             acc,
             m_i,
