@@ -1,6 +1,6 @@
 """Compile the Gluon decode kernel for SM90 offline (no GPU: Triton ships ptxas) and print
-what the compiled kernel uses, as JSON: registers, local memory (spills), shared memory, and
-the wgmma shapes in its PTX.
+what the compiled kernel uses, as JSON: registers, local memory and stack frame (spills go
+to either), shared memory, and the wgmma shapes in its PTX.
 
 python3 scripts/compile_gluon_sm90.py [bf16|fp16]
 
@@ -68,7 +68,7 @@ def usage(dtype: str = "bf16") -> dict:  # type: ignore[type-arg]
             text=True,
             check=True,
         ).stdout
-    res = {k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL):(\d+)", text)}
+    res = {k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL|STACK):(\d+)", text)}
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.", k.asm["ptx"])
     return dict(res, shared=k.metadata.shared, wgmma=sorted(set(shapes)))
 

@@ -99,6 +99,12 @@ def _issue_tile(
 
 
 @gluon.jit
+def _pairs(x, BLOCK_N: gl.constexpr):
+    """(x[:, 0::2], x[:, 1::2]): adjacent columns sit in one thread, so no data moves."""
+    return gl.split(gl.reshape(x, [x.shape[0], BLOCK_N // 2, 2]))
+
+
+@gluon.jit
 def _softmax_to_p(
     acc,
     m_i,
@@ -114,16 +120,19 @@ def _softmax_to_p(
 ):
     """Causal mask and online softmax of the score tile s; the accumulator rescaled, and P
     written to shared memory for the P @ V of both warpgroups."""
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    s = gl.where(n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - m_safe[:, None])
-    # l is kept per element and summed once at the end: a per-tile row sum would be a
-    # second cross-warpgroup reduction (two more barriers) on every tile.
-    l_i = l_i * alpha[:, None] + p
+    # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed once
+    # at the end: a per-tile row sum would be a second cross-warpgroup reduction (two more
+    # barriers) on every tile; per element it took 8 more registers, which spilled (3.7, 3.8).
+    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
+    p_even, p_odd = _pairs(p, BLOCK_N)
+    l_i = l_i * alpha_pair + (p_even + p_odd)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
     # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
     # in shared memory (and visible to the async proxy) before either wgmma starts.
@@ -175,6 +184,31 @@ def _attend(
 
 
 @gluon.jit
+def _bounds(
+    QoIndptr,
+    SeqLens,
+    b,
+    mblk,
+    split,
+    H: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    VOLATILE: gl.constexpr,
+):
+    """(q_start, q_len, seq, lo, hi): the request's first query token and query count, its KV
+    length, and the keys [lo, hi) this program's split reads (those its last row may see)."""
+    q_start = gl.load(QoIndptr + b, volatile=VOLATILE)
+    q_len = gl.load(QoIndptr + b + 1, volatile=VOLATILE) - q_start
+    seq = gl.load(SeqLens + b, volatile=VOLATILE)
+    last_tok = gl.maximum(gl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1), 0) // H
+    kv_end = gl.minimum(gl.maximum(seq - q_len + last_tok + 1, 0), seq)
+    chunk = gl.cdiv(gl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return q_start, q_len, seq, lo, gl.minimum(lo + chunk, kv_end)
+
+
+@gluon.jit
 def _mla_attn_gluon_kernel(
     QNope,
     QRope,
@@ -220,16 +254,11 @@ def _mla_attn_gluon_kernel(
     mblk = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    q_start = gl.load(QoIndptr + b)
-    q_len = gl.load(QoIndptr + b + 1) - q_start
+    q_start, q_len, seq, lo, hi = _bounds(
+        QoIndptr, SeqLens, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
+    )
     if mblk * BLOCK_M >= q_len * H:
         return
-    seq = gl.load(SeqLens + b)
-    last_tok = gl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1) // H
-    kv_end = gl.minimum(gl.maximum(seq - q_len + last_tok + 1, 0), seq)
-    chunk = gl.cdiv(gl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, kv_end)
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], KDesc.layout)
@@ -289,7 +318,7 @@ def _mla_attn_gluon_kernel(
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
 
     # P @ V of tile j and the scores of tile j + 1 go to the tensor cores back to back;
@@ -350,7 +379,14 @@ def _mla_attn_gluon_kernel(
         acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
         _barrier()
 
-    start = lo + n_full * BLOCK_N
+    # Hazard: kept live across the loop above, these were spilled at 255 registers (Triton 3.7
+    # and 3.8); reloaded (volatile: not merged with the first loads) and recomputed instead.
+    q_start, q_len, seq, lo, hi = _bounds(
+        QoIndptr, SeqLens, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
+    )
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     if start < hi:
         # The partial tail tile: masked loads give 0 past hi, so no stale row is read. Every
         # TMA issued above has been waited on, so slot 0 is free.
@@ -386,7 +422,7 @@ def _mla_attn_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    l_i = gl.sum(l_i, 1)
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
