@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -166,6 +167,55 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
     a.set_mla_kv_buffer(0, loc, k_nope, k_rope)
     store_latent_rows(b.kv_buffer[0], b.scales[0], loc, k_nope, k_rope, b.is_fp8)
     assert torch.equal(a.kv_buffer[0].view(torch.uint8), b.kv_buffer[0].view(torch.uint8))
+
+
+@interp_only
+def test_gluon_build_failure_routes_to_tl_dot_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Gluon kernel that fails to compile (as it did on Triton 3.9: a removed TMA name)
+    is reported once; that call and every later one take the tl.dot kernel, same result."""
+    from mla_backends.kernels import mla_attention as ma
+
+    mg = pytest.importorskip("mla_backends.kernels.mla_attention_gluon")
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    # On CPU the Gluon conditions never hold: pretend they do until the route is broken.
+    monkeypatch.setattr(ma, "gluon_usable", lambda *a: ma.gluon_error() is None)
+    reason = "async_copy_global_to_shared has been removed; call async_load instead"
+    tries = []
+
+    def broken_launch(*a: object, **k: object) -> None:
+        tries.append(1)
+        raise RuntimeError(reason)
+
+    monkeypatch.setattr(mg, "launch", broken_launch)
+
+    gen = torch.Generator().manual_seed(0)
+    h, lat, r, page, lens = 4, 32, 16, 16, [1, 17, 40]
+    kv = torch.randn(8 * page, lat + r, generator=gen).half()
+    table = torch.tensor([[3, 0, 0], [1, 5, 0], [6, 2, 4]], dtype=torch.int32)
+    qo = torch.arange(len(lens) + 1, dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q_nope = torch.randn(len(lens), h, lat, generator=gen).half()
+    q_rope = torch.randn(len(lens), h, r, generator=gen).half()
+
+    def attend(gluon: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = torch.full_like(q_nope, float("nan")), torch.full((len(lens), h), 7.0)
+        ma.mla_attention(
+            q_nope, q_rope, kv, table, qo, seq, page, 0.1, 1.0, 1, 1, out, lse,
+            block_m=16, block_n=16, num_warps=4, num_stages=1, dot_f32=True, gluon=gluon,
+        )  # fmt: skip
+        return out, lse
+
+    want = attend(False)
+    with caplog.at_level(logging.WARNING, logger=ma.__name__):
+        got = [attend(True), attend(True)]
+    assert tries == [1], "the broken Gluon kernel was tried again"
+    for out, lse in got:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    logged = [rec.getMessage() for rec in caplog.records if rec.name == ma.__name__]
+    assert len(logged) == 1 and reason in logged[0], logged
+    assert reason in (ma.gluon_error() or "")
 
 
 # ---------------------------------------------------------------------------- GPU

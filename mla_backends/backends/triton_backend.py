@@ -86,12 +86,16 @@ class TritonBackend(MLABackend):
         lat = self.dims.kv_lora_rank
         return self._k_attn.gluon_usable(kv.dtype, kv, self.pool.page_size, lat)
 
+    def _gluon_on(self) -> bool:
+        # The first failure to build the Gluon kernel turns it off for the process.
+        return self._gluon and self._k_attn.gluon_error() is None
+
     def _block_m(self, rows: int) -> int:
         if rows <= 16:
             return 16
         # H16 q_len 2: half a Gluon block measured 0.88x FlashMLA, the 32-row Triton
         # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
-        return 32 if rows <= 32 and not self._gluon else 64
+        return 32 if rows <= 32 and not self._gluon_on() else 64
 
     def _launch_cfg(self, block_m: int, batch_size: int, num_splits: int) -> dict[str, int | bool]:
         # From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py); the
@@ -105,7 +109,7 @@ class TritonBackend(MLABackend):
             # do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
             if self.pool.page_size % 64 == 0:
                 cfg = {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True}
-                return {**cfg, "gluon": self._gluon}
+                return {**cfg, "gluon": self._gluon_on()}
             return {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
         if block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
             return {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}
