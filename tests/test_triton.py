@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +44,8 @@ SMALL = MLADims(
     mscale_all_dim=0.7,
 )
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 block may opt into
 
 
 def _small_cases() -> list[Case]:
@@ -169,6 +175,51 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
     assert torch.equal(a.kv_buffer[0].view(torch.uint8), b.kv_buffer[0].view(torch.uint8))
 
 
+# ------------------------------------------------- offline SM90 compiles (no GPU needed)
+def _compile_sm90(*args: str) -> list[dict]:  # type: ignore[type-arg]
+    # A subprocess without TRITON_INTERPRET: under the interpreter nothing is compiled.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_triton_sm90.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def _fits(use: dict) -> None:  # type: ignore[type-arg]
+    tiles = {k: use[k] for k in ("heads", "page", "block_m", "block_n", "num_stages", "tma")}
+    assert use["shared"] <= SMEM_SM90, f"over the H100's shared memory: {use['shared']} {tiles}"
+    # The backend picks tiles by this estimate: it must not be below what Triton allocates.
+    assert use["shared"] <= use["estimate"], f"smem_bytes under-estimates: {use}"
+
+
+def test_fp32_decode_configs_fit_sm90_shared_memory() -> None:
+    """The tiles the backend picks for an fp32 pool at H 16 / 128, q_len 1 / 2 / 4, pages 1 /
+    16 / 64 / 128 compile for SM90 within its shared memory (they asked for 442376 bytes of
+    232448 at H128 page 64), without spills (fp32 dots are FMA loops: bigger tiles spilled)."""
+    uses = _compile_sm90("float32")
+    served = {(h, q, p) for use in uses for h, q, p, _, _ in use["shapes"]}
+    assert served == {(h, q, p) for h in (16, 128) for q in (1, 2, 4) for p in (1, 16, 64, 128)}
+    for use in uses:
+        _fits(use)
+        assert use["local"] == 0 and use["stack"] == 0, f"register spills: {use}"
+
+
+def test_gluon_fallback_config_fits_sm90_shared_memory() -> None:
+    """Where the Gluon kernel cannot build, its H128 page-64 rows take the tl.dot kernel's
+    64-row TMA tiles: those must fit too."""
+    uses = _compile_sm90("bfloat16", "gluon-off", "heads=128", "pages=64")
+    assert {use["block_m"] for use in uses} == {64}, uses
+    for use in uses:
+        _fits(use)
+
+
+# ----------------------------------------------------------------- routes and fallbacks
 @interp_only
 def test_gluon_build_failure_routes_to_tl_dot_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -216,6 +267,24 @@ def test_gluon_build_failure_routes_to_tl_dot_once(
     logged = [rec.getMessage() for rec in caplog.records if rec.name == ma.__name__]
     assert len(logged) == 1 and reason in logged[0], logged
     assert reason in (ma.gluon_error() or "")
+
+
+@interp_only
+def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 query rows go to the Gluon kernel as half of a 64-row block; once it failed here,
+    the tl.dot kernel's 32-row block takes them."""
+    from mla_backends.config import Config
+    from mla_backends.kernels import mla_attention as ma
+    from mla_backends.runtime import Runtime
+
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    cfg = Config(model=SMALL, prefill_backend="triton", decode_backend="triton", num_pages=4)
+    be = Runtime.build(cfg).backend
+    be._gluon = True  # as on an SM90 with a bf16 pool
+    assert be._block_m(32, torch.bfloat16) == 64
+    ma._gluon_failed("simulated")
+    assert be._block_m(32, torch.bfloat16) == 32
+    assert be._block_m(64, torch.float32) == 16  # fp32 never takes Gluon or 64-row blocks
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -304,3 +373,16 @@ def test_gpu_mha_prefill_with_lse_through_cudnn(
         r = run_mha_case("triton", lens, lens, causal, dtype, 16, device="cuda")
         assert r.ok, r.detail
     assert calls == [True, True], "the LSE route did not go through cuDNN"
+
+
+@gpu_only
+@pytest.mark.parametrize(
+    "case",
+    parity_cases("triton", (1, 16, 64, 128), (16, 128), ("float32",), long=1100),
+    ids=lambda c: c.id,
+)
+def test_gpu_fp32_pool_parity(case: Case) -> None:
+    """The backend declares fp32 KV: decode, verify and extend at every page size. H128 page
+    64 raised OutOfResources (442376 bytes of shared memory asked, 232448 allowed)."""
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"

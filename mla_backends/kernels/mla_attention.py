@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+SMEM_SM90 = 232448  # bytes of shared memory one block may opt into on an H100 / H200
 # The Gluon kernel (mla_attention_gluon.py) needs the Gluon API of Triton 3.6 or newer (names
 # that moved since 3.6 are resolved there, once, at import).
 _GLUON_API = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
@@ -222,6 +223,19 @@ def _merge_kernel(
         Lse + t * stride_lse_t + h,
         tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)),
     )
+
+
+def smem_bytes(
+    block_m: int, block_n: int, num_stages: int, tma: bool, width: int, elem: int
+) -> int:
+    """Shared memory `_mla_attn_kernel` takes at most, for rows `width` (L + R) wide and dot
+    operands of `elem` bytes: the query tile and the key tile staged for the dots (with TMA,
+    `num_stages` key tiles in flight), P for P @ V on the gather path, 1 KB of barriers and
+    page ids. An upper bound of what Triton 3.6-3.9 allocate on SM90, checked against
+    compiled kernels (tests/test_triton.py::test_fp32_decode_configs_fit_sm90_shared_memory);
+    the gather path does not multi-buffer the key tiles there."""
+    keys = block_n * (num_stages if tma else 1)
+    return (block_m + keys) * width * elem + (0 if tma else block_m * block_n * 4) + 1024
 
 
 def tma_ok(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
