@@ -4,6 +4,7 @@ serves, registers, spills, shared memory, and the backend's estimate of that sha
 (`mla_attention.smem_bytes`, which it keeps under the limit).
 
 python3 scripts/compile_triton_sm90.py DTYPE [gluon-off] [heads=16,128] [pages=1,16,64,128]
+python3 scripts/compile_triton_sm90.py DTYPE mha     (the MHA prefill kernel, causal and full)
 
 DTYPE is the activation (dot operand) dtype: float32, bfloat16 or float16. Shapes: DeepSeek
 dims (L 512, R 64), q_len 1, 2, 4, batch 1 / 64 / 256, 1 / 2 / 16 KV splits. Rows that the
@@ -91,8 +92,34 @@ def compile_one(dtype: str, job: dict[str, Any]) -> dict[str, Any]:
     return {**job, **offline.usage(kernel), "estimate": estimate}
 
 
+def compile_mha(dtype: str, causal: bool) -> dict[str, Any]:
+    """`_mha_fwd_kernel` with the backend's config (`mha_config`), DeepSeek dims."""
+    from triton.compiler import ASTSource
+
+    from mla_backends.backends.triton_backend import mha_config
+    from mla_backends.kernels import offline
+    from mla_backends.kernels.mha_prefill import _mha_fwd_kernel
+
+    t, cfg = TL_DTYPES[dtype], mha_config(DTYPES[dtype])
+    ints = "stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh"
+    sig = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "QoIndptr": "*i32", "KvIndptr": "*i32"}
+    sig.update({"Out": f"*{t}", "Lse": "*fp32", **{n: "i32" for n in ints.split()}})
+    sig["qk_scale_log2"] = "fp32"
+    const = dict(DQK=192, D1=128, D2=64, DV=128, DV_PAD=128, BLOCK_M=cfg["block_m"])
+    const.update(BLOCK_N=cfg["block_n"], CAUSAL=causal, DOT_F32=False)
+    const.update(PRECISION="ieee" if dtype == "float32" else "tf32")
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(_mha_fwd_kernel, sig, const)
+    kernel = offline.compile_sm90(src, cfg["num_warps"], cfg["num_stages"])
+    return {"kernel": "mha", "causal": causal, **cfg, **offline.usage(kernel)}
+
+
 def main(argv: list[str]) -> None:
     dtype = argv[0] if argv else "float32"
+    if "mha" in argv:
+        for causal in (True, False):
+            print(json.dumps(compile_mha(dtype, causal)), flush=True)
+        return
     opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
     heads = tuple(int(x) for x in opts.get("heads", "16,128").split(","))
     pages = tuple(int(x) for x in opts.get("pages", "1,16,64,128").split(","))

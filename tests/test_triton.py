@@ -219,7 +219,27 @@ def test_gluon_fallback_config_fits_sm90_shared_memory() -> None:
         _fits(use)
 
 
+def test_fp32_mha_prefill_config_compiles_for_sm90() -> None:
+    for use in _compile_sm90("float32", "mha"):
+        assert use["shared"] <= SMEM_SM90 and use["local"] == 0 and use["stack"] == 0, use
+
+
 # ----------------------------------------------------------------- routes and fallbacks
+def test_mha_route_keeps_fp32_off_cudnn() -> None:
+    """torch's cuDNN attention op reads every dtype but bf16 as fp16: an fp32 prefill with
+    LSE must take our kernel (it gave NaN in out and LSE on the H100 through cuDNN)."""
+    from mla_backends.backends.triton_backend import mha_route
+
+    for dt in (torch.float16, torch.bfloat16):
+        assert mha_route(dt, True, True, True, True) == "cudnn"
+        assert mha_route(dt, True, True, True, False) == "triton"  # cuDNN failed once
+    assert mha_route(torch.float32, True, True, True, True) == "triton"
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert mha_route(dt, True, True, False, True) == "sdpa"
+        assert mha_route(dt, True, False, True, True) == "triton"  # bottom-right != top-left
+        assert mha_route(dt, False, True, True, True) == "triton"  # no GPU
+
+
 @interp_only
 def test_gluon_build_failure_routes_to_tl_dot_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -285,6 +305,18 @@ def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch
     ma._gluon_failed("simulated")
     assert be._block_m(32, torch.bfloat16) == 32
     assert be._block_m(64, torch.float32) == 16  # fp32 never takes Gluon or 64-row blocks
+
+
+@interp_only
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
+def test_interpreter_fp32_mha_prefill_nine_ragged_requests(prefix: bool) -> None:
+    """The shape of the H100 fp32 report (9 ragged causal requests, 15 to 2725 tokens) at
+    interpreter size, on the 16 x 16 tiles fp32 takes on a GPU too: lengths around tile
+    edges, with and without a cached prefix (bottom-right causal)."""
+    q_lens = [15, 16, 17, 31, 33, 47, 48, 49, 70]
+    kv_lens = [n + (i * 7 % 23 if prefix else 0) for i, n in enumerate(q_lens)]
+    r = run_mha_case("triton", q_lens, kv_lens, True, "float32", 4, SMALL)
+    assert r.ok, r.detail
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -386,3 +418,51 @@ def test_gpu_fp32_pool_parity(case: Case) -> None:
     64 raised OutOfResources (442376 bytes of shared memory asked, 232448 allowed)."""
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"
+
+
+FP32_PREFILL_LENS = [15, 96, 255, 513, 1000, 1024, 1537, 2048, 2725]
+
+
+@gpu_only
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
+def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
+    """The H100 report: fp32, H16, 9 ragged causal requests of 15 to 2725 tokens gave NaN in
+    out and LSE (the cuDNN op read fp32 as fp16). Out and LSE against the fp64 reference,
+    with LSE (our kernel) and, without a prefix, also without LSE (SDPA)."""
+    from mla_backends.batch import RaggedLayout
+    from mla_backends.config import Config
+    from mla_backends.reference import mha
+    from mla_backends.runtime import Runtime
+    from mla_backends.testing import TOLERANCES, _compare
+
+    q_lens = FP32_PREFILL_LENS
+    kv_lens = [n + (37 * i if prefix else 0) for i, n in enumerate(q_lens)]
+    r = run_mha_case("triton", q_lens, kv_lens, True, "float32", 16, device="cuda")
+    assert r.ok, r.detail
+    if prefix:
+        return
+    dims = MLADims(num_heads=16)
+    cfg = Config(
+        model=dims,
+        prefill_backend="triton",
+        decode_backend="triton",
+        dtype="float32",
+        kv_dtype="float32",
+        num_pages=1,
+        max_requests=1,
+        device="cuda",
+    )
+    be = Runtime.build(cfg).backend
+    layout = RaggedLayout.from_lens(q_lens, q_lens, "cuda")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(layout.num_q, 16, dims.qk_head_dim, generator=gen)
+    k = torch.randn(layout.num_q, 16, dims.qk_head_dim, generator=gen)
+    v = torch.randn(layout.num_q, 16, dims.v_head_dim, generator=gen)
+    out = be.forward_mha(q.cuda(), k.cuda(), v.cuda(), layout, True)
+    qo = layout.qo_indptr_cpu.tolist()
+    want = torch.cat(
+        [mha(q[a:e], k[a:e], v[a:e], dims.softmax_scale, True)[0] for a, e in zip(qo[:-1], qo[1:])]
+    )
+    atol, rtol, _ = TOLERANCES["float32"]
+    err, detail = _compare("out (no LSE)", out, want, atol, rtol)
+    assert not detail, detail

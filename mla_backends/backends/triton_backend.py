@@ -107,6 +107,31 @@ def _fit_smem(
     return {**cfg, "block_n": bn, "num_stages": stages}
 
 
+def mha_config(dot_dtype: torch.dtype) -> dict[str, int]:
+    """Tiles, warps and stages of the MHA prefill kernel (`mha_prefill`) on a GPU."""
+    if dot_dtype == torch.float32:
+        # FMA dots: 128 x 64 tiles spilled 13.9 KB a thread on SM90, 16 x 16 none
+        # (scripts/compile_triton_sm90.py float32 mha).
+        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def mha_route(
+    dtype: torch.dtype, on_gpu: bool, sdpa_fits: bool, need_lse: bool, cudnn_lse: bool
+) -> str:
+    """Which kernel runs an MHA-mode prefill: "sdpa" (torch, no LSE), "cudnn" (torch's cuDNN
+    attention with LSE) or "triton" (ours). `sdpa_fits`: torch's top-left causal rule equals
+    ours (every request has as many queries as keys)."""
+    if on_gpu and sdpa_fits and not need_lse:
+        return "sdpa"
+    # Hazard: torch's cuDNN attention op runs any dtype but bf16 as fp16 (MHA.cpp sets the
+    # graph's io type HALF unless bf16; only SDPA's dispatcher checks dtypes, and we call the
+    # op directly): fp32 q / k / v were read as fp16 bit patterns, NaN in out and LSE.
+    if on_gpu and sdpa_fits and cudnn_lse and dtype in (torch.float16, torch.bfloat16):
+        return "cudnn"
+    return "triton"
+
+
 def choose_num_splits(
     programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = 16
 ) -> int:
@@ -344,18 +369,22 @@ class TritonBackend(MLABackend):
         need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
-        torch_fits = q.is_cuda and self._sdpa_fits(layout, causal)
-        if not need_lse and torch_fits:
+        route = mha_route(
+            q.dtype, q.is_cuda, self._sdpa_fits(layout, causal), need_lse, self._cudnn_lse
+        )
+        if route == "sdpa":
             return self._torch_prefill(q, k, v, layout, causal, out, None)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if self._cudnn_lse and torch_fits:
+        if route == "cudnn":
             try:
                 return self._torch_prefill(q, k, v, layout, causal, out, lse)
             except RuntimeError as e:  # this cuDNN / torch cannot: our kernel, from now on
                 self._cudnn_lse = False
                 logger.warning("cuDNN attention with LSE unavailable (%s); using Triton", e)
         cfg = (
-            {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1} if self._dot_f32 else {}
+            {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+            if self._dot_f32
+            else mha_config(q.dtype)
         )
         self._k_mha.mha_prefill(
             q,
