@@ -1,6 +1,6 @@
 """Compile the Gluon decode kernel for SM90 offline (no GPU: Triton ships ptxas) and print
-what the compiled kernel uses, as JSON: registers, local memory (spills), shared memory, and
-the wgmma shapes in its PTX.
+what the compiled kernel uses, as JSON: registers, local memory and stack frame (spills go
+to either), shared memory, and the wgmma shapes in its PTX.
 
 python3 scripts/compile_gluon_sm90.py [bf16|fp16]
 
@@ -11,18 +11,13 @@ interpreted functions the compiler cannot call.
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from mla_backends.kernels import mla_attention_gluon as mg
+from mla_backends.kernels import offline
 
 
 def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-untyped-def]
@@ -53,24 +48,11 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-u
     const.update(NUM_SPLITS=num_splits, STAGES=mg.STAGES)
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(mg._mla_attn_gluon_kernel, sig, const)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return offline.compile_sm90(src, num_warps=8)
 
 
 def usage(dtype: str = "bf16") -> dict:  # type: ignore[type-arg]
-    k = compile_sm90(dtype)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(k.asm["cubin"])
-        text = subprocess.run(
-            [str(tool), "--dump-resource-usage", str(path)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    res = {k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL):(\d+)", text)}
-    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.", k.asm["ptx"])
-    return dict(res, shared=k.metadata.shared, wgmma=sorted(set(shapes)))
+    return offline.usage(compile_sm90(dtype))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def decode_sweep() -> list[dict]:
         fm = time_flashmla(s)
         rows_q = q_len * heads
         for bm, bn, w, st in CFGS:
-            bm = bm or be._block_m(rows_q)
+            bm = bm or be._block_m(rows_q, s.q_nope.dtype)
             for splits in SPLITS:
                 call = decode_call(s, bm, bn, w, st, splits)[0]
                 try:

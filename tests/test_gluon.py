@@ -43,7 +43,10 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     use = json.loads(run.stdout.strip().splitlines()[-1])
-    assert use["local"] == 0, f"register spills: {use}"
+    # The numbers may move between Triton versions (3.6: 255 registers, 3.9: 254); the hazards
+    # may not: no spills (ptxas puts them in the stack frame or local memory), shared memory
+    # within one block's limit, only the intended wgmma shapes.
+    assert use["local"] == 0 and use["stack"] == 0, f"register spills: {use}"
     assert use["reg"] <= 255 and use["shared"] <= SMEM_LIMIT, use
     # The point of this kernel: each warpgroup computes its own 32 keys of the score tile
     # and its own 256 of the 512 output columns, never the whole [64, 64] score tile.

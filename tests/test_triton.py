@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +44,8 @@ SMALL = MLADims(
     mscale_all_dim=0.7,
 )
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 block may opt into
 
 
 def _small_cases() -> list[Case]:
@@ -168,6 +175,150 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
     assert torch.equal(a.kv_buffer[0].view(torch.uint8), b.kv_buffer[0].view(torch.uint8))
 
 
+# ------------------------------------------------- offline SM90 compiles (no GPU needed)
+def _compile_sm90(*args: str) -> list[dict]:  # type: ignore[type-arg]
+    # A subprocess without TRITON_INTERPRET: under the interpreter nothing is compiled.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_triton_sm90.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def _fits(use: dict) -> None:  # type: ignore[type-arg]
+    tiles = {k: use[k] for k in ("heads", "page", "block_m", "block_n", "num_stages", "tma")}
+    assert use["shared"] <= SMEM_SM90, f"over the H100's shared memory: {use['shared']} {tiles}"
+    # The backend picks tiles by this estimate: it must not be below what Triton allocates.
+    assert use["shared"] <= use["estimate"], f"smem_bytes under-estimates: {use}"
+
+
+def test_fp32_decode_configs_fit_sm90_shared_memory() -> None:
+    """The tiles the backend picks for an fp32 pool at H 16 / 128, q_len 1 / 2 / 4, pages 1 /
+    16 / 64 / 128 compile for SM90 within its shared memory (they asked for 442376 bytes of
+    232448 at H128 page 64), without spills (fp32 dots are FMA loops: bigger tiles spilled)."""
+    uses = _compile_sm90("float32")
+    served = {(h, q, p) for use in uses for h, q, p, _, _ in use["shapes"]}
+    assert served == {(h, q, p) for h in (16, 128) for q in (1, 2, 4) for p in (1, 16, 64, 128)}
+    for use in uses:
+        _fits(use)
+        assert use["local"] == 0 and use["stack"] == 0, f"register spills: {use}"
+
+
+def test_gluon_fallback_config_fits_sm90_shared_memory() -> None:
+    """Where the Gluon kernel cannot build, its H128 page-64 rows take the tl.dot kernel's
+    64-row TMA tiles: those must fit too."""
+    uses = _compile_sm90("bfloat16", "gluon-off", "heads=128", "pages=64")
+    assert {use["block_m"] for use in uses} == {64}, uses
+    for use in uses:
+        _fits(use)
+
+
+def test_fp32_mha_prefill_config_compiles_for_sm90() -> None:
+    for use in _compile_sm90("float32", "mha"):
+        assert use["shared"] <= SMEM_SM90 and use["local"] == 0 and use["stack"] == 0, use
+
+
+# ----------------------------------------------------------------- routes and fallbacks
+def test_mha_route_keeps_fp32_off_cudnn() -> None:
+    """torch's cuDNN attention op reads every dtype but bf16 as fp16: an fp32 prefill with
+    LSE must take our kernel (it gave NaN in out and LSE on the H100 through cuDNN)."""
+    from mla_backends.backends.triton_backend import mha_route
+
+    for dt in (torch.float16, torch.bfloat16):
+        assert mha_route(dt, True, True, True, True) == "cudnn"
+        assert mha_route(dt, True, True, True, False) == "triton"  # cuDNN failed once
+    assert mha_route(torch.float32, True, True, True, True) == "triton"
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert mha_route(dt, True, True, False, True) == "sdpa"
+        assert mha_route(dt, True, False, True, True) == "triton"  # bottom-right != top-left
+        assert mha_route(dt, False, True, True, True) == "triton"  # no GPU
+
+
+@interp_only
+def test_gluon_build_failure_routes_to_tl_dot_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Gluon kernel that fails to compile (as it did on Triton 3.9: a removed TMA name)
+    is reported once; that call and every later one take the tl.dot kernel, same result."""
+    from mla_backends.kernels import mla_attention as ma
+
+    mg = pytest.importorskip("mla_backends.kernels.mla_attention_gluon")
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    # On CPU the Gluon conditions never hold: pretend they do until the route is broken.
+    monkeypatch.setattr(ma, "gluon_usable", lambda *a: ma.gluon_error() is None)
+    reason = "async_copy_global_to_shared has been removed; call async_load instead"
+    tries = []
+
+    def broken_launch(*a: object, **k: object) -> None:
+        tries.append(1)
+        raise RuntimeError(reason)
+
+    monkeypatch.setattr(mg, "launch", broken_launch)
+
+    gen = torch.Generator().manual_seed(0)
+    h, lat, r, page, lens = 4, 32, 16, 16, [1, 17, 40]
+    kv = torch.randn(8 * page, lat + r, generator=gen).half()
+    table = torch.tensor([[3, 0, 0], [1, 5, 0], [6, 2, 4]], dtype=torch.int32)
+    qo = torch.arange(len(lens) + 1, dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q_nope = torch.randn(len(lens), h, lat, generator=gen).half()
+    q_rope = torch.randn(len(lens), h, r, generator=gen).half()
+
+    def attend(gluon: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = torch.full_like(q_nope, float("nan")), torch.full((len(lens), h), 7.0)
+        ma.mla_attention(
+            q_nope, q_rope, kv, table, qo, seq, page, 0.1, 1.0, 1, 1, out, lse,
+            block_m=16, block_n=16, num_warps=4, num_stages=1, dot_f32=True, gluon=gluon,
+        )  # fmt: skip
+        return out, lse
+
+    want = attend(False)
+    with caplog.at_level(logging.WARNING, logger=ma.__name__):
+        got = [attend(True), attend(True)]
+    assert tries == [1], "the broken Gluon kernel was tried again"
+    for out, lse in got:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    logged = [rec.getMessage() for rec in caplog.records if rec.name == ma.__name__]
+    assert len(logged) == 1 and reason in logged[0], logged
+    assert reason in (ma.gluon_error() or "")
+
+
+@interp_only
+def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 query rows go to the Gluon kernel as half of a 64-row block; once it failed here,
+    the tl.dot kernel's 32-row block takes them."""
+    from mla_backends.config import Config
+    from mla_backends.kernels import mla_attention as ma
+    from mla_backends.runtime import Runtime
+
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    cfg = Config(model=SMALL, prefill_backend="triton", decode_backend="triton", num_pages=4)
+    be = Runtime.build(cfg).backend
+    be._gluon = True  # as on an SM90 with a bf16 pool
+    assert be._block_m(32, torch.bfloat16) == 64
+    ma._gluon_failed("simulated")
+    assert be._block_m(32, torch.bfloat16) == 32
+    assert be._block_m(64, torch.float32) == 16  # fp32 never takes Gluon or 64-row blocks
+
+
+@interp_only
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
+def test_interpreter_fp32_mha_prefill_nine_ragged_requests(prefix: bool) -> None:
+    """The shape of the H100 fp32 report (9 ragged causal requests, 15 to 2725 tokens) at
+    interpreter size, on the 16 x 16 tiles fp32 takes on a GPU too: lengths around tile
+    edges, with and without a cached prefix (bottom-right causal)."""
+    q_lens = [15, 16, 17, 31, 33, 47, 48, 49, 70]
+    kv_lens = [n + (i * 7 % 23 if prefix else 0) for i, n in enumerate(q_lens)]
+    r = run_mha_case("triton", q_lens, kv_lens, True, "float32", 4, SMALL)
+    assert r.ok, r.detail
+
+
 # ---------------------------------------------------------------------------- GPU
 GPU_MATRIX = parity_cases(
     "triton",
@@ -254,3 +405,64 @@ def test_gpu_mha_prefill_with_lse_through_cudnn(
         r = run_mha_case("triton", lens, lens, causal, dtype, 16, device="cuda")
         assert r.ok, r.detail
     assert calls == [True, True], "the LSE route did not go through cuDNN"
+
+
+@gpu_only
+@pytest.mark.parametrize(
+    "case",
+    parity_cases("triton", (1, 16, 64, 128), (16, 128), ("float32",), long=1100),
+    ids=lambda c: c.id,
+)
+def test_gpu_fp32_pool_parity(case: Case) -> None:
+    """The backend declares fp32 KV: decode, verify and extend at every page size. H128 page
+    64 raised OutOfResources (442376 bytes of shared memory asked, 232448 allowed)."""
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"
+
+
+FP32_PREFILL_LENS = [15, 96, 255, 513, 1000, 1024, 1537, 2048, 2725]
+
+
+@gpu_only
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
+def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
+    """The H100 report: fp32, H16, 9 ragged causal requests of 15 to 2725 tokens gave NaN in
+    out and LSE (the cuDNN op read fp32 as fp16). Out and LSE against the fp64 reference,
+    with LSE (our kernel) and, without a prefix, also without LSE (SDPA)."""
+    from mla_backends.batch import RaggedLayout
+    from mla_backends.config import Config
+    from mla_backends.reference import mha
+    from mla_backends.runtime import Runtime
+    from mla_backends.testing import TOLERANCES, _compare
+
+    q_lens = FP32_PREFILL_LENS
+    kv_lens = [n + (37 * i if prefix else 0) for i, n in enumerate(q_lens)]
+    r = run_mha_case("triton", q_lens, kv_lens, True, "float32", 16, device="cuda")
+    assert r.ok, r.detail
+    if prefix:
+        return
+    dims = MLADims(num_heads=16)
+    cfg = Config(
+        model=dims,
+        prefill_backend="triton",
+        decode_backend="triton",
+        dtype="float32",
+        kv_dtype="float32",
+        num_pages=1,
+        max_requests=1,
+        device="cuda",
+    )
+    be = Runtime.build(cfg).backend
+    layout = RaggedLayout.from_lens(q_lens, q_lens, "cuda")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(layout.num_q, 16, dims.qk_head_dim, generator=gen)
+    k = torch.randn(layout.num_q, 16, dims.qk_head_dim, generator=gen)
+    v = torch.randn(layout.num_q, 16, dims.v_head_dim, generator=gen)
+    out = be.forward_mha(q.cuda(), k.cuda(), v.cuda(), layout, True)
+    qo = layout.qo_indptr_cpu.tolist()
+    want = torch.cat(
+        [mha(q[a:e], k[a:e], v[a:e], dims.softmax_scale, True)[0] for a, e in zip(qo[:-1], qo[1:])]
+    )
+    atol, rtol, _ = TOLERANCES["float32"]
+    err, detail = _compare("out (no LSE)", out, want, atol, rtol)
+    assert not detail, detail

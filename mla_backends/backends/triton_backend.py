@@ -33,6 +33,105 @@ class TritonMetadata:
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials (out, lse), device
 
 
+def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool) -> int:
+    """Query rows (token, head) per program of the absorbed kernel, for `rows` per request."""
+    if rows <= 16 or dot_dtype == torch.float32:
+        # fp32 dots are FMA loops, not tensor-core MMAs: 32- and 64-row blocks spilled 8-16 KB
+        # a thread on SM90 (offline compile), 16 rows none.
+        return 16
+    # H16 q_len 2: half a Gluon block measured 0.88x FlashMLA, the 32-row Triton
+    # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
+    return 32 if rows <= 32 and not gluon else 64
+
+
+def launch_config(
+    block_m: int,
+    page_size: int,
+    batch_size: int,
+    num_splits: int,
+    dot_dtype: torch.dtype,
+    gluon: bool,
+    width: int,
+    smem_limit: int | None,
+) -> dict[str, int | bool]:
+    """Tiles, warps and stages of the absorbed kernel on a GPU whose blocks may take
+    `smem_limit` bytes of shared memory (None: no limit known), for rows `width` (L + R)
+    wide. From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py).
+    `tma` asks for TMA tiles where the page size allows them (whole tiles inside one page,
+    `mla_attention.tma_ok`)."""
+    cfg: dict[str, int | bool]
+    if dot_dtype == torch.float32:
+        # Operands are 4 bytes and the dots FMA loops: 64-key tiles beside a 64-row query
+        # needed 442 KB with TMA (the H100 allows 227 KB). 16 x 16 tiles: 75 KB, no spills.
+        cfg = {"block_n": 16, "num_warps": 4, "num_stages": 2, "tma": False}
+    elif block_m >= 64:
+        # The Gluon kernel where it can run (SM90, bf16 / fp16, page % 64 == 0); else
+        # TMA stages beside the [64, 576] query: two 64-key stages fit in 227 KB, three
+        # do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
+        if page_size % 64 == 0:
+            cfg = {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True, "gluon": gluon}
+        else:
+            cfg = {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
+    elif block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}
+    elif page_size % 32 == 0 and batch_size >= 32 and num_splits <= 2:
+        # H16 B256 kv1024 (1 split): TMA 32-key tiles 0.90-0.92x FlashMLA, gather 0.84x;
+        # B128 kv8192 (2 splits): 0.85x both. At 4+ splits (B64 and below) TMA measured
+        # 0.59-0.61x against the gather's 0.84-0.87x, and small eager batches cannot hide
+        # the two tensor maps each TMA launch encodes on the host (B1: 84 us vs 27 us).
+        cfg = {"block_n": 32, "num_warps": 4, "num_stages": 4, "tma": True}
+    else:
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "tma": False}
+    return _fit_smem(cfg, block_m, width, dot_dtype.itemsize, smem_limit)
+
+
+def _fit_smem(
+    cfg: dict[str, int | bool], block_m: int, width: int, elem: int, limit: int | None
+) -> dict[str, int | bool]:
+    """Fewer TMA stages, then narrower key tiles, until the kernel's shared memory
+    (`mla_attention.smem_bytes`) fits `limit`. The Gluon kernel sizes its own."""
+    from mla_backends.kernels.mla_attention import smem_bytes
+
+    bn, stages, tma = int(cfg["block_n"]), int(cfg["num_stages"]), bool(cfg["tma"])
+    while limit is not None and smem_bytes(block_m, bn, stages, tma, width, elem) > limit:
+        if tma and stages > 1:
+            stages -= 1
+        elif bn > 16:
+            bn //= 2
+        else:
+            need = smem_bytes(block_m, bn, stages, tma, width, elem)
+            raise ValueError(
+                f"triton MLA kernel: {block_m} x {bn} tiles of {width}-wide rows need {need} "
+                f"bytes of shared memory, this GPU allows {limit}"
+            )
+    return {**cfg, "block_n": bn, "num_stages": stages}
+
+
+def mha_config(dot_dtype: torch.dtype) -> dict[str, int]:
+    """Tiles, warps and stages of the MHA prefill kernel (`mha_prefill`) on a GPU."""
+    if dot_dtype == torch.float32:
+        # FMA dots: 128 x 64 tiles spilled 13.9 KB a thread on SM90, 16 x 16 none
+        # (scripts/compile_triton_sm90.py float32 mha).
+        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def mha_route(
+    dtype: torch.dtype, on_gpu: bool, sdpa_fits: bool, need_lse: bool, cudnn_lse: bool
+) -> str:
+    """Which kernel runs an MHA-mode prefill: "sdpa" (torch, no LSE), "cudnn" (torch's cuDNN
+    attention with LSE) or "triton" (ours). `sdpa_fits`: torch's top-left causal rule equals
+    ours (every request has as many queries as keys)."""
+    if on_gpu and sdpa_fits and not need_lse:
+        return "sdpa"
+    # Hazard: torch's cuDNN attention op runs any dtype but bf16 as fp16 (MHA.cpp sets the
+    # graph's io type HALF unless bf16; only SDPA's dispatcher checks dtypes, and we call the
+    # op directly): fp32 q / k / v were read as fp16 bit patterns, NaN in out and LSE.
+    if on_gpu and sdpa_fits and cudnn_lse and dtype in (torch.float16, torch.bfloat16):
+        return "cudnn"
+    return "triton"
+
+
 def choose_num_splits(
     programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = 16
 ) -> int:
@@ -74,6 +173,7 @@ class TritonBackend(MLABackend):
         self._k_attn, self._k_mha, self._k_store = mla_attention, mha_prefill, store
         self._dot_f32 = common.interpreting()
         self._sms = common.num_sms(self.device)
+        self._smem_limit = common.max_shared_mem(self.device)
         self._gluon = self._gluon_usable()
         self._cudnn_lse = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
         self.metadata: TritonMetadata | None = None
@@ -86,36 +186,29 @@ class TritonBackend(MLABackend):
         lat = self.dims.kv_lora_rank
         return self._k_attn.gluon_usable(kv.dtype, kv, self.pool.page_size, lat)
 
-    def _block_m(self, rows: int) -> int:
-        if rows <= 16:
-            return 16
-        # H16 q_len 2: half a Gluon block measured 0.88x FlashMLA, the 32-row Triton
-        # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
-        return 32 if rows <= 32 and not self._gluon else 64
+    def _gluon_on(self) -> bool:
+        # The first failure to build the Gluon kernel turns it off for the process.
+        return self._gluon and self._k_attn.gluon_error() is None
 
-    def _launch_cfg(self, block_m: int, batch_size: int, num_splits: int) -> dict[str, int | bool]:
-        # From the H200 probes (scripts/sweep_triton.py, scripts/probe_triton_regs.py); the
-        # interpreter wants tiny tiles. `tma` asks for TMA tiles where the page size allows
-        # them (whole tiles inside one page, `mla_attention.tma_ok`).
-        if self._dot_f32:
+    def _block_m(self, rows: int, dot_dtype: torch.dtype) -> int:
+        return block_m_for(rows, dot_dtype, self._gluon_on())
+
+    def _launch_cfg(
+        self, block_m: int, batch_size: int, num_splits: int, dot_dtype: torch.dtype
+    ) -> dict[str, int | bool]:
+        if self._dot_f32:  # the interpreter wants tiny tiles
             return {"block_n": 16, "num_warps": 4, "num_stages": 1, "tma": False}
-        if block_m >= 64:
-            # The Gluon kernel where it can run (SM90, bf16 / fp16, page % 64 == 0); else
-            # TMA stages beside the [64, 576] query: two 64-key stages fit in 227 KB, three
-            # do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
-            if self.pool.page_size % 64 == 0:
-                cfg = {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True}
-                return {**cfg, "gluon": self._gluon}
-            return {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
-        if block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
-            return {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}
-        if self.pool.page_size % 32 == 0 and batch_size >= 32 and num_splits <= 2:
-            # H16 B256 kv1024 (1 split): TMA 32-key tiles 0.90-0.92x FlashMLA, gather 0.84x;
-            # B128 kv8192 (2 splits): 0.85x both. At 4+ splits (B64 and below) TMA measured
-            # 0.59-0.61x against the gather's 0.84-0.87x, and small eager batches cannot hide
-            # the two tensor maps each TMA launch encodes on the host (B1: 84 us vs 27 us).
-            return {"block_n": 32, "num_warps": 4, "num_stages": 4, "tma": True}
-        return {"block_n": 64, "num_warps": 4, "num_stages": 3, "tma": False}
+        d = self.dims
+        return launch_config(
+            block_m,
+            self.pool.page_size,
+            batch_size,
+            num_splits,
+            dot_dtype,
+            self._gluon_on(),
+            d.kv_lora_rank + d.qk_rope_head_dim,
+            self._smem_limit,
+        )
 
     def _waves(self, block_m: int) -> int:
         return 1 if block_m >= 64 else 2
@@ -123,7 +216,7 @@ class TritonBackend(MLABackend):
     def _num_splits(self, batch_size: int, max_q: int, max_kv: int) -> int:
         """KV splits for a decode / verify grid of batch_size x head blocks."""
         rows = max_q * self.dims.num_heads
-        bm = self._block_m(rows)
+        bm = self._block_m(rows, self.ctx.config.torch_dtype)
         return choose_num_splits(batch_size * -(-rows // bm), max_kv, self._sms, self._waves(bm))
 
     # ------------------------------------------------------------------ metadata
@@ -244,7 +337,7 @@ class TritonBackend(MLABackend):
             if batch.batch_size == 0:
                 return out, lse
             raise RuntimeError("init_forward_metadata was not called for this batch")
-        block_m = self._block_m(md.max_q_len * h)
+        block_m = self._block_m(md.max_q_len * h, q_nope.dtype)
         self._k_attn.mla_attention(
             q_nope,
             q_rope,
@@ -262,7 +355,7 @@ class TritonBackend(MLABackend):
             md.workspace,
             block_m=block_m,
             dot_f32=self._dot_f32,
-            **self._launch_cfg(block_m, batch.batch_size, md.num_splits),
+            **self._launch_cfg(block_m, batch.batch_size, md.num_splits, q_nope.dtype),
         )
         return out, lse
 
@@ -276,18 +369,22 @@ class TritonBackend(MLABackend):
         need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
-        torch_fits = q.is_cuda and self._sdpa_fits(layout, causal)
-        if not need_lse and torch_fits:
+        route = mha_route(
+            q.dtype, q.is_cuda, self._sdpa_fits(layout, causal), need_lse, self._cudnn_lse
+        )
+        if route == "sdpa":
             return self._torch_prefill(q, k, v, layout, causal, out, None)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if self._cudnn_lse and torch_fits:
+        if route == "cudnn":
             try:
                 return self._torch_prefill(q, k, v, layout, causal, out, lse)
             except RuntimeError as e:  # this cuDNN / torch cannot: our kernel, from now on
                 self._cudnn_lse = False
                 logger.warning("cuDNN attention with LSE unavailable (%s); using Triton", e)
         cfg = (
-            {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1} if self._dot_f32 else {}
+            {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+            if self._dot_f32
+            else mha_config(q.dtype)
         )
         self._k_mha.mha_prefill(
             q,

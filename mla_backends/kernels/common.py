@@ -33,3 +33,14 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def max_shared_mem(device: torch.device) -> int | None:
+    """Bytes of shared memory one block may opt into on this GPU, as Triton checks it (its
+    OutOfResources limit); None off a GPU."""
+    if device.type != "cuda":
+        return None
+    import triton
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])

@@ -11,6 +11,9 @@ them with log-sum-exp; with one split the program writes the final result direct
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -18,9 +21,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mla_backends.kernels.common import cdiv, interpreting
 
+logger = logging.getLogger(__name__)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# The Gluon kernel (mla_attention_gluon.py) is written against Triton 3.6's Gluon API.
+SMEM_SM90 = 232448  # bytes of shared memory one block may opt into on an H100 / H200
+# The Gluon kernel (mla_attention_gluon.py) needs the Gluon API of Triton 3.6 or newer (names
+# that moved since 3.6 are resolved there, once, at import).
 _GLUON_API = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 
 
@@ -218,6 +225,19 @@ def _merge_kernel(
     )
 
 
+def smem_bytes(
+    block_m: int, block_n: int, num_stages: int, tma: bool, width: int, elem: int
+) -> int:
+    """Shared memory `_mla_attn_kernel` takes at most, for rows `width` (L + R) wide and dot
+    operands of `elem` bytes: the query tile and the key tile staged for the dots (with TMA,
+    `num_stages` key tiles in flight), P for P @ V on the gather path, 1 KB of barriers and
+    page ids. An upper bound of what Triton 3.6-3.9 allocate on SM90, checked against
+    compiled kernels (tests/test_triton.py::test_fp32_decode_configs_fit_sm90_shared_memory);
+    the gather path does not multi-buffer the key tiles there."""
+    keys = block_n * (num_stages if tma else 1)
+    return (block_m + keys) * width * elem + (0 if tma else block_m * block_n * 4) + 1024
+
+
 def tma_ok(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
     """TMA tiles need SM90+, whole tiles inside one page, and 16-byte aligned rows."""
     return (
@@ -262,7 +282,8 @@ def mla_attention(
     workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32).
     tma: load whole page-aligned tiles through TMA where the GPU and page size allow it.
     gluon: take the Gluon kernel (64-row blocks, `mla_attention_gluon`) where `gluon_ok`;
-    block_m / block_n / warps / stages then apply only to the fallback."""
+    block_m / block_n / warps / stages then apply only to the fallback, which also takes the
+    call (and every later one) if the Gluon kernel fails to build here (`gluon_error`)."""
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     b = seq_lens.numel()
@@ -281,25 +302,28 @@ def mla_attention(
     if gluon and kv_scale == 1.0 and gluon_usable(q_nope.dtype, kv, page_size, lat):
         from mla_backends.kernels import mla_attention_gluon as mg
 
-        m_blocks = cdiv(max_q_len * h, mg.BLOCK_M)
-        mg.launch(
-            q_nope,
-            q_rope,
-            kv,
-            table,
-            qo_indptr,
-            seq_lens,
-            page_size,
-            sm_scale * LOG2E,
-            m_blocks,
-            num_splits,
-            out,
-            lse,
-            part_out,
-            part_lse,
-        )
-        _merge(part_out, part_lse, out, lse, num_splits)
-        return
+        try:
+            mg.launch(
+                q_nope,
+                q_rope,
+                kv,
+                table,
+                qo_indptr,
+                seq_lens,
+                page_size,
+                sm_scale * LOG2E,
+                cdiv(max_q_len * h, mg.BLOCK_M),
+                num_splits,
+                out,
+                lse,
+                part_out,
+                part_lse,
+            )
+        except Exception as e:  # it compiles on first use: a failure there never fails a decode
+            _gluon_failed(f"{type(e).__name__}: {e}")
+        else:
+            _merge(part_out, part_lse, out, lse, num_splits)
+            return
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
     use_tma = tma and tma_ok(kv, page_size, block_n)
     k_desc: object = kv
@@ -373,14 +397,41 @@ def _merge(
     )
 
 
+@dataclass
+class GluonRoute:
+    """Process-wide: why the Gluon kernel cannot run here (None while it can). Set by the
+    first failure to import, compile or launch it (a Triton whose Gluon API moved again);
+    from then on every call takes the `tl.dot` kernel."""
+
+    error: str | None = None
+
+
+_gluon_route = GluonRoute()
+
+
+def gluon_error() -> str | None:
+    """Why the Gluon route is off for this process, or None."""
+    return _gluon_route.error
+
+
+def _gluon_failed(reason: str) -> None:
+    if _gluon_route.error is None:
+        _gluon_route.error = reason
+        logger.warning(
+            "Gluon decode kernel unavailable with triton %s, the tl.dot kernel takes its "
+            "calls from now on: %s",
+            triton.__version__,
+            reason,
+        )
+
+
 def gluon_usable(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
     """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
-    if not kv.is_cuda or interpreting():
-        return False
-    if not _GLUON_API:
+    if not kv.is_cuda or interpreting() or not _GLUON_API or _gluon_route.error is not None:
         return False
     try:
         from mla_backends.kernels.mla_attention_gluon import gluon_ok
-    except ImportError:  # a Triton without triton.experimental.gluon
+    except Exception as e:  # no triton.experimental.gluon, or names in it moved again
+        _gluon_failed(f"{type(e).__name__}: {e}")
         return False
     return gluon_ok(q_dtype, kv, page_size, lat)

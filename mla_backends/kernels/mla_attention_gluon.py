@@ -34,6 +34,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_backends.kernels.common import interpreting
 
+# Gluon names that moved: gl.thread_barrier (3.6) is gl.barrier from 3.7; TMA's
+# async_copy_global_to_shared (3.6, 3.7) is async_load from 3.8 and raises from 3.9.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 # One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
 # Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
@@ -89,8 +94,14 @@ def _issue_tile(
     s = j % STAGES
     bar = bars.index(s)
     mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(KDesc, [row, 0], bar, k_smem.index(s), pred)
-    tma.async_copy_global_to_shared(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+    _tma_load(KDesc, [row, 0], bar, k_smem.index(s), pred)
+    _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+
+
+@gluon.jit
+def _pairs(x, BLOCK_N: gl.constexpr):
+    """(x[:, 0::2], x[:, 1::2]): adjacent columns sit in one thread, so no data moves."""
+    return gl.split(gl.reshape(x, [x.shape[0], BLOCK_N // 2, 2]))
 
 
 @gluon.jit
@@ -109,22 +120,25 @@ def _softmax_to_p(
 ):
     """Causal mask and online softmax of the score tile s; the accumulator rescaled, and P
     written to shared memory for the P @ V of both warpgroups."""
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    s = gl.where(n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - m_safe[:, None])
-    # l is kept per element and summed once at the end: a per-tile row sum would be a
-    # second cross-warpgroup reduction (two more barriers) on every tile.
-    l_i = l_i * alpha[:, None] + p
+    # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed once
+    # at the end: a per-tile row sum would be a second cross-warpgroup reduction (two more
+    # barriers) on every tile; per element it took 8 more registers, which spilled (3.7, 3.8).
+    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
+    p_even, p_odd = _pairs(p, BLOCK_N)
+    l_i = l_i * alpha_pair + (p_even + p_odd)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
     # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
     # in shared memory (and visible to the async proxy) before either wgmma starts.
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
-    gl.thread_barrier()
+    _barrier()
     return acc, m_new, l_i
 
 
@@ -165,8 +179,33 @@ def _attend(
     )
     acc = warpgroup_mma(p_smem, k_buf, acc)
     # Hazard: the slot and P are rewritten next; both warpgroups must be done reading them.
-    gl.thread_barrier()
+    _barrier()
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _bounds(
+    QoIndptr,
+    SeqLens,
+    b,
+    mblk,
+    split,
+    H: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    VOLATILE: gl.constexpr,
+):
+    """(q_start, q_len, seq, lo, hi): the request's first query token and query count, its KV
+    length, and the keys [lo, hi) this program's split reads (those its last row may see)."""
+    q_start = gl.load(QoIndptr + b, volatile=VOLATILE)
+    q_len = gl.load(QoIndptr + b + 1, volatile=VOLATILE) - q_start
+    seq = gl.load(SeqLens + b, volatile=VOLATILE)
+    last_tok = gl.maximum(gl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1), 0) // H
+    kv_end = gl.minimum(gl.maximum(seq - q_len + last_tok + 1, 0), seq)
+    chunk = gl.cdiv(gl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return q_start, q_len, seq, lo, gl.minimum(lo + chunk, kv_end)
 
 
 @gluon.jit
@@ -215,16 +254,11 @@ def _mla_attn_gluon_kernel(
     mblk = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    q_start = gl.load(QoIndptr + b)
-    q_len = gl.load(QoIndptr + b + 1) - q_start
+    q_start, q_len, seq, lo, hi = _bounds(
+        QoIndptr, SeqLens, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
+    )
     if mblk * BLOCK_M >= q_len * H:
         return
-    seq = gl.load(SeqLens + b)
-    last_tok = gl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1) // H
-    kv_end = gl.minimum(gl.maximum(seq - q_len + last_tok + 1, 0), seq)
-    chunk = gl.cdiv(gl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, kv_end)
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], KDesc.layout)
@@ -279,12 +313,12 @@ def _mla_attn_gluon_kernel(
         dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     )
     fence_async_shared()
-    gl.thread_barrier()
+    _barrier()
 
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
 
     # P @ V of tile j and the scores of tile j + 1 go to the tensor cores back to back;
@@ -309,7 +343,7 @@ def _mla_attn_gluon_kernel(
         # Hazard: wgmma groups retire in order, and the scores may be one group or two;
         # waiting down to one outstanding retires P @ V(j) either way.
         acc = warpgroup_mma_wait(1, deps=[pv])
-        gl.thread_barrier()  # both warpgroups are done reading slot cur and P(j)
+        _barrier()  # both warpgroups are done reading slot cur and P(j)
         _issue_tile(
             KDesc,
             KRDesc,
@@ -343,9 +377,16 @@ def _mla_attn_gluon_kernel(
         )
     if n_full > 0:
         acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
-        gl.thread_barrier()
+        _barrier()
 
-    start = lo + n_full * BLOCK_N
+    # Hazard: kept live across the loop above, these were spilled at 255 registers (Triton 3.7
+    # and 3.8); reloaded (volatile: not merged with the first loads) and recomputed instead.
+    q_start, q_len, seq, lo, hi = _bounds(
+        QoIndptr, SeqLens, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
+    )
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     if start < hi:
         # The partial tail tile: masked loads give 0 past hi, so no stale row is read. Every
         # TMA issued above has been waited on, so slot 0 is free.
@@ -360,7 +401,7 @@ def _mla_attn_gluon_kernel(
         )
         kr_smem.index(0).store(kr)
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
         acc, m_i, l_i = _attend(
             acc,
             m_i,
@@ -381,7 +422,7 @@ def _mla_attn_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    l_i = gl.sum(l_i, 1)
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)

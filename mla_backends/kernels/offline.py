@@ -1,0 +1,52 @@
+"""Compile our Triton / Gluon kernels for SM90 without a GPU (Triton ships ptxas) and read
+what the compiled kernel uses: registers, spills, shared memory, MMA shapes. Used by
+scripts/compile_gluon_sm90.py and scripts/compile_triton_sm90.py, whose tests keep the
+kernels inside an H100's limits on CPU-only machines.
+
+Run without TRITON_INTERPRET=1: under the interpreter jit functions are not compiled.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(src: Any, num_warps: int, num_stages: int = 3) -> Any:
+    """triton.compile of an ASTSource (or GluonASTSource) for SM90."""
+    return triton.compile(
+        src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+
+
+def usage(kernel: Any) -> dict[str, Any]:
+    """Registers, stack frame and local memory (ptxas spills go to either) per thread, shared
+    memory per block in bytes, and the MMA instruction shapes in the PTX."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    res: dict[str, Any] = {
+        k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL|STACK):(\d+)", text)
+    }
+    ptx = kernel.asm["ptx"]
+    res["wgmma"] = sorted(
+        set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.", ptx))
+    )
+    res["mma"] = sorted(set(re.findall(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)\.", ptx)))
+    res["shared"] = kernel.metadata.shared
+    return res
