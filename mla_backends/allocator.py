@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.pool import ReqToTokenPool
 
 
@@ -67,7 +68,7 @@ class PagedTokenAllocator:
         return list(self._pages.get(row, []))
 
     def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     def alloc_extend(self, rows: Sequence[int], extend_lens: Sequence[int]) -> torch.Tensor:
         """Append `extend_lens[i]` tokens to request `rows[i]`; return their slots.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -95,6 +96,7 @@ class ForwardBatch:
     # [B] int32, cpu: the request rows, for host-side checks (`ReqToTokenPool.check_batch`);
     # None in batches built over static buffers (a graph runner's).
     req_pool_indices_cpu: torch.Tensor | None = None
+    _prefix_slots: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def build(
@@ -157,8 +159,46 @@ class ForwardBatch:
             (self.extend_prefix_lens_cpu > 0).any()
         )
 
+    # Built once per batch on first use and read by every layer (each is a host-to-device
+    # copy; the model's layer loop must not rebuild them).
+    @cached_property
+    def max_q_len(self) -> int:
+        """Longest query run of the batch (host, from the CPU copy)."""
+        return int(self.extend_seq_lens_cpu.max()) if self.batch_size else 0
+
+    @cached_property
+    def max_kv_len(self) -> int:
+        """Longest KV length after this pass (host, from the CPU copy)."""
+        return int(self.seq_lens_cpu.max()) if self.batch_size else 0
+
+    @cached_property
     def extend_layout(self) -> RaggedLayout:
         """q = the new tokens, kv = the whole sequence (prefix + new): bottom-right causal."""
+        return self._layout(self.seq_lens_cpu)
+
+    @cached_property
+    def prefix_layout(self) -> RaggedLayout:
+        """q = the new tokens, kv = the cached prefix only (chunked-prefix prefill, no mask)."""
+        return self._layout(self.extend_prefix_lens_cpu)
+
+    @cached_property
+    def new_layout(self) -> RaggedLayout:
+        """q = kv = the new tokens (chunked-prefix prefill's causal part)."""
+        return self._layout(self.extend_seq_lens_cpu)
+
+    def prefix_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        """[sum(prefix_lens)] int64 pool slots of every request's cached prefix, request-major
+        (chunked-prefix prefill reads these rows in every layer). Built once per batch."""
+        if self._prefix_slots is None:
+            from mla_backends.indices import build_token_indices
+
+            total = int(self.extend_prefix_lens_cpu.sum())
+            _, self._prefix_slots = build_token_indices(
+                req_to_token, self.req_pool_indices, self.extend_prefix_lens, total
+            )
+        return self._prefix_slots
+
+    def _layout(self, kv_lens_cpu: torch.Tensor) -> RaggedLayout:
         return RaggedLayout.from_lens(
-            self.extend_seq_lens_cpu.tolist(), self.seq_lens_cpu.tolist(), self.seq_lens.device
+            self.extend_seq_lens_cpu.tolist(), kv_lens_cpu.tolist(), self.seq_lens.device
         )

@@ -99,7 +99,7 @@ def _backend_config(config: Config, name: str, cap: Capability, heads: list[int]
     of the grid; a ConfigError naming the backend and the reason if there is none."""
     cls = get_backend_class(name)
     reason = None
-    for page in (config.page_size, *cls.page_sizes):
+    for page in (config.page_size, *cls.caps.page_sizes):
         cfg = dataclasses.replace(config, page_size=page, decode_backend=name)
         reasons = [
             cls.supports(dataclasses.replace(cfg, model=cfg.model.with_heads(h)), cap, "decode")
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
             )
             row["bytes"], row["flops"] = traffic(s)
             row[f"{name}_us"] = time_backend(s)
-            if graphs and get_backend_class(name).supports_graphs:
+            if graphs and get_backend_class(name).caps.graphs:
                 # whole decode steps of --layers calls: bytes and FLOPs scale with L
                 row[f"{name}_step_eager_us"] = time_backend(s, args.layers) / args.layers
                 row[f"{name}_step_graph_us"] = time_graph(s, args.layers) / args.layers

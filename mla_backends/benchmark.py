@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from mla_backends.backends.base import MLABackend
+from mla_backends.arith import cdiv
+from mla_backends.backends.util import joined_query
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import DEEPSEEK_V3, Config, MLADims
 from mla_backends.runtime import Runtime
@@ -120,7 +121,7 @@ def decode_setup(
 ) -> DecodeSetup:
     """A pool filled with random rows, pages handed out shuffled, one decode/verify batch."""
     dims = dataclasses.replace(dims, num_heads=heads)
-    pages = batch * -(-kv_len // page_size) + 1
+    pages = batch * cdiv(kv_len, page_size) + 1
     cfg = Config(
         model=dims,
         num_layers=1,
@@ -225,7 +226,7 @@ def time_flashmla(s: DecodeSetup) -> float:
         page_table_width(s.kv_len, pool.page_size),
         0,
     )
-    q = MLABackend.joined_query(s.q_nope, s.q_rope).view(b, s.q_len, s.heads, 576)
+    q = joined_query(s.q_nope, s.q_rope).view(b, s.q_len, s.heads, 576)
     seqlens = s.batch.seq_lens
     md, splits = get_mla_metadata(seqlens, s.q_len * s.heads, 1)
     kcache = pool.get_paged_buffer(0)
@@ -244,7 +245,7 @@ def time_flashinfer(s: DecodeSetup) -> float:
     from mla_backends.indices import build_page_indices
 
     pool, b, ps = s.rt.kv_pool, s.batch.batch_size, s.rt.kv_pool.page_size
-    n_pages = b * -(-s.kv_len // ps)
+    n_pages = b * cdiv(s.kv_len, ps)
     indptr, indices = build_page_indices(
         s.rt.req_pool.req_to_token, s.batch.req_pool_indices, s.batch.seq_lens, ps, n_pages
     )

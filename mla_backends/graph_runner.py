@@ -14,12 +14,13 @@ logic and the backends' replay hooks).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mla_backends.backends.base import MLABackend
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 
 Forward = Callable[[ForwardBatch, dict[str, torch.Tensor]], torch.Tensor]
@@ -36,7 +37,7 @@ class InputSpec:
 class CudaGraphRunner:
     def __init__(
         self,
-        backend: MLABackend,
+        backend: AttentionBackend,
         forward: Forward,
         inputs: dict[str, InputSpec],
         batch_sizes: Sequence[int],
@@ -133,16 +134,10 @@ class CudaGraphRunner:
             self._graphs[bs] = graph
 
     def pointer_snapshot(self) -> dict[str, int]:
-        """data_ptr of every tensor the backend holds for the current batch (its metadata
-        object's fields and its own tensor attributes)."""
-        snap = {}
-        for owner, obj in (
-            ("metadata.", getattr(self.backend, "metadata", None)),
-            ("", self.backend),
-        ):
-            for k, v in (vars(obj) if obj is not None else {}).items():
-                if isinstance(v, torch.Tensor):
-                    snap[owner + k] = v.data_ptr()
+        """data_ptr of every tensor in the backend's metadata for the current batch (fields,
+        nested dataclasses, tuples and dicts): each must be the same buffer at every replay."""
+        snap: dict[str, int] = {}
+        _collect("metadata", self.backend.metadata, snap)
         return snap
 
     def padded_size(self, n: int) -> int:
@@ -165,9 +160,7 @@ class CudaGraphRunner:
             )
         if not self._graphs:
             raise RuntimeError("capture() first")
-        check = getattr(self.backend, "check_batch", None)
-        if check is not None:  # rows and lengths, on the host: the replay itself checks nothing
-            check(batch)
+        self.backend.check_batch(batch)  # rows and lengths, on the host: replay checks nothing
         bs = self.padded_size(batch.batch_size)
         self._load(batch, inputs, bs)
         static = self._static_batch(bs, batch)
@@ -180,3 +173,17 @@ class CudaGraphRunner:
         else:
             out = self.forward(static, {k: v[: bs * self.q_len] for k, v in self._inputs.items()})
         return out[: batch.num_tokens]
+
+
+def _collect(path: str, obj: object, snap: dict[str, int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        snap[path] = obj.data_ptr()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(f"{path}.{f.name}", getattr(obj, f.name), snap)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            _collect(f"{path}[{i}]", v, snap)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _collect(f"{path}[{k!r}]", v, snap)

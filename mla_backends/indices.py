@@ -13,22 +13,7 @@ from __future__ import annotations
 
 import torch
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
-
-
-def cumsum_indptr(lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] lengths -> [B+1] int32 exclusive prefix sum (on the lengths' device)."""
-    if out is None:
-        out = torch.empty(lens.numel() + 1, dtype=torch.int32, device=lens.device)
-    out[:1].zero_()
-    out[1:].copy_(torch.cumsum(lens, 0))
-    return out
+from mla_backends.arith import cdiv, cumsum_indptr, round_up
 
 
 def segment_ids(indptr: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +55,7 @@ def build_page_indices(
 
     Page k of a request is the page holding its token k * page_size (tokens fill pages in
     order, so that token's slot // page_size is the page id)."""
-    num_pages = (seq_lens + (page_size - 1)) // page_size
+    num_pages = cdiv(seq_lens, page_size)
     indptr = cumsum_indptr(num_pages.to(torch.int32), indptr_out)
     seg, off = segment_ids(indptr, total_pages)
     rows = req_pool_indices.to(torch.int64)[seg]
@@ -106,7 +91,7 @@ def build_page_table(
     tok = (cols * page_size).clamp_(max=max_ctx - 1)
     rows = req_pool_indices.to(torch.int64)[:, None]
     pages = torch.div(req_to_token[rows, tok[None, :]], page_size, rounding_mode="floor")
-    used = cols[None, :] < ((seq_lens.to(torch.int64) + page_size - 1) // page_size)[:, None]
+    used = cols[None, :] < cdiv(seq_lens.to(torch.int64), page_size)[:, None]
     table = torch.where(used, pages, torch.full_like(pages, fill)).to(torch.int32)
     if out is None:
         return table
@@ -117,4 +102,4 @@ def build_page_table(
 def page_table_width(max_seq_len: int, page_size: int, align: int = 1) -> int:
     """Columns a page table needs for `max_seq_len` tokens, rounded up to `align` blocks
     (TRT-LLM and CUTLASS want a multiple of 128 / page_size). Never 0: kernels reject empty."""
-    return max(round_up(ceil_div(max_seq_len, page_size), align), align)
+    return max(round_up(cdiv(max_seq_len, page_size), align), align)

@@ -9,18 +9,14 @@ Index names: n query tokens, s keys, h heads, p nope dim, r rope dim, l latent d
 
 Both: bottom-right causal (query j of n sees s - n + j + 1 keys), zero visible keys gives
 out = 0 and lse = -inf, LSE in natural log.
-
-`ReferenceBackend` puts them behind the backend interface, so a whole model can run on them
-(`run` checks a configured backend's logits against it).
+(`backends/reference_backend.py` puts them behind the backend interface.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from mla_backends.backends.base import MLABackend
-from mla_backends.batch import ForwardBatch, RaggedLayout
-from mla_backends.merge import merge_states  # noqa: F401  (re-exported: used with references)
+from mla_backends.batch import ForwardBatch
 from mla_backends.pool import MLATokenToKVPool
 
 
@@ -153,57 +149,3 @@ def batch_reference(
         lses.append(lse)
         start += n
     return torch.cat(outs), torch.cat(lses)
-
-
-class ReferenceBackend(MLABackend):
-    """The fp64 references as a backend: absorbed attention by `batch_reference` (the
-    `absorbed` form over the pool's stored rows), MHA-mode prefill by `mha`, one request at a
-    time, with host syncs: slow, for checking. Never registered, so no config can pick it."""
-
-    name = "reference"
-
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        pass  # everything is read per call from the batch
-
-    def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out, lse = batch_reference(
-            self.pool,
-            layer,
-            self.req_to_token,
-            batch,
-            q_nope,
-            q_rope,
-            None,
-            None,
-            self.scale,
-            expanded=False,
-        )
-        return out.to(q_nope.dtype), lse.float()
-
-    def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
-        outs, lses = [], []
-        for i in range(layout.batch_size):
-            o, lse = mha(
-                q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]], self.scale, causal
-            )
-            outs.append(o)
-            lses.append(lse)
-        if not outs:
-            return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(0, q.shape[1]).float()
-        return torch.cat(outs).to(q.dtype), torch.cat(lses).float()

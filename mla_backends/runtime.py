@@ -6,14 +6,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mla_backends.allocator import PagedTokenAllocator
-from mla_backends.backends.base import BackendContext, MLABackend
+from mla_backends.backends.base import BackendContext
 from mla_backends.backends.dispatch import DispatchBackend
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.config import Config
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 
 
-def create_backend(ctx: BackendContext) -> MLABackend:
+def create_backend(ctx: BackendContext) -> AttentionBackend:
     """The configured backend(s); one object whatever the per-phase choice."""
     cfg = ctx.config
     decode = get_backend_class(cfg.decode_backend)(ctx)
@@ -28,7 +29,7 @@ class Runtime:
     kv_pool: MLATokenToKVPool
     req_pool: ReqToTokenPool
     allocator: PagedTokenAllocator
-    backend: MLABackend
+    backend: AttentionBackend
 
     @classmethod
     def build(cls, config: Config, page_order: Sequence[int] | None = None) -> Runtime:

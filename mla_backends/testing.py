@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mla_backends.arith import cdiv
+from mla_backends.backends.base import MLABackend
+from mla_backends.backends.paged_table import QueryQuantizer
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.config import KV_DTYPES, Config, MLADims
 from mla_backends.reference import absorb_q, batch_reference, mha, project_v
@@ -64,6 +68,16 @@ class Result:
     latent_err: float  # max |out - absorbed reference| on the same inputs
     ok: bool
     detail: str = ""
+
+
+def effective_query(
+    be: AttentionBackend, q_nope: torch.Tensor, q_rope: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query the backend's kernel really attends with (FP8 q for TRT-LLM with an FP8 pool;
+    q itself for every other backend)."""
+    if isinstance(be, QueryQuantizer):
+        return be.effective_query(q_nope, q_rope)
+    return q_nope, q_rope
 
 
 def _compare(
@@ -152,7 +166,7 @@ def build_case(case: Case, device: torch.device) -> tuple[Runtime, ForwardBatch]
     gen = torch.Generator().manual_seed(case.seed)
     q_lens = _q_lens(case, rng)
     prefix = [max(n - q, 0) for n, q in zip(case.kv_lens, q_lens)]
-    pages = sum(-(-(n + 1) // case.page_size) for n in case.kv_lens) + 2
+    pages = sum(cdiv((n + 1), case.page_size) for n in case.kv_lens) + 2
     cfg = Config(
         model=case.dims.with_heads(case.num_heads),
         num_layers=1,
@@ -215,23 +229,24 @@ def run_case(case: Case, device: torch.device | str = "cpu") -> Result:
 
     be = rt.backend
     be.init_forward_metadata(batch)
-    if be.provides_lse:
-        out, lse = be.forward_absorbed(0, q_latent, q_rope_in, k_nope, k_rope, batch, True)
-    else:  # a kernel without LSE (CUTLASS): out is checked, LSE cannot be
+    if isinstance(be, MLABackend) and not be.caps.lse:
+        # a kernel without LSE (CUTLASS): out is checked, LSE cannot be
         out, lse = be.forward_absorbed(0, q_latent, q_rope_in, k_nope, k_rope, batch), None
+    else:
+        out, lse = be.forward_absorbed(0, q_latent, q_rope_in, k_nope, k_rope, batch, True)
 
     r2t = rt.req_pool.req_to_token
     scale = rt.config.model.softmax_scale
     # A kernel that takes q in FP8 (TRT-LLM, FP8 pool) is held to the absorbed reference on
     # the query it really used; absorbed equals expanded (tests/test_reference.py).
-    q_eff = be.effective_query(q_latent, q_rope_in)
+    q_eff = effective_query(be, q_latent, q_rope_in)
     ref_lat, ref_lat_lse = batch_reference(
         rt.kv_pool, 0, r2t, batch, *q_eff, w_kc, w_vc, scale, expanded=False
     )
     ref_out, ref_lse = batch_reference(rt.kv_pool, 0, r2t, batch, q_nope, q_rope, w_kc, w_vc, scale)
     atol, rtol, lse_tol = TOLERANCES[case.dtype]
     lat_err, d1 = _compare("out(latent)", out, ref_lat, atol, rtol)
-    if be.quantizes_query:
+    if isinstance(be, QueryQuantizer) and be.quantizes_query:
         ref_out, ref_lse = project_v(ref_lat, w_vc.to(ref_lat.device)), ref_lat_lse
     out_v = project_v(out.double(), w_vc.to(out.device))
     out_err, d3 = _compare("out(expanded)", out_v, ref_out, atol, rtol)
@@ -377,7 +392,7 @@ class DecodeStream:
         self.case, self.device = case, torch.device(device)
         self.rng = random.Random(case.seed)
         self.gen = torch.Generator().manual_seed(case.seed)
-        pages = num_requests * -(-max_context // case.page_size) + 1
+        pages = num_requests * cdiv(max_context, case.page_size) + 1
         cfg = Config(
             model=case.dims.with_heads(case.num_heads),
             num_layers=1,
@@ -422,7 +437,7 @@ class DecodeStream:
     def reference(self, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Absorbed fp64 reference over the pool as it is now (new rows already stored)."""
         be = self.rt.backend
-        q = be.effective_query(inputs["q_nope"], inputs["q_rope"])
+        q = effective_query(be, inputs["q_nope"], inputs["q_rope"])
         out, _ = batch_reference(
             self.rt.kv_pool,
             0,

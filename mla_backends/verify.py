@@ -49,7 +49,7 @@ def use_triton_interpreter(device: torch.device) -> bool:
 def _runnable_config(config: Config, name: str, cap: Capability, role: str) -> Config | None:
     """The config with `name` in both roles, at the config's page size or the backend's."""
     cls = get_backend_class(name)
-    for page in (config.page_size, *cls.page_sizes):
+    for page in (config.page_size, *cls.caps.page_sizes):
         cfg = dataclasses.replace(config, page_size=page, prefill_backend=name, decode_backend=name)
         if cls.supports(cfg, cap, role) is None:
             return cfg
@@ -64,7 +64,8 @@ def not_runnable(config: Config) -> dict[str, str]:
     for name in available_backends():
         if _runnable_config(config, name, cap, "decode") is None:
             cls = get_backend_class(name)
-            page = config.page_size if config.page_size in cls.page_sizes else cls.page_sizes[0]
+            pages = cls.caps.page_sizes
+            page = config.page_size if config.page_size in pages else pages[0]
             cfg = dataclasses.replace(
                 config, page_size=page, prefill_backend=name, decode_backend=name
             )

@@ -34,8 +34,8 @@ def picks(
     dtype: str, gluon: bool, heads: tuple[int, ...], pages: tuple[int, ...]
 ) -> dict[str, tuple[dict[str, Any], list[Shape]]]:
     """Distinct (H, page, block_m, config) the backend launches, with the shapes behind each."""
-    from mla_backends.backends.triton_backend import block_m_for, launch_config
     from mla_backends.kernels.mla_attention import SMEM_SM90
+    from mla_backends.kernels.tuning import block_m_for, launch_config
 
     dt = DTYPES[dtype]
     gluon = gluon and dt != torch.float32  # as `gluon_ok`: bf16 / fp16 pools only
@@ -96,9 +96,9 @@ def compile_mha(dtype: str, causal: bool) -> dict[str, Any]:
     """`_mha_fwd_kernel` with the backend's config (`mha_config`), DeepSeek dims."""
     from triton.compiler import ASTSource
 
-    from mla_backends.backends.triton_backend import mha_config
     from mla_backends.kernels import offline
     from mla_backends.kernels.mha_prefill import _mha_fwd_kernel
+    from mla_backends.kernels.tuning import mha_config
 
     t, cfg = TL_DTYPES[dtype], mha_config(DTYPES[dtype])
     ints = "stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh"

@@ -116,17 +116,16 @@ def test_bad_yaml_fails_naming_file_key_and_allowed(
 
 
 def test_backend_that_cannot_run_fails_at_load(tmp_path: Path) -> None:
-    from mla_backends.backends.base import MLABackend
+    from mla_backends.backends.base import BackendCaps, MLABackend
     from mla_backends.backends.registry import _REGISTRY, register_backend
 
     @register_backend("only_page_64_test")
     class Page64(MLABackend):  # a backend declaring page 64 only, bf16 only
         name = "only_page_64_test"
-        page_sizes = (64,)
-        kv_dtypes = ("bfloat16",)
+        caps = BackendCaps(page_sizes=(64,), kv_dtypes=("bfloat16",))
 
-        def init_forward_metadata(self, batch):  # type: ignore[no-untyped-def]
-            pass
+        def _build_metadata(self, batch):  # type: ignore[no-untyped-def]
+            return None
 
         def _attend_absorbed(self, *a):  # type: ignore[no-untyped-def]
             raise AssertionError

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla_backends.fi_schedule import (
+from mla_backends.fi_planner import (
     check_schedule,
     decode_workspace,
     int_workspace_bytes,

@@ -228,9 +228,9 @@ def test_gpu_decode_metadata_host_time_under_100us(name: str) -> None:
 def test_flashinfer_host_lengths_equal_the_torch_indptrs() -> None:
     """The planner's host inputs (numpy, from the batch's CPU copies) equal the shared torch
     builders' indptrs, including an empty request and a page-boundary length."""
+    from mla_backends.arith import cumsum_indptr
     from mla_backends.backends.flashinfer_mla import host_lengths
     from mla_backends.batch import ForwardBatch, ForwardMode
-    from mla_backends.indices import cumsum_indptr
 
     for mode, prefix, ext in (
         (ForwardMode.TARGET_VERIFY, [5, 0, 126, 64], [2, 2, 2, 2]),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mla_backends.config import DEEPSEEK_V3, MLADims
-from mla_backends.reference import absorb_q, absorbed, merge_states, mha, mha_expanded, project_v
+from mla_backends.merge import merge_states
+from mla_backends.reference import absorb_q, absorbed, mha, mha_expanded, project_v
 
 
 def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:

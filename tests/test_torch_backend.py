@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from mla_backends.backends.util import joined_query
 from mla_backends.batch import ForwardMode
 from mla_backends.testing import (
     Case,
@@ -124,18 +125,17 @@ def test_fp8_never_dequantizes_the_whole_pool(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_joined_query_is_a_zero_copy_view_only_for_adjacent_halves() -> None:
-    from mla_backends.backends.base import MLABackend
 
     buf = torch.randn(5, 16, 576)
     qn, qr = buf[..., :512], buf[..., 512:]
-    j = MLABackend.joined_query(qn, qr)
+    j = joined_query(qn, qr)
     assert j.data_ptr() == buf.data_ptr() and torch.equal(j, buf)
     a, b = qn.contiguous(), qr.contiguous()
-    j2 = MLABackend.joined_query(a, b)
+    j2 = joined_query(a, b)
     assert torch.equal(j2, buf) and j2.data_ptr() != a.data_ptr()
     swapped = torch.randn(5, 16, 576)  # right pointers, wrong layout: must copy
     assert torch.equal(
-        MLABackend.joined_query(swapped[..., :512], buf[..., 512:]),
+        joined_query(swapped[..., :512], buf[..., 512:]),
         torch.cat([swapped[..., :512], buf[..., 512:]], -1),
     )
     _check(Case(mode=ForwardMode.TARGET_VERIFY, q_len=2, kv_lens=(2, 30, 70), joined_query=True))

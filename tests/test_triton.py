@@ -91,9 +91,9 @@ def test_interpreter_strided_query_views() -> None:
 @pytest.mark.parametrize("splits", [2, 4])
 def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""
-    import mla_backends.backends.triton_backend as tb
+    from mla_backends.kernels import tuning
 
-    monkeypatch.setattr(tb, "choose_num_splits", lambda *a, **k: splits)
+    monkeypatch.setattr(tuning, "choose_num_splits", lambda *a, **k: splits)
     for mode, q in [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 2)]:
         case = Case(
             "triton",
@@ -228,7 +228,7 @@ def test_fp32_mha_prefill_config_compiles_for_sm90() -> None:
 def test_mha_route_keeps_fp32_off_cudnn() -> None:
     """torch's cuDNN attention op reads every dtype but bf16 as fp16: an fp32 prefill with
     LSE must take our kernel (it gave NaN in out and LSE on the H100 through cuDNN)."""
-    from mla_backends.backends.triton_backend import mha_route
+    from mla_backends.kernels.tuning import mha_route
 
     for dt in (torch.float16, torch.bfloat16):
         assert mha_route(dt, True, True, True, True) == "cudnn"
@@ -389,17 +389,16 @@ def test_gpu_mha_prefill_with_lse_through_cudnn(
 ) -> None:
     """LSE asked and q_len == kv_len: cuDNN with compute_log_sumexp, out and LSE against the
     fp64 reference (an empty request included); it must really take that route."""
-    from mla_backends.backends.triton_backend import TritonBackend
+    from mla_backends.kernels import torch_prefill
 
     calls = []
-    route = TritonBackend._torch_prefill
+    route = torch_prefill.torch_mha_prefill
 
     def counted(*a):  # type: ignore[no-untyped-def]
-        res = route(*a)
+        route(*a)
         calls.append(a[-1] is not None)  # only when cuDNN returned (a failure falls back)
-        return res
 
-    monkeypatch.setattr(TritonBackend, "_torch_prefill", counted)
+    monkeypatch.setattr(torch_prefill, "torch_mha_prefill", counted)
     lens = [1, 300, 0, 77, 128]
     for dtype in ("bfloat16", "float16"):
         r = run_mha_case("triton", lens, lens, causal, dtype, 16, device="cuda")

@@ -1,26 +1,53 @@
-"""The backend contract. The model calls `forward_absorbed` / `forward_mha` and nothing else.
+"""The backend contract for MLA kernels (the verbs themselves: `protocol.AttentionBackend`).
 
-Per forward batch: `init_forward_metadata(batch)` once, then every layer reuses it.
-CUDA graphs: `init_cuda_graph_state(max_bs, max_num_tokens)` allocates static buffers once;
-`init_forward_metadata_capture(batch)` binds slices of them; `init_forward_metadata_replay(
-batch)` refills them in place. Padded rows carry `cuda_graph_seq_len_fill_value`.
+The verbs:
+- `init_forward_metadata(batch)` once per forward batch; every layer reuses what it built;
+- per layer: `forward_absorbed` (decode, target-verify, extend over a cached prefix),
+  `forward_mha` (MHA-mode prefill), `store_kv` (the latent rows of an MHA-mode prefill) and
+  `load_prefix` (a chunked prefill's cached prefix);
+- CUDA graphs: `init_cuda_graph_state(max_bs, max_num_tokens)` allocates static buffers once,
+  `init_forward_metadata_capture(batch)` binds slices of them, `init_forward_metadata_replay(
+  batch)` refills them in place; padded rows carry `cuda_graph_seq_len_fill_value`;
+- request lifecycle: `reset_requests(rows)`, `accept(num_accepted)` (no-ops for MLA: the pool
+  and allocator hold everything; hybrid models keep recurrent state).
+
+`MLABackend` implements the verbs once (validation, the batch check, the store, the empty-row
+contract) and leaves each kernel library three hooks: `_build_metadata`, `_attend_absorbed`
+and, for MHA-mode prefill, `_attend_mha`. `GraphCapable` adds the graph hooks over one
+graph-state dataclass per backend. docs/NEW_BACKEND.md lists what an author writes.
 """
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.checks import check_tensor
-from mla_backends.config import Config, MLADims
+from mla_backends.config import KV_DTYPES, PAGE_SIZES, Config, MLADims
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 
 ROLES = ("decode", "prefill")
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    """What a backend declares, checked against a config by `MLABackend.supports` before any
+    machine-specific check (`_machine_reason`). Tests build their parity table from it."""
+
+    page_sizes: tuple[int, ...] = PAGE_SIZES
+    kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES)
+    roles: tuple[str, ...] = ROLES  # "prefill": MHA-mode prefill and absorbed extend
+    graphs: bool = False  # decode / verify under CUDA graphs
+    lse: bool = True  # forward_absorbed(return_lse=True) works
+    # Runs compiled on a CPU; "auto" on a CPU prefers such a backend to one that runs there
+    # only interpreted (Triton's interpreter, a test tool).
+    cpu_native: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,37 +91,19 @@ class BackendContext:
         return self.kv_pool.device
 
 
-class MLABackend(ABC):
-    """One attention backend. Subclasses implement `_attend_absorbed` (and `_attend_mha` if
-    they do MHA-mode prefill); inputs are validated and new rows stored here, once."""
+M = TypeVar("M")  # a backend's metadata dataclass
+S = TypeVar("S")  # a backend's CUDA-graph state dataclass
+
+
+class MLABackend(ABC, Generic[M]):
+    """One MLA attention backend over the paged latent pool.
+
+    Subclasses declare `name` and `caps`, may refuse a machine in `_machine_reason`, and
+    implement `_build_metadata` (per batch, once) and `_attend_absorbed` (and `_attend_mha`
+    for MHA-mode prefill). Validation, the batch check and the store happen here, once."""
 
     name: ClassVar[str]
-    page_sizes: ClassVar[tuple[int, ...]] = (1, 16, 32, 64, 128)
-    kv_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-    roles: ClassVar[tuple[str, ...]] = ROLES
-    supports_graphs: ClassVar[bool] = False
-    provides_lse: ClassVar[bool] = True  # False: forward_absorbed(return_lse=True) raises
-    # True: runs compiled on a CPU; "auto" on a CPU prefers such a backend to one that runs
-    # there only interpreted (Triton's interpreter, a test tool).
-    cpu_native: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        """Every backend's `init_forward_metadata` first runs `check_batch`, so a batch naming
-        request rows never allocated, or reading past what a row stored, fails with a named
-        error before any index is built from it (an index past the stored tokens reads stale
-        or dummy slots, or out of bounds in a kernel)."""
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("init_forward_metadata")
-        if init is None or getattr(init, "checks_batch", False):
-            return
-
-        @functools.wraps(init)
-        def checked(self: MLABackend, batch: ForwardBatch) -> None:
-            self.check_batch(batch)
-            init(self, batch)
-
-        checked.checks_batch = True  # type: ignore[attr-defined]
-        cls.init_forward_metadata = checked  # type: ignore[method-assign]
+    caps: ClassVar[BackendCaps] = BackendCaps()
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -103,36 +112,54 @@ class MLABackend(ABC):
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.device = ctx.device
         self.scale = ctx.dims.softmax_scale
+        self.metadata: M | None = None
         self._checked_batch: ForwardBatch | None = None
 
     # ------------------------------------------------------------------ capability
     @classmethod
     def supports(cls, config: Config, cap: Capability, role: str) -> str | None:
         """None if this backend can serve `role` for `config` on `cap`, else the reason."""
-        if role not in cls.roles:
-            return f"{cls.name} has no {role} path (it serves: {', '.join(cls.roles)})"
-        if config.page_size not in cls.page_sizes:
-            return f"{cls.name} needs page_size in {cls.page_sizes}, config has {config.page_size}"
-        if config.kv_dtype not in cls.kv_dtypes:
-            return f"{cls.name} needs kv_dtype in {cls.kv_dtypes}, config has {config.kv_dtype!r}"
-        return cls._supports_extra(config, cap, role)
+        c = cls.caps
+        if role not in c.roles:
+            return f"{cls.name} has no {role} path (it serves: {', '.join(c.roles)})"
+        if config.page_size not in c.page_sizes:
+            return f"{cls.name} needs page_size in {c.page_sizes}, config has {config.page_size}"
+        if config.kv_dtype not in c.kv_dtypes:
+            return f"{cls.name} needs kv_dtype in {c.kv_dtypes}, config has {config.kv_dtype!r}"
+        return cls._machine_reason(config, cap)
 
     @classmethod
-    def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
+    def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
+        """Why this machine (packages, SM version) or config cannot run the kernels, or None."""
         return None
 
-    # ------------------------------------------------------------------ metadata
-    @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Build everything the attention calls of this batch need, once."""
+    @property
+    def supports_graphs(self) -> bool:
+        return self.caps.graphs
 
-    # ------------------------------------------------------------------ checks
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Check the batch against the request table, then build everything the attention
+        calls of this batch need, once (`_build_metadata`)."""
+        self.check_batch(batch)
+        self.metadata = self._build_metadata(batch)
+
+    @abstractmethod
+    def _build_metadata(self, batch: ForwardBatch) -> M | None:
+        """This batch's metadata; None when the backend needs none for it."""
+
     def check_batch(self, batch: ForwardBatch) -> None:
         """RequestRowError if the batch names a request row never allocated or reads past
-        what a row stored (`ReqToTokenPool.check_batch`); once per batch object, host only."""
+        what a row stored (`ReqToTokenPool.check_batch`): an index past the stored tokens
+        reads stale or dummy slots. Once per batch object, host only."""
         if batch is not self._checked_batch:
             self.ctx.req_to_token_pool.check_batch(batch)
             self._checked_batch = batch
+
+    def _require_metadata(self) -> M:
+        if self.metadata is None:
+            raise RuntimeError(f"{self.name}: init_forward_metadata was not called for this batch")
+        return self.metadata
 
     # ------------------------------------------------------------------ attention
     def forward_absorbed(
@@ -144,7 +171,7 @@ class MLABackend(ABC):
         k_rope: torch.Tensor | None,
         batch: ForwardBatch,
         return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Any:  # precise types: AttentionBackend's overloads
         """Absorbed latent attention (decode, target-verify, extend over a cached prefix).
 
         q_nope [T, H, L] (already multiplied by w_kc), q_rope [T, H, R]; the new rows
@@ -155,87 +182,18 @@ class MLABackend(ABC):
         self.pool.warn_if_uncalibrated(layer)
         self.check_batch(batch)
         d, t = self.dims, batch.num_tokens
-        act = (torch.float32, torch.bfloat16, torch.float16)
-        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), act, self.device)
+        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), ACT_DTYPES, self.device)
         check_tensor(
             "q_rope", q_rope, (t, d.num_heads, d.qk_rope_head_dim), q_nope.dtype, self.device
         )
+        if return_lse and not self.caps.lse:
+            raise NotImplementedError(f"backend {self.name!r} returns no LSE")
         if (k_nope is None) != (k_rope is None):
             raise ValueError("k_nope and k_rope must both be given or both be None")
         if k_nope is not None and k_rope is not None:
             self.store_kv(layer, batch.out_cache_loc, k_nope, k_rope)
         out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch, return_lse)
         return (out, lse) if return_lse else out
-
-    def effective_query(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query values the kernel really attends with: identity unless the kernel takes
-        q in FP8 (TRT-LLM with an FP8 pool). References use this to check such kernels."""
-        return q_nope, q_rope
-
-    @property
-    def quantizes_query(self) -> bool:
-        return False
-
-    @staticmethod
-    def joined_query(q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
-        """[T, H, L + R] query for kernels that take it whole (FlashMLA). Zero-copy when the
-        caller passed q_nope / q_rope as the two column ranges of one [T, H, L + R] buffer
-        (what a model writing both projections into one buffer gets); otherwise a copy."""
-        lat = q_nope.shape[-1]
-        if (
-            q_rope.data_ptr() == q_nope.data_ptr() + lat * q_nope.element_size()
-            and q_nope.stride() == q_rope.stride()
-            and q_nope.stride(-1) == 1
-            and q_nope.stride(1) == lat + q_rope.shape[-1]
-            and q_nope.stride(0) == q_nope.shape[1] * q_nope.stride(1)
-        ):
-            return q_nope.as_strided((*q_nope.shape[:2], q_nope.stride(1)), q_nope.stride())
-        return torch.cat([q_nope, q_rope], dim=-1)
-
-    def prefix_rows(
-        self, layer: int, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, RaggedLayout]:
-        """The cached prefix of every request in an EXTEND batch, dequantized:
-        (latent [N, L] fp32, k_rope [N, R] fp32, layout: q = new tokens, kv = prefix rows).
-        For chunked-prefix MHA prefill, where the prefix is expanded through kv_b_proj and
-        merged with the new tokens' causal part by LSE. Sizes from the CPU copies: no sync."""
-        from mla_backends.indices import build_token_indices
-
-        layer = self.pool.check_layer(layer)
-        self.check_batch(batch)
-        pre_cpu = batch.extend_prefix_lens_cpu
-        _, slots = build_token_indices(
-            self.req_to_token, batch.req_pool_indices, batch.extend_prefix_lens, int(pre_cpu.sum())
-        )
-        rows = self.pool.load_rows(layer, slots)
-        lat = self.dims.kv_lora_rank
-        layout = RaggedLayout.from_lens(
-            batch.extend_seq_lens_cpu.tolist(), pre_cpu.tolist(), self.device
-        )
-        return rows[:, :lat], rows[:, lat:], layout
-
-    @staticmethod
-    def mask_empty_rows(
-        out: torch.Tensor, lse: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Contract for zero-length KV rows: out 0, lse -inf, whatever a kernel wrote there.
-        Decided on the host from the CPU lengths, so batches without such rows (all decode
-        steps, every padded graph batch) pay nothing."""
-        if not bool((batch.seq_lens_cpu == 0).any()):
-            return out, lse
-        empty = (batch.seq_lens == 0).repeat_interleave(
-            batch.extend_seq_lens.long(), output_size=batch.num_tokens
-        )
-        out = out.masked_fill(empty[:, None, None], 0.0)
-        return out, None if lse is None else lse.masked_fill(empty[:, None], float("-inf"))
-
-    def store_kv(
-        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
-    ) -> None:
-        """Write the new latent rows; backends with a fused store kernel override this."""
-        self.pool.set_mla_kv_buffer(layer, loc, k_nope, k_rope)
 
     @abstractmethod
     def _attend_absorbed(
@@ -244,9 +202,10 @@ class MLABackend(ABC):
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         batch: ForwardBatch,
-        need_lse: bool = True,
+        need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(out [T, H, L], lse [T, H] fp32) over the cached rows, bottom-right causal."""
+        """(out [T, H, L], lse [T, H] fp32 or None) over the cached rows, bottom-right causal;
+        rows of requests with no keys give out 0 / lse -inf (`util.mask_empty_rows`)."""
 
     def forward_mha(
         self,
@@ -256,19 +215,21 @@ class MLABackend(ABC):
         layout: RaggedLayout,
         causal: bool = True,
         return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Any:  # precise types: AttentionBackend's overloads
         """MHA-mode prefill over ragged requests: q [Tq, H, P+R], k [Tk, H, P+R], v [Tk, H, V]
-        -> out [Tq, H, V] (and lse [Tq, H] fp32, natural log). Causal is bottom-right."""
+        -> out [Tq, H, V] (and lse [Tq, H] fp32, natural log). Causal is bottom-right; rows
+        of requests with no keys give out 0 / lse -inf."""
         d = self.dims
         h, dqk = d.num_heads, d.qk_head_dim
-        act = (torch.float32, torch.bfloat16, torch.float16)
-        check_tensor("q", q, (layout.num_q, h, dqk), act, self.device)
+        check_tensor("q", q, (layout.num_q, h, dqk), ACT_DTYPES, self.device)
         check_tensor("k", k, (layout.num_kv, h, dqk), q.dtype, self.device)
         check_tensor("v", v, (layout.num_kv, h, d.v_head_dim), q.dtype, self.device)
         out, lse = self._attend_mha(q, k, v, layout, causal, return_lse)
-        if return_lse and lse is None:
+        if not return_lse:
+            return out
+        if lse is None:
             raise RuntimeError(f"backend {self.name!r} returned no LSE although it was asked")
-        return (out, lse) if return_lse else out
+        return out, lse
 
     def _attend_mha(
         self,
@@ -284,6 +245,22 @@ class MLABackend(ABC):
             f"backend {self.name!r} has no MHA-mode prefill; set prefill_backend to one that has"
         )
 
+    def store_kv(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        """Write the new latent rows; backends with a fused store kernel override this."""
+        self.pool.set_mla_kv_buffer(layer, loc, k_nope, k_rope)
+
+    def load_prefix(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached prefix of every request of an EXTEND batch, dequantized: latent [N, L]
+        and k_rope [N, R] fp32, in `batch.prefix_layout`'s kv order (chunked-prefix MHA
+        prefill expands them through kv_b_proj). Slots are built once per batch."""
+        layer = self.pool.check_layer(layer)
+        self.check_batch(batch)
+        rows = self.pool.load_rows(layer, batch.prefix_slots(self.req_to_token))
+        lat = self.dims.kv_lora_rank
+        return rows[:, :lat], rows[:, lat:]
+
     # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
@@ -298,3 +275,48 @@ class MLABackend(ABC):
     def cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len written into padded graph rows (request row 0, dummy page)."""
         return 1
+
+    # ------------------------------------------------------------------ requests
+    def reset_requests(self, rows: Sequence[int]) -> None:
+        """New requests: nothing to reset (their KV lives in pages the allocator hands out)."""
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """After TARGET_VERIFY: nothing to keep (the engine truncates rejected KV slots)."""
+
+
+class GraphCapable(MLABackend[M], Generic[M, S]):
+    """CUDA-graph hooks over one static-state dataclass `S`, allocated once for the largest
+    batch (`_new_graph_state`). Capture binds slices of it (`_bind_graph`, capture=True);
+    replay refills the same buffers in place (capture=False): pointers never move."""
+
+    caps: ClassVar[BackendCaps] = BackendCaps(graphs=True)
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._graph: S | None = None
+
+    @abstractmethod
+    def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> S:
+        """Static buffers for batches up to `max_bs` requests / `max_num_tokens` tokens."""
+
+    @abstractmethod
+    def _bind_graph(self, batch: ForwardBatch, state: S, capture: bool) -> M:
+        """Metadata over `state`'s buffers for `batch` (a static batch of the graph runner):
+        at capture, the views the graph will read; at replay, the same views refilled."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph = self._new_graph_state(max_bs, max_num_tokens)
+
+    @property
+    def graph_state(self) -> S:
+        if self._graph is None:
+            raise RuntimeError(
+                f"{self.name}: CUDA-graph state not allocated; call init_cuda_graph_state first"
+            )
+        return self._graph
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.metadata = self._bind_graph(batch, self.graph_state, capture=True)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self.metadata = self._bind_graph(batch, self.graph_state, capture=False)

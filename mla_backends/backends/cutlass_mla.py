@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mla_backends.backends.base import BackendContext, Capability
+from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
@@ -22,6 +22,7 @@ from mla_backends.backends.kernel_packages import (
 )
 from mla_backends.backends.paged_table import PageTableBackend
 from mla_backends.backends.registry import register_backend
+from mla_backends.backends.util import mask_empty_rows
 from mla_backends.batch import ForwardBatch
 from mla_backends.config import Config
 
@@ -38,13 +39,17 @@ def load_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., int]]:
 @register_backend("cutlass_mla")
 class CutlassMLABackend(PageTableBackend):
     name = "cutlass_mla"
-    page_sizes = (128,)
     # sglang-kernel 0.4.3 asserts fp16/bf16 ("TODO: support fp8"): FP8 pools are refused.
-    kv_dtypes = ("bfloat16", "float16")
-    provides_lse = False
+    caps = BackendCaps(
+        page_sizes=(128,),
+        kv_dtypes=("bfloat16", "float16"),
+        roles=("decode",),
+        graphs=True,
+        lse=False,
+    )
 
     @classmethod
-    def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
+    def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
         d = config.model
         return (
             missing("sgl_kernel")
@@ -74,7 +79,7 @@ class CutlassMLABackend(PageTableBackend):
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         batch: ForwardBatch,
-        need_lse: bool = True,
+        need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if need_lse:
             raise NotImplementedError("cutlass_mla returns no LSE (sgl_kernel 0.4.3)")
@@ -94,4 +99,4 @@ class CutlassMLABackend(PageTableBackend):
         out = self._decode(
             q_nope, q_rope, kv, seq_lens, table, self._workspace, self.scale, NUM_KV_SPLITS
         )
-        return self.mask_empty_rows(out, None, batch)[0], None
+        return mask_empty_rows(out, None, batch)[0], None

@@ -1,7 +1,11 @@
 """Per-phase routing: EXTEND batches go to the prefill backend, DECODE / TARGET_VERIFY to the
-decode backend. The model sees one backend either way and never branches on names."""
+decode backend. The model sees one `AttentionBackend` either way and never branches on names.
+Both backends wrap the same pool, so rows one stores the other reads."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -9,64 +13,69 @@ from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 
 
-class DispatchBackend(MLABackend):
-    name = "dispatch"
-
-    def __init__(self, prefill: MLABackend, decode: MLABackend) -> None:
-        super().__init__(decode.ctx)
+class DispatchBackend:
+    def __init__(self, prefill: MLABackend[Any], decode: MLABackend[Any]) -> None:
+        if prefill.pool is not decode.pool:
+            raise ValueError("prefill and decode backends must share one KV pool")
         self.prefill, self.decode = prefill, decode
-        self._active: MLABackend = decode
+        self._active: MLABackend[Any] = decode
 
     @property
-    def supports_graphs(self) -> bool:  # type: ignore[override]
-        return self.decode.supports_graphs
+    def name(self) -> str:
+        return f"dispatch(prefill={self.prefill.name}, decode={self.decode.name})"
 
-    def _route(self, batch: ForwardBatch) -> MLABackend:
-        return self.decode if batch.mode.is_decode_or_verify else self.prefill
+    @property
+    def supports_graphs(self) -> bool:
+        return self.decode.supports_graphs  # only decode / verify batches are captured
 
+    @property
+    def metadata(self) -> object:
+        """The active side's metadata (what the graph runner's pointer check inspects)."""
+        return self._active.metadata
+
+    # ------------------------------------------------------------------ per batch
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self._active = self._route(batch)
+        self._active = self.decode if batch.mode.is_decode_or_verify else self.prefill
         self._active.init_forward_metadata(batch)
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        self._active.check_batch(batch)
+
+    # ------------------------------------------------------------------ per layer
+    def forward_absorbed(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        k_nope: torch.Tensor | None,
+        k_rope: torch.Tensor | None,
+        batch: ForwardBatch,
+        return_lse: bool = False,
+    ) -> Any:  # precise types: AttentionBackend's overloads
+        return self._active.forward_absorbed(
+            layer, q_nope, q_rope, k_nope, k_rope, batch, return_lse
+        )
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool = True,
+        return_lse: bool = False,
+    ) -> Any:  # precise types: AttentionBackend's overloads
+        return self.prefill.forward_mha(q, k, v, layout, causal, return_lse)
 
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
     ) -> None:
         self._active.store_kv(layer, loc, k_nope, k_rope)
 
-    def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._active._attend_absorbed(layer, q_nope, q_rope, batch, need_lse)
+    def load_prefix(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.prefill.load_prefix(layer, batch)
 
-    def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.prefill._attend_mha(q, k, v, layout, causal, need_lse)
-
-    @property
-    def provides_lse(self) -> bool:  # type: ignore[override]
-        return self._active.provides_lse
-
-    def effective_query(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._active.effective_query(q_nope, q_rope)
-
-    @property
-    def quantizes_query(self) -> bool:
-        return self._active.quantizes_query
-
+    # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
 
@@ -81,3 +90,10 @@ class DispatchBackend(MLABackend):
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode.cuda_graph_seq_len_fill_value
+
+    # ------------------------------------------------------------------ requests
+    def reset_requests(self, rows: Sequence[int]) -> None:
+        """MLA keeps no per-request state beyond the pool."""
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """MLA keeps no per-request state beyond the pool."""

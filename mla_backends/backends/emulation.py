@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.reference import causal_mask, softmax_with_lse
 
 
@@ -37,7 +38,7 @@ def _attend_paged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: q [n, H, 576] (fp32), kv [pages, page, 576], table [W] -> out, lse."""
     page = kv.shape[1]
-    n_pages = -(-seq_len // page)
+    n_pages = cdiv(seq_len, page)
     rows = kv[table[:n_pages].long()].reshape(-1, kv.shape[-1])[:seq_len].float()
     scores = torch.einsum("nhd,sd->hns", q, rows) * bmm1
     probs, lse = softmax_with_lse(scores, causal_mask(q.shape[0], seq_len, q.device))

@@ -8,8 +8,10 @@ both sides once per batch; the full side is any MLA backend chosen in YAML.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -24,6 +26,17 @@ KINDS = ("full", "linear")
 class LayerSlot:
     kind: str  # "full" | "linear"
     index: int  # index of the layer in its kind's pool
+
+
+@dataclass(frozen=True)
+class LinearLayerState:
+    """What a linear-attention layer reads and writes besides its recurrence (which goes
+    through `HybridBackend.forward_linear`): its short-conv state `[max_requests + 1, C, W - 1]`
+    (row 0 the padding dummy; a view into the state pool) and, in TARGET_VERIFY, where to put
+    the windows it convolved so `accept` keeps each request's accepted one."""
+
+    conv: torch.Tensor
+    stage_verify_conv: Callable[[torch.Tensor], None]  # windows [B, C, W - 1 + T]
 
 
 def layer_map(kinds: Sequence[str]) -> dict[int, LayerSlot]:
@@ -45,8 +58,11 @@ def ratio_kinds(num_layers: int, linear_per_full: int) -> list[str]:
 
 
 class HybridBackend:
+    """The `AttentionBackend` of a hybrid model: full layers to an MLA backend, linear layers
+    to the linear-attention backend (`forward_linear`, `linear_state`)."""
+
     def __init__(
-        self, full: MLABackend, linear: LinearAttentionBackend, kinds: Sequence[str]
+        self, full: MLABackend[Any], linear: LinearAttentionBackend, kinds: Sequence[str]
     ) -> None:
         self.full, self.linear = full, linear
         self.layers = layer_map(kinds)
@@ -68,7 +84,7 @@ class HybridBackend:
     @property
     def metadata(self) -> object:
         """The full side's metadata (what the graph runner's pointer check inspects)."""
-        return getattr(self.full, "metadata", None)
+        return self.full.metadata
 
     def _slot(self, layer_id: int, kind: str) -> int:
         slot = self.layers.get(layer_id)
@@ -77,19 +93,23 @@ class HybridBackend:
             raise ValueError(f"layer {layer_id} is {got!r}, called as a {kind!r} layer")
         return slot.index
 
+    # ------------------------------------------------------------------ requests
     def accept(self, num_accepted: torch.Tensor) -> None:
         """After TARGET_VERIFY: linear states advance to each request's last accepted draft
         token (the MLA side needs nothing: rejected KV slots are truncated by the caller)."""
         self.linear.accept(num_accepted)
 
-    def reset_requests(self, rows: list[int]) -> None:
+    def reset_requests(self, rows: Sequence[int]) -> None:
         """New requests start from zero recurrent and conv state."""
-        self.linear.pool.reset(rows)
+        self.linear.pool.reset(list(rows))
 
     # ------------------------------------------------------------------ per batch
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.full.init_forward_metadata(batch)
         self.linear.init_forward_metadata(batch)
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        self.full.check_batch(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.full.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -108,16 +128,18 @@ class HybridBackend:
         return self.full.cuda_graph_seq_len_fill_value
 
     # ------------------------------------------------------------------ per layer
-    def check_batch(self, batch: ForwardBatch) -> None:
-        self.full.check_batch(batch)
-
-    def forward_absorbed(self, layer_id: int, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return self.full.forward_absorbed(self._slot(layer_id, "full"), *args, **kwargs)
-
-    def store_kv(
-        self, layer_id: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
-    ) -> None:
-        self.full.store_kv(self._slot(layer_id, "full"), loc, k_nope, k_rope)
+    def forward_absorbed(
+        self,
+        layer_id: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        k_nope: torch.Tensor | None,
+        k_rope: torch.Tensor | None,
+        batch: ForwardBatch,
+        return_lse: bool = False,
+    ) -> Any:  # precise types: AttentionBackend's overloads
+        layer = self._slot(layer_id, "full")
+        return self.full.forward_absorbed(layer, q_nope, q_rope, k_nope, k_rope, batch, return_lse)
 
     def forward_mha(
         self,
@@ -127,8 +149,16 @@ class HybridBackend:
         layout: RaggedLayout,
         causal: bool = True,
         return_lse: bool = False,
-    ):  # type: ignore[no-untyped-def]
+    ) -> Any:  # precise types: AttentionBackend's overloads
         return self.full.forward_mha(q, k, v, layout, causal, return_lse)
+
+    def store_kv(
+        self, layer_id: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        self.full.store_kv(self._slot(layer_id, "full"), loc, k_nope, k_rope)
+
+    def load_prefix(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.full.load_prefix(self._slot(layer_id, "full"), batch)
 
     def forward_linear(
         self,
@@ -140,3 +170,10 @@ class HybridBackend:
         beta: torch.Tensor,
     ) -> torch.Tensor:
         return self.linear.forward(self._slot(layer_id, "linear"), q, k, v, g, beta)
+
+    def linear_state(self, layer_id: int) -> LinearLayerState:
+        """The layer's conv state and verify staging (no attribute of the pool is reached
+        into by the model: the layer gets exactly its own slice)."""
+        layer = self._slot(layer_id, "linear")
+        stage = partial(self.linear.stage_verify_conv, layer)
+        return LinearLayerState(self.linear.pool.conv[layer], stage)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from mla_backends.config import Config
 
 # name -> module that defines (and registers) it; order is the preference order for "auto"
-# (on a CPU, backends that run there compiled come first: `MLABackend.cpu_native`).
+# (on a CPU, backends that run there compiled come first: `BackendCaps.cpu_native`).
 _MODULES: dict[str, str] = {
     "flashmla": "mla_backends.backends.flashmla",
     "flashinfer_mla": "mla_backends.backends.flashinfer_mla",
@@ -86,7 +86,7 @@ def resolve_backends(config: Config, where: str = "<config>") -> Config:
         if name == "auto":
             ok = [n for n in available_backends() if why_not(n, config, cap, role) is None]
             if cap.device_type == "cpu":
-                ok.sort(key=lambda n: not get_backend_class(n).cpu_native)
+                ok.sort(key=lambda n: not get_backend_class(n).caps.cpu_native)
             if not ok:
                 raise ConfigError(f"{where}: {key}=auto: no backend can run on {cap.describe()}")
             chosen[key] = ok[0]

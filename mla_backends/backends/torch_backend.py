@@ -7,14 +7,15 @@ the batch uses are read and dequantized, never the whole pool), so shapes depend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from mla_backends.backends.base import MLABackend
+from mla_backends.arith import cumsum_indptr
+from mla_backends.backends.base import BackendCaps, GraphCapable
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
-from mla_backends.indices import cumsum_indptr, segment_ids
+from mla_backends.indices import segment_ids
 from mla_backends.reference import absorbed, mha, softmax_with_lse
 
 
@@ -47,48 +48,41 @@ def build_torch_metadata(
     return TorchMetadata(token_b, token_j, kv_slots, s[None, :] < seq, visible, q_max, kv_max)
 
 
-@register_backend("torch")
-class TorchBackend(MLABackend):
-    name = "torch"
-    supports_graphs = True
-    cpu_native = True
+@dataclass
+class TorchGraphState:
+    kv_max: int  # host: the longest context a graph may see (req_to_token's width)
+    # per captured (batch, q_len): the metadata tensors that graph reads, refilled on replay
+    captured: dict[tuple[int, int], TorchMetadata] = field(default_factory=dict)
 
-    def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(ctx)
-        self.metadata: TorchMetadata | None = None
-        self._graphs: dict[tuple[int, int], TorchMetadata] = {}
+
+@register_backend("torch")
+class TorchBackend(GraphCapable[TorchMetadata, TorchGraphState]):
+    name = "torch"
+    caps = BackendCaps(graphs=True, cpu_native=True)
 
     # ------------------------------------------------------------------ metadata
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def _build_metadata(self, batch: ForwardBatch) -> TorchMetadata | None:
         if batch.mode is ForwardMode.EXTEND:
-            self.metadata = None  # the ragged path reads the batch's CPU lengths directly
-            return
-        q_max = int(batch.extend_seq_lens_cpu.max()) if batch.batch_size else 0
-        kv_max = int(batch.seq_lens_cpu.max()) if batch.batch_size else 0
-        self.metadata = build_torch_metadata(self.req_to_token, batch, q_max, kv_max)
+            return None  # the ragged path reads the batch's CPU lengths directly
+        return build_torch_metadata(self.req_to_token, batch, batch.max_q_len, batch.max_kv_len)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._max_bs, self._max_tokens = max_bs, max_num_tokens
-        self._graph_kv_max = self.req_to_token.shape[1]
+    def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> TorchGraphState:
+        return TorchGraphState(kv_max=self.req_to_token.shape[1])
 
-    def _graph_metadata(self, batch: ForwardBatch) -> TorchMetadata:
-        q_max = max(batch.num_draft_tokens, 1)
-        return build_torch_metadata(self.req_to_token, batch, q_max, self._graph_kv_max)
-
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        # Static storage per captured (batch, q_len): the tensors built here are the ones
-        # that graph reads; replay copies new contents into them.
+    def _bind_graph(
+        self, batch: ForwardBatch, state: TorchGraphState, capture: bool
+    ) -> TorchMetadata:
         key = (batch.batch_size, max(batch.num_draft_tokens, 1))
-        self._graphs[key] = self.metadata = self._graph_metadata(batch)
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        key = (batch.batch_size, max(batch.num_draft_tokens, 1))
-        if key not in self._graphs:
+        new = build_torch_metadata(self.req_to_token, batch, key[1], state.kv_max)
+        if capture:  # the tensors built now are the ones the graph reads
+            state.captured[key] = new
+            return new
+        static = state.captured.get(key)
+        if static is None:
             raise RuntimeError(f"no graph captured for (batch, q_len) = {key}")
-        new, static = self._graph_metadata(batch), self._graphs[key]
         for name in ("token_b", "token_j", "kv_slots", "kv_valid", "visible"):
             getattr(static, name).copy_(getattr(new, name))
-        self.metadata = static
+        return static
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(
@@ -97,13 +91,11 @@ class TorchBackend(MLABackend):
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         batch: ForwardBatch,
-        need_lse: bool = True,
+        need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if batch.mode is ForwardMode.EXTEND:
             return self._attend_absorbed_ragged(layer, q_nope, q_rope, batch)
-        md = self.metadata
-        if md is None:
-            raise RuntimeError("init_forward_metadata was not called for this batch")
+        md = self._require_metadata()
         b, lat = md.kv_slots.shape[0], self.dims.kv_lora_rank
         kv = self.pool.load_rows(layer, md.kv_slots)  # [B, S, D] fp32, only the rows used
         # Hazard: rows past a request's length may be NaN (stale or poisoned); a masked score

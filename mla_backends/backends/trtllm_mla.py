@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mla_backends.backends.base import BackendContext, Capability
+from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
@@ -23,8 +23,10 @@ from mla_backends.backends.kernel_packages import (
 )
 from mla_backends.backends.paged_table import PageTableBackend
 from mla_backends.backends.registry import register_backend
+from mla_backends.backends.util import joined_query, mask_empty_rows
 from mla_backends.batch import ForwardBatch
 from mla_backends.config import Config
+from mla_backends.pool import FP8_MAX
 
 WORKSPACE_BYTES = 128 << 20
 
@@ -37,11 +39,15 @@ def load_kernel() -> Callable[..., object]:
 @register_backend("trtllm_mla")
 class TrtllmMLABackend(PageTableBackend):
     name = "trtllm_mla"
-    page_sizes = (32, 64)
-    kv_dtypes = ("bfloat16", "float8_e4m3fn")
+    caps = BackendCaps(
+        page_sizes=(32, 64),
+        kv_dtypes=("bfloat16", "float8_e4m3fn"),
+        roles=("decode",),
+        graphs=True,
+    )
 
     @classmethod
-    def _supports_extra(cls, config: Config, cap: Capability, role: str) -> str | None:
+    def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
         return (
             missing("flashinfer")
             or need_sm(cap, "TRT-LLM MLA", ((10, 0), (10, 3)))
@@ -54,18 +60,39 @@ class TrtllmMLABackend(PageTableBackend):
         self._decode = load_kernel()
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
 
+    # FP8 pools: the kernel takes q in the KV dtype, quantized per tensor on the device (no
+    # host sync); references check it against the query it really attends with.
+    def quantized_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 pools: (q in the KV dtype, q_scale [] fp32 on the device)."""
+        if not self.pool.is_fp8:
+            return q, torch.ones((), dtype=torch.float32, device=q.device)
+        q_scale = q.abs().amax().float().clamp_min(1e-12) / FP8_MAX
+        return (q.float() / q_scale).to(self.pool.dtype), q_scale
+
+    @property
+    def quantizes_query(self) -> bool:
+        return self.pool.is_fp8
+
+    def effective_query(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query values the kernel attends with (`paged_table.QueryQuantizer`)."""
+        q8, q_scale = self.quantized_query(joined_query(q_nope, q_rope))
+        q = q8.float() * q_scale
+        return q[..., : self.dims.kv_lora_rank], q[..., self.dims.kv_lora_rank :]
+
     def _attend_absorbed(
         self,
         layer: int,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         batch: ForwardBatch,
-        need_lse: bool = True,
+        need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         md = self._require_metadata()
         t, h, lat = q_nope.shape
         b = batch.batch_size
-        q, q_scale = self.quantized_query(self.joined_query(q_nope, q_rope))
+        q, q_scale = self.quantized_query(joined_query(q_nope, q_rope))
         kv_scale = self.pool.scales[layer]
         res = self._decode(
             query=q.view(b, md.q_len, h, -1),
@@ -83,4 +110,4 @@ class TrtllmMLABackend(PageTableBackend):
             return_lse_base="basee",
         )
         out, lse = res if need_lse else (res, None)
-        return self.mask_empty_rows(out.reshape(t, h, lat).to(q_nope.dtype), lse, batch)
+        return mask_empty_rows(out.reshape(t, h, lat).to(q_nope.dtype), lse, batch)

@@ -13,17 +13,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Host-side arithmetic in plain Python: triton.cdiv / triton.next_power_of_2 are
-# ConstexprFunctions in Triton 3.6, a few microseconds per call on the per-batch path.
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= max(n, 1)."""
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     # Hazard: tl.dot on fp32 defaults to tf32 on GPUs (1e-3 error); fp32 means ieee here.
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.fi_schedule import CTA_TILE_Q, MAX_WORKS
-from mla_backends.kernels.common import cdiv, next_pow2
+from mla_backends.arith import cdiv, next_pow2
+from mla_backends.fi_planner import CTA_TILE_Q, MAX_WORKS
 from mla_backends.kernels.index import BLOCK as PAGE_BLOCK
 from mla_backends.kernels.index import flat_pages_block
 
@@ -275,7 +275,7 @@ def _fi_mla_metadata_kernel(
 
 def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:
     """Query tiles per request the kernel loops over (a power of two)."""
-    return next_pow2(max(-(-max_q_len * num_heads // (CTA_TILE_Q * cluster)), 1))
+    return next_pow2(max(cdiv(max_q_len * num_heads, (CTA_TILE_Q * cluster)), 1))
 
 
 def work_bound(n_req: int, max_q_len: int, num_heads: int, cluster: int, n_clusters: int) -> int:

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.kernels.common import cdiv, next_pow2
+from mla_backends.arith import cdiv, cumsum_indptr, next_pow2
 
 BLOCK = 128
 
@@ -185,8 +185,6 @@ def _segments(
     indptr_out: torch.Tensor | None,
     indices_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from mla_backends.indices import cumsum_indptr
-
     indptr = cumsum_indptr(lens.to(torch.int32), indptr_out)
     out = (
         indices_out
@@ -231,7 +229,7 @@ def page_indices(
     indptr_out: torch.Tensor | None = None,
     indices_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n_pages = (seq_lens + (page_size - 1)) // page_size
+    n_pages = cdiv(seq_lens, page_size)
     return _segments(
         req_to_token, rows, n_pages, total_pages, max_pages, page_size, indptr_out, indices_out
     )

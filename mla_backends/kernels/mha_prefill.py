@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.kernels.common import cdiv, next_pow2
+from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.mla_attention import _online_softmax
 
 LOG2E = 1.4426950408889634

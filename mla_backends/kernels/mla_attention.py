@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mla_backends.kernels.common import cdiv, interpreting
+from mla_backends.arith import cdiv
+from mla_backends.kernels.common import interpreting
 
 logger = logging.getLogger(__name__)
 

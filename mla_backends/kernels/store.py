@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.kernels.common import interpreting, next_pow2
+from mla_backends.arith import next_pow2
+from mla_backends.kernels.common import interpreting
 
 
 @triton.jit

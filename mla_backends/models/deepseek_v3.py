@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_backends.backends.base import MLABackend
-from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
+from mla_backends.backends.protocol import AttentionBackend
+from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.merge import merge_states
 
@@ -249,7 +249,7 @@ class MLAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        backend: MLABackend,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
         h, p, lat = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
@@ -262,7 +262,7 @@ class MLAttention(nn.Module):
         if batch.mode is ForwardMode.EXTEND and not batch.has_prefix:
             backend.store_kv(self.layer_id, batch.out_cache_loc, c_kv, k_pe)
             k, v = self._expand(c_kv, k_pe)
-            out = backend.forward_mha(torch.cat([q_nope, q_pe], -1), k, v, batch.extend_layout())
+            out = backend.forward_mha(torch.cat([q_nope, q_pe], -1), k, v, batch.extend_layout)
         elif batch.mode is ForwardMode.EXTEND and self._long_prefix(batch):
             out = self._chunked_prefix(torch.cat([q_nope, q_pe], -1), c_kv, k_pe, batch, backend)
         else:
@@ -293,18 +293,16 @@ class MLAttention(nn.Module):
         c_kv: torch.Tensor,
         k_pe: torch.Tensor,
         batch: ForwardBatch,
-        backend: MLABackend,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         """MHA over the cached prefix (no mask) and over the new tokens (causal), merged by
         log-sum-exp; requests without a prefix contribute an empty part (lse -inf)."""
-        latent, rope, prefix_layout = backend.prefix_rows(self.layer_id, batch)
+        latent, rope = backend.load_prefix(self.layer_id, batch)
         k, v = self._expand(latent.to(q.dtype), rope.to(q.dtype))
-        o1, lse1 = backend.forward_mha(q, k, v, prefix_layout, causal=False, return_lse=True)
+        o1, lse1 = backend.forward_mha(q, k, v, batch.prefix_layout, causal=False, return_lse=True)
         backend.store_kv(self.layer_id, batch.out_cache_loc, c_kv, k_pe)
         k, v = self._expand(c_kv, k_pe)
-        n = batch.extend_seq_lens_cpu.tolist()
-        new_layout = RaggedLayout.from_lens(n, n, q.device)
-        o2, lse2 = backend.forward_mha(q, k, v, new_layout, causal=True, return_lse=True)
+        o2, lse2 = backend.forward_mha(q, k, v, batch.new_layout, causal=True, return_lse=True)
         return merge_states(o1, lse1, o2, lse2)[0]
 
 
@@ -325,7 +323,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        backend: MLABackend,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -353,7 +351,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, backend: MLABackend
+        self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         """input_ids [T] (the batch's new tokens, request-major) -> logits [T, vocab] fp32.
         The caller has built `backend`'s metadata for `batch` (once, for every layer)."""

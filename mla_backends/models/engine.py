@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.runtime import Runtime
@@ -15,21 +16,27 @@ from mla_backends.runtime import Runtime
 class Engine:
     """`backend` defaults to the runtime's; a hybrid model passes its HybridBackend."""
 
-    def __init__(self, model: torch.nn.Module, runtime: Runtime, backend: object = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, runtime: Runtime, backend: AttentionBackend | None = None
+    ) -> None:
         self.model, self.rt = model, runtime
         self.backend = runtime.backend if backend is None else backend
         self.device = runtime.kv_pool.device
         self.runner: CudaGraphRunner | None = None
         self._drafts: int | None = None  # draft tokens per request of the last verify step
 
-    def enable_graphs(self, batch_sizes: Sequence[int], use_graphs: bool = True) -> None:
+    def enable_graphs(
+        self, batch_sizes: Sequence[int] | None = None, use_graphs: bool = True
+    ) -> None:
         """Capture decode steps of the whole model (every layer, the LM head) once per batch
-        size; `decode` then replays the smallest captured size that fits, padded."""
+        size (default: the config's `cuda_graph_batch_sizes`); `decode` then replays the
+        smallest captured size that fits, padded."""
+        sizes = self.rt.config.cuda_graph_batch_sizes if batch_sizes is None else batch_sizes
         runner = CudaGraphRunner(
-            self.backend,  # type: ignore[arg-type]
+            self.backend,
             lambda batch, inputs: self.model(inputs["ids"], batch, self.backend),
             {"ids": InputSpec((), torch.long)},
-            batch_sizes,
+            sizes,
             device=self.device,
             use_graphs=use_graphs,
         )
@@ -38,9 +45,7 @@ class Engine:
 
     def new_requests(self, n: int) -> list[int]:
         rows = self.rt.req_pool.alloc(n)
-        reset = getattr(self.backend, "reset_requests", None)
-        if reset is not None:  # recurrent state starts from zero for a new request
-            reset(rows)
+        self.backend.reset_requests(rows)  # recurrent state starts from zero (hybrid models)
         return rows
 
     def free(self, row: int) -> None:
@@ -86,6 +91,4 @@ class Engine:
         self._drafts = None
         for r, a in zip(rows, accepted):
             self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - drafts + a)
-        accept = getattr(self.backend, "accept", None)
-        if accept is not None:
-            accept(torch.tensor(list(accepted), dtype=torch.long).to(self.device))
+        self.backend.accept(torch.tensor(list(accepted), dtype=torch.long).to(self.device))

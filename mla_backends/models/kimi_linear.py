@@ -113,13 +113,12 @@ class KDALayer(nn.Module):
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, backend: HybridBackend) -> torch.Tensor:
         """Short conv over each request's tokens, continuing from / updating its conv state."""
-        pool = backend.linear.pool
-        layer = backend.layers[self.layer_id].index
+        st = backend.linear_state(self.layer_id)
         if batch.mode is ForwardMode.TARGET_VERIFY:  # T drafts each, the state kept aside
             b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
             rows = batch.req_pool_indices.long()
-            win = torch.cat([pool.conv[layer][rows].to(x.dtype), x.view(b, t, -1).mT], dim=2)
-            backend.linear.stage_verify_conv(layer, win)  # [B, C, W - 1 + T]
+            win = torch.cat([st.conv[rows].to(x.dtype), x.view(b, t, -1).mT], dim=2)
+            st.stage_verify_conv(win)  # [B, C, W - 1 + T]
             out = F.silu(
                 (
                     win.unfold(2, self.conv_weight.shape[1], 1)
@@ -129,14 +128,14 @@ class KDALayer(nn.Module):
             return out.mT.reshape(b * t, -1)
         if batch.mode is ForwardMode.DECODE:  # all requests at once: no host loop, capturable
             rows = batch.req_pool_indices.long()
-            out, state = short_conv_step(x, self.conv_weight, pool.conv[layer][rows])
-            pool.conv[layer][rows] = state  # padded rows all write slot 0, the dummy
+            out, state = short_conv_step(x, self.conv_weight, st.conv[rows])
+            st.conv[rows] = state  # padded rows all write slot 0, the dummy
             return out
         out = torch.empty_like(x)
         start = 0
         for row, n in zip(batch.req_pool_indices.tolist(), batch.extend_seq_lens_cpu.tolist()):
-            out[start : start + n], pool.conv[layer, row] = short_conv(
-                x[start : start + n], self.conv_weight, pool.conv[layer, row]
+            out[start : start + n], st.conv[row] = short_conv(
+                x[start : start + n], self.conv_weight, st.conv[row]
             )
             start += n
         return out

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 BLOCK = 128
@@ -58,7 +59,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
     """w [out, in] float8 with scale_inv [ceil(out / 128), ceil(in / 128)] -> fp32."""
     rows, cols = w.shape
-    want = (-(-rows // BLOCK), -(-cols // BLOCK))
+    want = (cdiv(rows, BLOCK), cdiv(cols, BLOCK))
     if tuple(scale_inv.shape) != want:
         raise CheckpointError(
             f"{name}_scale_inv: shape {list(scale_inv.shape)}, expected "

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendContext
+from mla_backends.backends.reference_backend import ReferenceBackend
 from mla_backends.backends.registry import resolve_backends
 from mla_backends.cli import UsageError, add_config_argument, existing_dir, int_at_least
 from mla_backends.config import Config, load_config
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import load_model
-from mla_backends.reference import ReferenceBackend
 from mla_backends.runtime import Runtime
 
 # Largest relative logit difference from the fp64-reference-attention run, per dtype.
@@ -94,7 +95,7 @@ def max_requests(config: Config, max_new: int) -> int:
     n, pages = 0, 0
     while n < config.max_requests:
         total = prompt_lengths(n + 1)[-1] + max_new - 1
-        pages += -(-total // config.page_size)
+        pages += cdiv(total, config.page_size)
         if total > config.max_context_len or pages > config.num_pages:
             break
         n += 1

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mla_backends.arith import cdiv
+
 CTA_TILE_Q = 64
 MAX_WORKS = 16384  # flashinfer 0.7.2: `max_total_num_works`, the size of every work array
 
@@ -28,11 +30,11 @@ def cluster_size(qo_lens: np.ndarray, num_heads: int) -> int:
 
 
 def kv_len_limit(total_kv: int, num_clusters: int) -> int:
-    x = max(-(-total_kv // num_clusters), 1)
+    x = max(cdiv(total_kv, num_clusters), 1)
     for bound, limit in ((8, 32), (16, 64), (32, 128), (64, 192)):
         if x <= bound:
             return limit
-    return -(-x // 256) * 256
+    return cdiv(x, 256) * 256
 
 
 @dataclass
@@ -54,7 +56,7 @@ def _tile_keys(
 ) -> int:
     if not causal or t + 1 == n_tiles:
         return kv_len
-    return max(min(kv_len - qo_len + -(-((t + 1) * tile_q) // heads), kv_len), 0)
+    return max(min(kv_len - qo_len + cdiv(((t + 1) * tile_q), heads), kv_len), 0)
 
 
 def plan_reference(
@@ -67,14 +69,14 @@ def plan_reference(
 ) -> Schedule:
     """flashinfer 0.7.2's MLAPlan, line for line (greedy min-heap assignment)."""
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
-    pages = -(-kv_lens.astype(np.int64) // page_size)
+    pages = cdiv(kv_lens.astype(np.int64), page_size)
     kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
     cs = cluster_size(qo_lens, num_heads)
     n_clusters = num_sm // cs
     tile_q = cs * CTA_TILE_Q
     total = 0
     for q, kv in zip(qo_lens.tolist(), kv_lens.tolist()):
-        n_tiles = -(-q * num_heads // tile_q)
+        n_tiles = cdiv(q * num_heads, tile_q)
         total += sum(
             _tile_keys(q, kv, t, n_tiles, tile_q, num_heads, causal) for t in range(n_tiles)
         )
@@ -88,14 +90,14 @@ def plan_reference(
     partial_nnz = 0
     for i, (q, kv) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist())):
         packed = q * num_heads
-        n_tiles = -(-packed // tile_q)
+        n_tiles = cdiv(packed, tile_q)
         for t in range(n_tiles - 1, -1, -1):
             rem = _tile_keys(q, kv, t, n_tiles, tile_q, num_heads, causal)
             split = rem > limit
             rts = min(tile_q, packed - t * tile_q)
             if split:
                 n_chunks = max(rem * cs // limit, 1)
-                rcs = -(-rts // n_chunks)
+                rcs = cdiv(rts, n_chunks)
                 base = int(qo_indptr[i]) * num_heads + t * tile_q
                 for off in range(0, rts, rcs):
                     merges.append(
@@ -103,7 +105,7 @@ def plan_reference(
                             base + off,
                             base + min(off + rcs, rts),
                             partial_nnz + off,
-                            partial_nnz + -(-rem // limit) * rts,
+                            partial_nnz + cdiv(rem, limit) * rts,
                             rts,
                         )
                     )
@@ -223,7 +225,7 @@ def check_schedule(
     assert len(flat) <= MAX_WORKS, f"{len(flat)} work items > {MAX_WORKS}"
     assert len(s.merges) <= num_sm, f"{len(s.merges)} merge entries > {num_sm} SMs"
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
-    kv_indptr = np.concatenate([[0], np.cumsum(-(-kv_lens // page_size))])
+    kv_indptr = np.concatenate([[0], np.cumsum(cdiv(kv_lens, page_size))])
     by_tile: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     for w in flat:
         by_tile.setdefault((w[0], w[5]), []).append(w)
@@ -236,7 +238,7 @@ def check_schedule(
     n_tiles_total = 0
     for i, (q, kv) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist())):
         packed = q * num_heads
-        n_tiles = -(-packed // tile_q)
+        n_tiles = cdiv(packed, tile_q)
         for t in range(n_tiles):
             n_tiles_total += 1
             items = sorted(by_tile.get((int(qo_indptr[i]), t * tile_q), []), key=lambda w: w[6])
@@ -278,9 +280,9 @@ def synthetic_info(cluster: int, num_sm: int, head_dim_o: int = 512) -> list[int
     for name in INFO_FIELDS[2:16]:
         info.append(off)
         n = num_sm if name in MERGE_FIELDS else MAX_WORKS
-        off += -(-n * 4 // 16) * 16
+        off += cdiv(n * 4, 16) * 16
     rows = 2 * (num_sm // cluster) * cluster * CTA_TILE_Q
-    info += [0, -(-rows * 2 * head_dim_o // 16) * 16]
+    info += [0, cdiv(rows * 2 * head_dim_o, 16) * 16]
     return info
 
 

@@ -1,0 +1,126 @@
+"""Launch policy of our Triton kernels on a GPU: block sizes, tiles, warps, stages, KV
+splits and the MHA-prefill route. Numbers come from the H200 / H100 probes
+(`scripts/tune_triton.py`) and offline SM90 compiles (`kernels/offline.py`); BENCHMARKS.md
+holds the measurements behind each comment."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool) -> int:
+    """Query rows (token, head) per program of the absorbed kernel, for `rows` per request."""
+    if rows <= 16 or dot_dtype == torch.float32:
+        # fp32 dots are FMA loops, not tensor-core MMAs: 32- and 64-row blocks spilled 8-16 KB
+        # a thread on SM90 (offline compile), 16 rows none.
+        return 16
+    # H16 q_len 2: half a Gluon block measured 0.88x FlashMLA, the 32-row Triton
+    # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
+    return 32 if rows <= 32 and not gluon else 64
+
+
+@functools.cache  # per attention call on the decode path: look it up, do not recompute
+def launch_config(
+    block_m: int,
+    page_size: int,
+    batch_size: int,
+    num_splits: int,
+    dot_dtype: torch.dtype,
+    gluon: bool,
+    width: int,
+    smem_limit: int | None,
+) -> dict[str, int | bool]:
+    """Tiles, warps and stages of the absorbed kernel on a GPU whose blocks may take
+    `smem_limit` bytes of shared memory (None: no limit known), for rows `width` (L + R)
+    wide. From the H200 probes (scripts/tune_triton.py).
+    `tma` asks for TMA tiles where the page size allows them (whole tiles inside one page,
+    `mla_attention.tma_ok`). The dict is shared between calls: read it, never change it."""
+    cfg: dict[str, int | bool]
+    if dot_dtype == torch.float32:
+        # Operands are 4 bytes and the dots FMA loops: 64-key tiles beside a 64-row query
+        # needed 442 KB with TMA (the H100 allows 227 KB). 16 x 16 tiles: 75 KB, no spills.
+        cfg = {"block_n": 16, "num_warps": 4, "num_stages": 2, "tma": False}
+    elif block_m >= 64:
+        # The Gluon kernel where it can run (SM90, bf16 / fp16, page % 64 == 0); else
+        # TMA stages beside the [64, 576] query: two 64-key stages fit in 227 KB, three
+        # do not. TMA: 0.46x FlashMLA at H128 B64, gather 0.42x.
+        if page_size % 64 == 0:
+            cfg = {"block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True, "gluon": gluon}
+        else:
+            cfg = {"block_n": 64, "num_warps": 8, "num_stages": 3, "tma": False}
+    elif block_m == 32:  # TMA spilled here (64-186 spills): gather 0.62x, TMA 0.45-0.52x
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": False}
+    elif page_size % 32 == 0 and batch_size >= 32 and num_splits <= 2:
+        # H16 B256 kv1024 (1 split): TMA 32-key tiles 0.90-0.92x FlashMLA, gather 0.84x;
+        # B128 kv8192 (2 splits): 0.85x both. At 4+ splits (B64 and below) TMA measured
+        # 0.59-0.61x against the gather's 0.84-0.87x, and small eager batches cannot hide
+        # the two tensor maps each TMA launch encodes on the host (B1: 84 us vs 27 us).
+        cfg = {"block_n": 32, "num_warps": 4, "num_stages": 4, "tma": True}
+    else:
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "tma": False}
+    return _fit_smem(cfg, block_m, width, dot_dtype.itemsize, smem_limit)
+
+
+def _fit_smem(
+    cfg: dict[str, int | bool], block_m: int, width: int, elem: int, limit: int | None
+) -> dict[str, int | bool]:
+    """Fewer TMA stages, then narrower key tiles, until the kernel's shared memory
+    (`mla_attention.smem_bytes`) fits `limit`. The Gluon kernel sizes its own."""
+    from mla_backends.kernels.mla_attention import smem_bytes
+
+    bn, stages, tma = int(cfg["block_n"]), int(cfg["num_stages"]), bool(cfg["tma"])
+    while limit is not None and smem_bytes(block_m, bn, stages, tma, width, elem) > limit:
+        if tma and stages > 1:
+            stages -= 1
+        elif bn > 16:
+            bn //= 2
+        else:
+            need = smem_bytes(block_m, bn, stages, tma, width, elem)
+            raise ValueError(
+                f"triton MLA kernel: {block_m} x {bn} tiles of {width}-wide rows need {need} "
+                f"bytes of shared memory, this GPU allows {limit}"
+            )
+    return {**cfg, "block_n": bn, "num_stages": stages}
+
+
+def mha_config(dot_dtype: torch.dtype) -> dict[str, int]:
+    """Tiles, warps and stages of the MHA prefill kernel (`mha_prefill`) on a GPU."""
+    if dot_dtype == torch.float32:
+        # FMA dots: 128 x 64 tiles spilled 13.9 KB a thread on SM90, 16 x 16 none
+        # (scripts/compile_triton_sm90.py float32 mha).
+        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def mha_route(
+    dtype: torch.dtype, on_gpu: bool, sdpa_fits: bool, need_lse: bool, cudnn_lse: bool
+) -> str:
+    """Which kernel runs an MHA-mode prefill: "sdpa" (torch, no LSE), "cudnn" (torch's cuDNN
+    attention with LSE) or "triton" (ours). `sdpa_fits`: torch's top-left causal rule equals
+    ours (every request has as many queries as keys)."""
+    if on_gpu and sdpa_fits and not need_lse:
+        return "sdpa"
+    # Hazard: torch's cuDNN attention op runs any dtype but bf16 as fp16 (MHA.cpp sets the
+    # graph's io type HALF unless bf16; only SDPA's dispatcher checks dtypes, and we call the
+    # op directly): fp32 q / k / v were read as fp16 bit patterns, NaN in out and LSE.
+    if on_gpu and sdpa_fits and cudnn_lse and dtype in (torch.float16, torch.bfloat16):
+        return "cudnn"
+    return "triton"
+
+
+def choose_num_splits(
+    programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = 16
+) -> int:
+    """Split KV until the grid covers the GPU `waves` times (2 when bandwidth-bound, 1 when
+    compute-bound), keeping >= 256 keys per split. A power of two (the merge kernel's
+    arange needs one). Measured on H200 (BENCHMARKS.md, launch-config sweep)."""
+    want = max(1, round(waves * sms / max(programs, 1)))
+    want = min(want, max(1, max_kv_len // 256), max_splits)
+    return 1 << (want.bit_length() - 1)
+
+
+# The interpreter (CPU tests) wants tiny tiles: every tile is a numpy loop there.
+INTERP_DECODE = {"block_n": 16, "num_warps": 4, "num_stages": 1, "tma": False}
+INTERP_MHA = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
