@@ -305,9 +305,7 @@ def bind(
     device = runner.token_to_kv_pool.kv_buffer[0].device
     cap = (capability or detect_capability)(device)
     dims = model_dims(mc, num_heads)
-    config = choose_roles(
-        sgl_name, decode, settings_config(runner, dims, decode, decode, device), cap
-    )
+    config = choose_roles(sgl_name, decode, runner_config(runner, dims, decode, device), cap)
     model = getattr(runner, "model", None)
     if model is not None and hasattr(model, "modules"):
         check_kv_scales(m for m in model.modules() if hasattr(m, "k_scale_float"))
