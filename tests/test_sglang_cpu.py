@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,6 +55,10 @@ NAMES = (
     "mlab_triton",
     "mlab_torch",
 )
+TRITON_CPU = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="triton on CPU needs TRITON_INTERPRET=1"
+)
+BACKENDS = ["mlab_torch", pytest.param("mlab_triton", marks=TRITON_CPU)]
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
 CPU = {"device": "cpu"}
 DSV3_KIT = {**CPU, **ks.DSV3, "hidden_size": 256, "dtype": torch.bfloat16}
@@ -491,7 +496,7 @@ def _absorbed_reference(
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend", ["mlab_torch", "mlab_triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", ["split", "joined"])
 def test_absorbed_call_shapes_store_and_attend(backend: str, shape: str) -> None:
     """DeepSeek's two absorbed call shapes with the new rows given (save_kv_cache=True): our
@@ -527,7 +532,7 @@ def test_absorbed_call_shapes_store_and_attend(backend: str, shape: str) -> None
     torch.testing.assert_close(out.view(t, d.num_heads, -1).double(), want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("backend", ["mlab_torch", "mlab_triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mha_prefill_and_chunked_prefix_with_lse(backend: str) -> None:
     """The MHA-mode layer (head_dim P + R, H KV heads, strided v): causal over the new tokens,
     then non-causal against prefix chunks with LSE asked, as DeepSeek's MHA_CHUNKED_KV does.
@@ -658,7 +663,14 @@ def test_kit_eagle_verify_mlab_torch() -> None:
 
 
 DSV3_CASES = [
-    (be, p, c, fp8)
+    pytest.param(
+        be,
+        p,
+        c,
+        fp8,
+        marks=TRITON_CPU if be == "mlab_triton" else (),
+        id=(f"{c.name}-{be}-{'fp8' if fp8 else 'bf16'}"),
+    )
     for be, pages in (("mlab_torch", (16, 64)), ("mlab_triton", (64,)))
     for p in pages
     for c in ks.page_edge_cases(be, 4, p)
@@ -667,17 +679,13 @@ DSV3_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("backend", "page", "case", "fp8"),
-    DSV3_CASES,
-    ids=[f"{c.name}-{be}-{'fp8' if f else 'bf16'}" for be, _, c, f in DSV3_CASES],
-)
+@pytest.mark.parametrize(("backend", "page", "case", "fp8"), DSV3_CASES)
 def test_kit_dsv3_shapes(backend: str, page: int, case: Any, fp8: bool) -> None:
     """kv_lora_rank 512, rope 64 (SGLang's own Triton writer runs under the interpreter)."""
     ks.run_case(case, fp8=fp8, max_context_len=ks.max_context(page), **DSV3_KIT)
 
 
-@pytest.mark.parametrize("backend", ["mlab_torch", "mlab_triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kit_cuda_graph_decode_mode_dsv3(backend: str) -> None:
     from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
 
