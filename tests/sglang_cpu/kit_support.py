@@ -191,19 +191,23 @@ class KitCorruptedPool(AssertionError):
 
 
 def run_verify_cuda_graph(case: Any, **kw: Any) -> None:
-    """The kit's eagle-verify CUDA-graph mode (topk 1), with a guard.
+    """The kit's eagle-verify CUDA-graph mode (topk 1), on the kit's contiguous page layout.
 
     Hazard (kit bug, sglang 0.5.17): that mode's first leg runs the fixture's batch, whose
-    request table uses the shuffled page layout, after `prepare_mla_runner_inputs` re-wrote
-    every prefix at the default contiguous layout; for some seeds (the kit seeds from
-    len(case.name)) those writes land on other requests' shuffled prefix rows. Before every
-    forward the guard checks that each request's cached prefix rows are its own, and raises
-    KitCorruptedPool naming the bug instead of reporting a backend mismatch."""
+    request table uses the default `shuffled_pages` layout (each request's pages permuted),
+    after `prepare_mla_runner_inputs` re-wrote every prefix at the contiguous layout: for a
+    request of more than one page those writes land on its other positions' rows, so any
+    backend then reads corrupted prefixes. The fixture is therefore built with
+    `loc_layout="contiguous"` here (the eager cases keep the shuffled layout), and a guard
+    checks before every forward that each request's cached prefix rows are its own, raising
+    KitCorruptedPool (not a backend mismatch) if the kit corrupted them anyway."""
+    import functools
+
     from sglang.test.kits.attention_unittest.runner_modes import (
         speculative_target_verify_runner as tv,
     )
 
-    forward = tv.run_mla_forward
+    forward, build = tv.run_mla_forward, tv.build_mla_attention_fixture
 
     def guarded(fixture: Any, batch: Any, inputs: dict[str, Any]) -> torch.Tensor:
         buf = fixture.runner.token_to_kv_pool.get_key_buffer(0)
@@ -214,16 +218,16 @@ def run_verify_cuda_graph(case: Any, **kw: Any) -> None:
             if not torch.equal(rows, k[:, 0].to(buf.dtype).to(k.dtype)):
                 raise KitCorruptedPool(
                     f"{case.name}: the kit overwrote request {r}'s prefix rows before the "
-                    "forward (its verify CUDA-graph leg re-populates prefixes at the default "
-                    "layout over the shuffled one); pick another case name"
+                    "forward (see run_verify_cuda_graph)"
                 )
         return forward(fixture, batch, inputs)
 
     tv.run_mla_forward = guarded
+    tv.build_mla_attention_fixture = functools.partial(build, loc_layout="contiguous")
     try:
         tv.run_mla_eagle_verify_cuda_graph_case(KitTestCase(), case, topk=1, **kw)
     finally:
-        tv.run_mla_forward = forward
+        tv.run_mla_forward, tv.build_mla_attention_fixture = forward, build
 
 
 def use_torch_kv_writer() -> Callable[[], None]:
