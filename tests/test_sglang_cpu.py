@@ -242,6 +242,25 @@ def test_start_up_check_refuses_with_our_reason(
         sa.check_server_args()
 
 
+def test_start_up_check_refuses_a_model_without_mla(tmp_path: Path, on_h100: Capability) -> None:
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    sa = _server_args(tmp_path, attention_backend="mlab_triton", page_size=16)
+    with pytest.raises(SettingsError, match=r"mlab_triton serves MLA models.*attention is MHA"):
+        sa.check_server_args()
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -162,6 +162,12 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
     if not ours:
         return
     mc = sa.get_model_config()
+    arch = getattr(getattr(mc, "attention_arch", None), "name", None)
+    if arch != "MLA":
+        raise binding.SettingsError(
+            f"--attention-backend {ours[0]} serves MLA models (DeepSeek-V2/V3/R1, Kimi-K2, "
+            f"Kimi-Linear); this model's attention is {arch}"
+        )
     model_dtype = getattr(mc, "dtype", torch.bfloat16)
     if getattr(sa, "device", "cuda") == "cuda" and torch.cuda.is_available():
         device = torch.device("cuda", int(getattr(sa, "base_gpu_id", 0) or 0))

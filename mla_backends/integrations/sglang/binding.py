@@ -143,6 +143,7 @@ def runner_config(runner: Any, dims: MLADims, backend: str, device: torch.device
 def _alternatives(
     name: str, config: Config, cap: Capability, role: str
 ) -> tuple[list[int], list[str]]:
+    """Page sizes and KV dtypes with which our backend would run here, the rest unchanged."""
     pages = [
         p
         for p in PAGE_SIZES
