@@ -402,8 +402,11 @@ def mode_compare(rec: Recorder, args: argparse.Namespace) -> None:
         for h in args.heads:
             for p in pages:
                 kw = kit_kwargs(p, args.device)
+                fp8_reason = factory_reason(ours, p, True, args.device)
+                if fp8_reason:
+                    rec.say(f"INFO {ours} page {p} FP8 KV: refused: {fp8_reason}")
                 for case in ks.page_edge_cases(ours, h, p):
-                    for fp8 in (False, True):
+                    for fp8 in (False, True) if fp8_reason is None else (False,):
                         if fp8 and case.forward_mode.is_target_verify():
                             continue
 
