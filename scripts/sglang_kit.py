@@ -25,7 +25,10 @@ Modes:
   bench    decode batch 64, kv 4096, H 16 and 128, page 64: each backend called the way
            DeepSeek calls it (absorbed, KV stored by the backend) under a CUDA graph;
            replay time and per-step time (metadata + replay); JSON + markdown table.
-  graph    pytest tests/test_sglang_graph.py: our adapter under a real torch.cuda.CUDAGraph.
+  tests    pytest tests/test_sglang_graph.py tests/test_sglang_cpu.py: our adapter under a real
+           torch.cuda.CUDAGraph (capture, padded replays) against the MHA-expanded oracle, both
+           DeepSeek call shapes and MHA / chunked-prefix LSE on the GPU backends, and the CPU
+           tests (registration, refusals, conversion) on this host.
 """
 
 from __future__ import annotations
@@ -620,33 +623,23 @@ def mode_bench(rec: Recorder, args: argparse.Namespace) -> None:
     rec.say(text)
 
 
-# ---------------------------------------------------------------------------------- graph
-def mode_graph(rec: Recorder, args: argparse.Namespace) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-rA",
-        "-p",
-        "no:cacheprovider",
-        "tests/test_sglang_graph.py",
-        "-k",
-        "gpu",
-        f"--junitxml={args.out / 'graph.xml'}",
-    ]
+# ---------------------------------------------------------------------------------- tests
+def mode_tests(rec: Recorder, args: argparse.Namespace) -> None:
+    files = ["tests/test_sglang_graph.py", "tests/test_sglang_cpu.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files]
+    cmd.append(f"--junitxml={args.out / 'tests.xml'}")
     t0 = time.time()
     left = max(int(rec.deadline - time.time()), 30)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
     except subprocess.TimeoutExpired as e:
         rec.say(str(e.stdout or ""))
-        rec.record("pytest tests/test_sglang_graph.py -k gpu", "FAIL", t0, f"timeout after {left}s")
+        rec.record("pytest " + " ".join(files), "FAIL", t0, f"timeout after {left}s")
         return
-    rec.say(proc.stdout[-8000:] + proc.stderr[-2000:])
+    rec.say(proc.stdout[-12000:] + proc.stderr[-2000:])
     tail = [x for x in proc.stdout.splitlines() if " passed" in x or " failed" in x]
     status = "PASS" if proc.returncode == 0 else "FAIL"
-    rec.record("pytest tests/test_sglang_graph.py -k gpu", status, t0, tail[-1] if tail else "")
+    rec.record("pytest " + " ".join(files), status, t0, tail[-1] if tail else "")
 
 
 MODES = {
@@ -654,7 +647,7 @@ MODES = {
     "kit": mode_kit,
     "compare": mode_compare,
     "bench": mode_bench,
-    "graph": mode_graph,
+    "tests": mode_tests,
 }
 
 
@@ -681,7 +674,7 @@ def main() -> int:
     rec = Recorder(args.mode, args.out, args.budget)
     env_lines(rec)
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(args.out / "flashinfer-ws"))
-    if args.mode != "graph":
+    if args.mode != "tests":
         load(rec)
         if args.device == "cpu":  # smoke runs of this script's plumbing on a CPU machine
             from sglang_cpu import kit_support as ks

@@ -315,6 +315,7 @@ def _adapter(
     fp8: bool = False,
     batch: int = 4,
     max_ctx: int = 64,
+    device: str = "cpu",
 ) -> tuple[Any, Any]:
     """(adapter, runner) over the kit's MockMLAModelRunner with dims (H, L, R, P, V)."""
     h, lat, r, p, v = dims
@@ -327,7 +328,7 @@ def _adapter(
         case=case,
         model_config=mc,
         dtype=torch.bfloat16,
-        device="cpu",
+        device=device,
         max_context_len=max_ctx,
         kv_lora_rank=lat,
         qk_rope_head_dim=r,
@@ -362,8 +363,9 @@ def _mha_layer(adapter: Any) -> Any:
 
 
 def _fill_table(runner: Any, page: int, seq_lens: tuple[int, ...], gen: torch.Generator) -> None:
-    """Request i (row i) gets shuffled pages from 1 on; unused rows of the pool are NaN."""
+    """Request i (row i) gets pages 1.. in shuffled order (a non-monotonic table)."""
     r2t = runner.req_to_token_pool.req_to_token
+    table = r2t.cpu()
     pages = torch.randperm(sum(-(-s // page) for s in seq_lens), generator=gen) + 1
     k = 0
     for i, s in enumerate(seq_lens):
@@ -371,7 +373,8 @@ def _fill_table(runner: Any, page: int, seq_lens: tuple[int, ...], gen: torch.Ge
             if pos % page == 0:
                 base = int(pages[k]) * page
                 k += 1
-            r2t[i, pos] = base + pos % page
+            table[i, pos] = base + pos % page
+    r2t.copy_(table)
 
 
 def _extend_batch(
@@ -384,22 +387,23 @@ def _extend_batch(
     seq = tuple(p + n for p, n in zip(prefix, ext))
     _fill_table(runner, page, seq, gen)
     r2t = runner.req_to_token_pool.req_to_token
+    dev = r2t.device
     loc = torch.cat([r2t[i, p:s].long() for i, (p, s) in enumerate(zip(prefix, seq))])
-    pos = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)])
+    pos = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)]).to(dev)
     fb = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=len(seq),
-        input_ids=torch.zeros(sum(ext), dtype=torch.int64),
-        req_pool_indices=torch.arange(len(seq), dtype=torch.int64),
-        seq_lens=torch.tensor(seq, dtype=torch.int64),
+        input_ids=torch.zeros(sum(ext), dtype=torch.int64, device=dev),
+        req_pool_indices=torch.arange(len(seq), dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
         seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
         out_cache_loc=loc,
         seq_lens_sum=sum(seq),
         positions=pos,
     )
-    fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int64)
+    fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int64, device=dev)
     fb.extend_prefix_lens_cpu = list(prefix)
-    fb.extend_seq_lens = torch.tensor(ext, dtype=torch.int64)
+    fb.extend_seq_lens = torch.tensor(ext, dtype=torch.int64, device=dev)
     fb.extend_seq_lens_cpu = list(ext)
     fb.extend_num_tokens = sum(ext)
     return fb
@@ -499,43 +503,64 @@ def test_graph_replay_view_padding(q_len: int) -> None:
 
 # ---------------------------------------------------------------------------------- both shapes
 SMALL = (4, 32, 16, 16, 16)  # H, L, R, P, V: every kernel's power-of-two limits hold
+DSV3_DIMS = (16, 512, 64, 128, 128)
+GPU_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU",
+)
+# (backend, device, page, dims): CPU in CI; the gpu-* ones run our GPU backends through the
+# adapter at DeepSeek-V3 shapes (mlab_flashmla's extend and MHA run on its triton partner).
+SHAPE_SETUPS = [
+    pytest.param("mlab_torch", "cpu", 16, SMALL, id="mlab_torch"),
+    pytest.param("mlab_triton", "cpu", 16, SMALL, marks=TRITON_CPU, id="mlab_triton"),
+    *(
+        pytest.param(be, "cuda", 64, DSV3_DIMS, marks=GPU_ONLY, id=f"gpu-{be}")
+        for be in ("mlab_triton", "mlab_flashinfer", "mlab_flashmla", "mlab_torch")
+    ),
+]
 
 
 def _absorbed_reference(
     runner: Any, fb: Any, q_nope: torch.Tensor, q_rope: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    r2t = runner.req_to_token_pool.req_to_token
+    r2t = runner.req_to_token_pool.req_to_token.cpu()
     lat = q_nope.shape[-1]
     outs, t = [], 0
     for i, (p, n) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-        rows = _rows(runner, r2t[i, : p + n])
-        o, _ = absorbed(q_nope[t : t + n], q_rope[t : t + n], rows[:, :lat], rows[:, lat:], scale)
+        rows = _rows(runner, r2t[i, : p + n]).cpu()
+        q_n, q_r = q_nope[t : t + n].cpu(), q_rope[t : t + n].cpu()
+        o, _ = absorbed(q_n, q_r, rows[:, :lat], rows[:, lat:], scale)
         outs.append(o)
         t += n
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "device", "page", "dims"), SHAPE_SETUPS)
 @pytest.mark.parametrize("shape", ["split", "joined"])
-def test_absorbed_call_shapes_store_and_attend(backend: str, shape: str) -> None:
+def test_absorbed_call_shapes_store_and_attend(
+    backend: str, device: str, page: int, dims: tuple[int, ...], shape: str
+) -> None:
     """DeepSeek's two absorbed call shapes with the new rows given (save_kv_cache=True): our
     store writes them into SGLang's buffer at out_cache_loc, and the output matches the fp64
     absorbed reference over SGLang's pool. `split` (our names are in FORWARD_ABSORB): q_nope
     is a transposed bmm result (strided), q_rope / k_rope come as keyword arguments."""
-    adapter, runner = _adapter(backend, page=16, dims=SMALL)
+    adapter, runner = _adapter(backend, page=page, dims=dims, max_ctx=4 * page, device=device)
     d = adapter.dims
-    fb = _extend_batch(runner, 16, (0, 7, 16), (5, 1, 2), seed=3)
+    fb = _extend_batch(runner, page, (0, 7, page), (5, 1, 2), seed=3)
     t = sum(fb.extend_seq_lens_cpu)
     gen = torch.Generator().manual_seed(4)
-    runner.token_to_kv_pool.kv_buffer[0].fill_(float("nan"))
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    buf.fill_(float("nan"))
     for i, p in enumerate(fb.extend_prefix_lens_cpu):
         prefix_slots = runner.req_to_token_pool.req_to_token[i, :p].long()
-        rows = torch.randn(p, 1, d.kv_dim, generator=gen).bfloat16()
-        runner.token_to_kv_pool.kv_buffer[0][prefix_slots] = rows
-    q_nope = torch.randn(d.num_heads, t, d.kv_lora_rank, generator=gen).bfloat16().transpose(0, 1)
-    q_rope = torch.randn(t, d.num_heads, d.qk_rope_head_dim, generator=gen).bfloat16()
-    k_nope = torch.randn(t, 1, d.kv_lora_rank, generator=gen).bfloat16()
-    k_rope = torch.randn(t, 1, d.qk_rope_head_dim, generator=gen).bfloat16()
+        buf[prefix_slots] = torch.randn(p, 1, d.kv_dim, generator=gen).bfloat16().to(device)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16().to(device)
+
+    q_nope = rnd(d.num_heads, t, d.kv_lora_rank).transpose(0, 1)
+    q_rope = rnd(t, d.num_heads, d.qk_rope_head_dim)
+    k_nope, k_rope = rnd(t, 1, d.kv_lora_rank), rnd(t, 1, d.qk_rope_head_dim)
     layer = _mqa_layer(adapter)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
         adapter.init_forward_metadata(fb)
@@ -548,25 +573,28 @@ def test_absorbed_call_shapes_store_and_attend(backend: str, shape: str) -> None
     assert torch.equal(stored, torch.cat([k_nope, k_rope], -1)[:, 0].float())
     want = _absorbed_reference(runner, fb, q_nope, q_rope, d.softmax_scale)
     atol, rtol, _ = TOLERANCES["bfloat16"]
-    torch.testing.assert_close(out.view(t, d.num_heads, -1).double(), want, atol=atol, rtol=rtol)
+    got = out.view(t, d.num_heads, -1).double().cpu()
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mha_prefill_and_chunked_prefix_with_lse(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "device", "page", "dims"), SHAPE_SETUPS)
+def test_mha_prefill_and_chunked_prefix_with_lse(
+    backend: str, device: str, page: int, dims: tuple[int, ...]
+) -> None:
     """The MHA-mode layer (head_dim P + R, H KV heads, strided v): causal over the new tokens,
     then non-causal against prefix chunks with LSE asked, as DeepSeek's MHA_CHUNKED_KV does.
     Chunk 2 has no rows for two requests: out 0, lse -inf there. LSE is natural log."""
-    adapter, runner = _adapter(backend, page=16, dims=SMALL)
+    adapter, runner = _adapter(backend, page=page, dims=dims, max_ctx=4 * page, device=device)
     d = adapter.dims
     h, dqk, dv = d.num_heads, d.qk_head_dim, d.v_head_dim
     prefix, ext = (0, 5, 9), (3, 2, 4)
-    fb = _extend_batch(runner, 16, prefix, ext, seed=5)
+    fb = _extend_batch(runner, page, prefix, ext, seed=5)
     chunk_lens = torch.tensor([[0, 4, 4], [0, 1, 4], [0, 0, 1]], dtype=torch.int32)
     fb.num_prefix_chunks = 3
     fb.prefix_chunk_seq_lens_cpu = chunk_lens
     cu = torch.zeros(3, 4, dtype=torch.int32)
     cu[:, 1:] = chunk_lens.cumsum(1)
-    fb.prefix_chunk_cu_seq_lens = cu
+    fb.prefix_chunk_cu_seq_lens = cu.to(device)
     t = sum(ext)
     gen = torch.Generator().manual_seed(6)
 
@@ -574,58 +602,47 @@ def test_mha_prefill_and_chunked_prefix_with_lse(backend: str) -> None:
         return torch.randn(*shape, generator=gen).bfloat16()
 
     q = rnd(t, h, dqk)
-    kv = rnd(t, h, dqk - d.qk_rope_head_dim + dv)  # kv_b_proj output: v is a strided view
+    kv = rnd(t, h, d.qk_nope_head_dim + dv)  # kv_b_proj output: v is a strided view
     k = torch.cat([kv[..., : d.qk_nope_head_dim], rnd(t, h, d.qk_rope_head_dim)], -1)
     v = kv[..., d.qk_nope_head_dim :]
     layer = _mha_layer(adapter)
     atol, rtol, lse_tol = TOLERANCES["bfloat16"]
     qo = [0, 3, 5, 9]
+
+    def per_request(kk: torch.Tensor, vv: torch.Tensor, kvp: list[int], causal: bool) -> Any:
+        ref = [
+            mha(
+                q[qo[b] : qo[b + 1]],
+                kk[kvp[b] : kvp[b + 1]],
+                vv[kvp[b] : kvp[b + 1]],
+                d.softmax_scale,
+                causal=causal,
+            )
+            for b in range(3)
+        ]
+        return torch.cat([o for o, _ in ref]), torch.cat([s for _, s in ref])
+
+    dev = torch.device(device)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
         adapter.init_forward_metadata(fb)
         adapter.init_mha_chunk_metadata(fb)
         fb.mha_return_lse = True
         fb.set_attn_attend_prefix_cache(False)
-        out, lse = layer(q, k, v, fb, save_kv_cache=False)
+        out, lse = layer(q.to(dev), k.to(dev), v.to(dev), fb, save_kv_cache=False)
+        want_o, want_l = per_request(k, v, qo, causal=True)
+        torch.testing.assert_close(out.double().cpu(), want_o, atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double().cpu(), want_l, atol=lse_tol, rtol=0)
         for i in range(3):
-            ref = [
-                mha(
-                    q[qo[b] : qo[b + 1]],
-                    k[qo[b] : qo[b + 1]],
-                    v[qo[b] : qo[b + 1]],
-                    d.softmax_scale,
-                )
-                for b in range(3)
-            ]
-            if i == 0:
-                torch.testing.assert_close(
-                    out.double(), torch.cat([o for o, _ in ref]), atol=atol, rtol=rtol
-                )
-                torch.testing.assert_close(
-                    lse.double(), torch.cat([s for _, s in ref]), atol=lse_tol, rtol=0
-                )
             n = int(chunk_lens[i].sum())
             kc, vc = rnd(n, h, dqk), rnd(n, h, dv)
             fb.set_attn_attend_prefix_cache(True)
             fb.set_prefix_chunk_idx(i)
-            oc, lc = layer(q, kc, vc, fb, save_kv_cache=False)
-            kvp = [0, *chunk_lens[i].cumsum(0).tolist()]
-            want = [
-                mha(
-                    q[qo[b] : qo[b + 1]],
-                    kc[kvp[b] : kvp[b + 1]],
-                    vc[kvp[b] : kvp[b + 1]],
-                    d.softmax_scale,
-                    causal=False,
-                )
-                for b in range(3)
-            ]
+            oc, lc = layer(q.to(dev), kc.to(dev), vc.to(dev), fb, save_kv_cache=False)
             assert lc.dtype == torch.float32 and lc.shape == (t, h) and lc.is_contiguous()
-            torch.testing.assert_close(
-                oc.double(), torch.cat([o for o, _ in want]), atol=atol, rtol=rtol
-            )
-            torch.testing.assert_close(
-                lc.double(), torch.cat([s for _, s in want]), atol=lse_tol, rtol=0
-            )
+            want_o, want_l = per_request(kc, vc, [0, *chunk_lens[i].cumsum(0).tolist()], False)
+            torch.testing.assert_close(oc.double().cpu(), want_o, atol=atol, rtol=rtol)
+            torch.testing.assert_close(lc.double().cpu(), want_l, atol=lse_tol, rtol=0)
+    lc = lc.cpu()
     assert torch.isinf(lc[:5]).all() and (lc[:5] < 0).all() and oc[:5].eq(0).all()
     assert math.isfinite(float(lc[5:].max()))
 
