@@ -273,7 +273,9 @@ def test_start_up_check_refuses_a_model_without_mla(tmp_path: Path, on_h100: Cap
 def test_start_up_check_accepts_settings_that_run(
     kw: dict[str, Any], tiny_model: Path, on_h100: Capability
 ) -> None:
-    _server_args(tiny_model, **kw).check_server_args()
+    sa = _server_args(tiny_model, **kw)
+    sa.check_server_args()
+    assert (sa.attention_backend, sa.page_size) == (kw["attention_backend"], kw["page_size"])
 
 
 @pytest.mark.parametrize(

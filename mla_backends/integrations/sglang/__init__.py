@@ -115,7 +115,8 @@ def _register_deepseek(names: dict[str, str]) -> None:
             AttentionBackendRegistry,
         )
         from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
-    except ImportError as e:  # DeepSeek then uses its default routing; both shapes work
+    except Exception as e:  # noqa: BLE001 - e.g. a trimmed install: DeepSeek then uses its
+        # default routing (the triton handler, joined q / k), which the adapter also serves
         logger.warning("mla-backends: DeepSeek attention routing not registered: %s", e)
         return
     for sgl_name in names:
@@ -128,7 +129,7 @@ def _register_deepseek(names: dict[str, str]) -> None:
 def _register_args_check() -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - the factory repeats every check
         logger.warning("mla-backends: no start-up settings check (%s); the factory checks", e)
         return
     HookRegistry.register(CHECK_TARGET, check_server_args_hook, HookType.AFTER)
