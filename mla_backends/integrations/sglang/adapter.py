@@ -175,7 +175,7 @@ class MLABackendAdapter(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """EXTEND, MIXED, TARGET_VERIFY (and DRAFT_EXTEND_V2) batches, both layer shapes."""
+        """EXTEND, MIXED, SPLIT_PREFILL and TARGET_VERIFY batches, both layer shapes."""
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
     def _layer_index(self, layer: Any) -> int:

@@ -33,8 +33,9 @@ def _mode(fb: Any) -> ForwardMode:
         return ForwardMode.DECODE
     if m.is_target_verify():
         return ForwardMode.TARGET_VERIFY
-    if m.is_extend():  # EXTEND, MIXED, DRAFT_EXTEND_V2, SPLIT_PREFILL: ragged new tokens
+    if m.name in ("EXTEND", "MIXED", "SPLIT_PREFILL"):  # ragged new tokens, causal
         return ForwardMode.EXTEND
+    # DRAFT_EXTEND_V2 (a draft model's attention) and DLLM_EXTEND (diffusion, not causal)
     raise BatchError(f"forward mode {m.name} is not served by mla-backends")
 
 
