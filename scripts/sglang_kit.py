@@ -9,8 +9,9 @@ Set-up on the GPU host (offline bundles, see ../shared/sglang/README.md):
 Backends are found the way SGLang finds them: `load_plugins()` through the installed
 `sglang.srt.plugins` entry point (never `register()` by hand). Each mode fits one 10-minute
 call (`--budget`, default 540 s: cases it cannot start in time are recorded as SKIP). Every
-case prints `RESULT <mode> <name> PASS|FAIL|SKIP <seconds> <detail>`; OUT/<mode>.json holds the
-rows (rewritten after each one), OUT/<mode>.log the output.
+case prints `RESULT <mode> <name> PASS|FAIL|SKIP <seconds> <detail>`; the rows go to
+OUT/<mode>[-<backend>][-p<pages>].json (rewritten after each one), the output to the .log of
+that name (bench also writes a markdown table, .md).
 
 Modes:
   entry    entry point and registration, CLI parsing, wrong settings refused with our reason
@@ -84,13 +85,13 @@ TINY_DSV3 = {
 
 
 class Recorder:
-    """RESULT lines on stdout and in OUT/<mode>.log; rows in OUT/<mode>.json after each."""
+    """RESULT lines on stdout and in OUT/<stem>.log; rows in OUT/<stem>.json after each."""
 
-    def __init__(self, mode: str, out: Path, budget: float) -> None:
-        self.mode, self.out = mode, out
+    def __init__(self, mode: str, out: Path, budget: float, stem: str | None = None) -> None:
+        self.mode, self.out, self.stem = mode, out, stem or mode
         self.deadline = time.time() + budget
         self.rows: list[dict[str, Any]] = []
-        self.log = open(out / f"{mode}.log", "a")  # noqa: SIM115 - closed at exit
+        self.log = open(out / f"{self.stem}.log", "a")  # noqa: SIM115 - closed at exit
 
     def say(self, *a: Any) -> None:
         line = " ".join(str(x) for x in a)
@@ -104,7 +105,7 @@ class Recorder:
             {"name": name, "status": status, "seconds": round(dt, 2), "detail": detail, **m}
         )
         self.say(f"RESULT {self.mode:8s} {name:48s} {status:4s} {dt:6.1f}s {detail}".rstrip())
-        (self.out / f"{self.mode}.json").write_text(json.dumps(self.rows, indent=1))
+        (self.out / f"{self.stem}.json").write_text(json.dumps(self.rows, indent=1))
 
     def run(self, name: str, fn: Callable[[], Any], min_left: float = 10.0) -> Any:
         """Run one case: PASS (returns its value), FAIL (any exception, traceback in the log),
@@ -619,7 +620,7 @@ def mode_bench(rec: Recorder, args: argparse.Namespace) -> None:
         + "\n".join(table)
         + "\n"
     )
-    (args.out / "bench.md").write_text(text)
+    (args.out / f"{rec.stem}.md").write_text(text)
     rec.say(text)
 
 
@@ -671,7 +672,12 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "kit" and not args.backend:
         ap.error("kit needs --backend (one SGLang name per call: mlab_triton, mlab_flashmla, ...)")
-    rec = Recorder(args.mode, args.out, args.budget)
+    stem = "-".join(
+        [args.mode]
+        + ([args.backend] if args.backend else [])
+        + (["p" + "_".join(map(str, args.pages))] if args.pages else [])
+    )
+    rec = Recorder(args.mode, args.out, args.budget, stem)
     env_lines(rec)
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(args.out / "flashinfer-ws"))
     if args.mode != "tests":
