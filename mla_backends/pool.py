@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 import struct
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -85,7 +86,11 @@ class MLATokenToKVPool:
         qk_rope_head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        *,
+        buffers: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """`buffers`: wrap an engine's existing per-layer tensors (`[num_slots, D]` views of
+        this dtype and device, last dim contiguous) instead of allocating: no copy, one pool."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES):
             raise ValueError(f"MLATokenToKVPool: unsupported kv dtype {dtype}")
         if num_pages <= 0 or page_size <= 0:
@@ -99,10 +104,19 @@ class MLATokenToKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_slots = (num_pages + 1) * page_size
-        self.kv_buffer = LayerBuffers(
-            torch.zeros(self.num_slots, self.kv_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        )
+        if buffers is None:
+            buffers = [
+                torch.zeros(self.num_slots, self.kv_dim, dtype=dtype, device=self.device)
+                for _ in range(num_layers)
+            ]
+        elif len(buffers) != num_layers:
+            raise ValueError(f"{len(buffers)} buffers given for {num_layers} layers")
+        shape = (self.num_slots, self.kv_dim)
+        for i, buf in enumerate(buffers):
+            check_tensor(f"buffers[{i}]", buf, shape, dtype, self.device)
+            if buf.stride(1) != 1:
+                raise ValueError(f"buffers[{i}]: rows must be contiguous: {buf.stride()}")
+        self.kv_buffer = LayerBuffers(buffers)
         # Scales live on the host (kernels take Python floats) and on the device (kernels that
         # take a tensor, and graph-captured code). They change only via set_scale, never per call.
         self._scales_host = [1.0] * num_layers
@@ -245,13 +259,25 @@ class ReqToTokenPool:
     names a row never allocated, or reads past what a row stored, fails (`check_batch`).
     """
 
-    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        max_requests: int,
+        max_context_len: int,
+        device: torch.device | str,
+        *,
+        table: torch.Tensor | None = None,
+    ) -> None:
+        """`table`: wrap an engine's existing int32 `[max_requests + 1, max_context_len]` table
+        instead of allocating (no copy)."""
         self.size = max_requests
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros(
-            max_requests + 1, max_context_len, dtype=torch.int32, device=self.device
-        )
+        if table is None:
+            table = torch.zeros(
+                max_requests + 1, max_context_len, dtype=torch.int32, device=self.device
+            )
+        check_tensor("table", table, (max_requests + 1, max_context_len), torch.int32, self.device)
+        self.req_to_token = table
         self._free_rows = list(range(max_requests, 0, -1))  # pop() hands out 1, 2, ...
         self._used_rows: set[int] = set()
         # Host arrays indexed by request row; row 0 (padding) counts as allocated and holds

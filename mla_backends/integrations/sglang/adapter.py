@@ -1,0 +1,307 @@
+"""SGLang's `AttentionBackend` over one of our backends (what `--attention-backend mlab_*`
+builds). Imports SGLang; the package's `register()` imports this module only in the factory.
+
+Per batch: SGLang's ForwardBatch is converted to ours once (`batches.py`) and our backend builds
+its metadata once; every layer reuses both. The two DeepSeek layer shapes are told apart by
+the RadixAttention layer: head_dim L + R with one KV head is absorbed attention
+(`forward_absorbed`), head_dim P + R with H KV heads is MHA-mode prefill (`forward_mha`).
+
+CUDA graphs: `init_cuda_graph_state` allocates our static batch buffers and our backend's
+state; `init_forward_metadata_out_graph` (capture and replay, outside the graph) refills
+those buffers with device copies and calls our backend's capture / replay hook, which refills
+its own static buffers the same way, all enqueued on the stream before `graph.replay()`.
+Nothing is left for `init_forward_metadata_in_graph`. No step reads a device value back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
+from mla_backends.integrations.sglang.batches import (
+    BatchError,
+    GraphBuffers,
+    eager_batch,
+    new_token_layout,
+    prefix_chunk_layout,
+)
+from mla_backends.integrations.sglang.binding import SettingsError, bind, check_kv_scales
+
+# Keyword arguments DeepSeek passes only to other backends (TRT-LLM fused rope, DSA top-k,
+# attention sinks); refused rather than silently ignored.
+_UNSUPPORTED_KWARGS = ("cos_sin_cache", "is_neox", "llama_4_scaling", "topk_indices", "sinks")
+
+
+@dataclass
+class AdapterMetadata:
+    """What one SGLang batch becomes: our batch plus the MHA-mode layouts of an EXTEND."""
+
+    batch: ForwardBatch
+    # The KV lengths our kernels read, [B] int32 device (named so SGLang's kit checks them).
+    cache_seqlens_int32: torch.Tensor
+    new_tokens: RaggedLayout | None = None  # MHA-mode prefill over the new tokens
+    chunks: dict[int, RaggedLayout] = field(default_factory=dict)  # chunked-prefix MHA
+
+
+def _flat(out: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [T, H * D] where that is a view. Hazard: a backend that allocates its
+    output like a strided q (SGLang's q_nope is a transposed bmm result) returns [T, H, D]
+    with head-major memory; reshaping would copy it, so it is returned 3-D, which every
+    SGLang caller accepts (they `.view(-1, H, D)` it: DeepSeek, the kit, the piecewise op)."""
+    return out.view(out.shape[0], -1) if out.is_contiguous() else out
+
+
+def _rows(k: torch.Tensor) -> torch.Tensor:
+    """[T, 1, W] (one KV head) or [T, W] -> a [T, W] view, whatever the row stride."""
+    return k[:, 0] if k.dim() == 3 else k
+
+
+class MLABackendAdapter(AttentionBackend):
+    def __init__(self, runner: Any, sgl_name: str, decode: str) -> None:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        if getattr(par, "dcp_enabled", False):
+            raise SettingsError(f"{sgl_name}: decode context parallelism is not supported")
+        sa = getattr(runner, "server_args", None)
+        topk = getattr(sa, "speculative_eagle_topk", None) or 1
+        if topk > 1:
+            raise SettingsError(
+                f"{sgl_name}: --speculative-eagle-topk {topk}: our kernels verify chain drafts "
+                "(causal, no tree mask); use --speculative-eagle-topk 1"
+            )
+        heads = int(runner.model_config.num_attention_heads) // int(par.attn_tp_size)
+        self.binding = bind(runner, sgl_name, decode, heads)
+        self.backend = self.binding.backend
+        self.dims = self.binding.config.model
+        # SGLang's forward context and its kit read these two back from the backend.
+        self.token_to_kv_pool = runner.token_to_kv_pool
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.data_type = runner.kv_cache_dtype
+        self.kv_cache_dtype = runner.kv_cache_dtype
+        self._source = list(self.token_to_kv_pool.kv_buffer)
+        self._graph: GraphBuffers | None = None
+        self._checked: set[tuple[int, int]] = set()
+        self.forward_metadata: AdapterMetadata | None = None
+
+    # ------------------------------------------------------------------ metadata
+    def _check_buffers(self) -> None:
+        # Hazard: our pool holds views of SGLang's tensors; if SGLang re-created them
+        # (e.g. releasing and re-allocating the KV cache) the views would read freed memory.
+        bufs = self.token_to_kv_pool.kv_buffer
+        if len(bufs) != len(self._source) or any(a is not b for a, b in zip(bufs, self._source)):
+            raise RuntimeError(
+                f"{self.binding.sgl_name}: SGLang re-created its KV buffers after the backend "
+                "was built; mla-backends wraps them once and cannot follow"
+            )
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager batches: convert once, build our backend's metadata once."""
+        if forward_batch.forward_mode.is_idle():
+            self.forward_metadata = None
+            return
+        self._check_buffers()
+        batch = eager_batch(forward_batch)
+        self.backend.init_forward_metadata(batch)
+        md = AdapterMetadata(batch, batch.seq_lens)
+        if batch.mode is ForwardMode.EXTEND:
+            md.new_tokens = new_token_layout(batch)
+        self.forward_metadata = md
+
+    def init_mha_chunk_metadata(self, forward_batch: Any) -> None:
+        """Chunked-prefix MHA (DeepSeek calls this once per batch): one layout per chunk."""
+        md = self._metadata()
+        md.chunks = {
+            i: prefix_chunk_layout(forward_batch, md.batch, i)
+            for i in range(int(forward_batch.num_prefix_chunks or 0))
+        }
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._graph = GraphBuffers.allocate(max_bs, max_num_tokens, self.binding.kv_pool.device)
+        self.backend.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Capture (`in_capture`) and replay, outside the graph: refill our static batch and
+        our backend's static metadata in place. Replay passes SGLang's SimpleNamespace view."""
+        if forward_batch.forward_mode.is_idle():
+            self.forward_metadata = None
+            return
+        if self._graph is None:
+            raise RuntimeError("init_forward_metadata_out_graph before init_cuda_graph_state")
+        self._check_buffers()
+        batch = self._graph.load(forward_batch)
+        if in_capture:
+            self.backend.init_forward_metadata_capture(batch)
+        else:
+            self.backend.init_forward_metadata_replay(batch)
+        self.forward_metadata = AdapterMetadata(batch, batch.seq_lens)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Nothing to record: out_graph's device copies are enqueued before the replay."""
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.backend.cuda_graph_seq_len_fill_value
+
+    def _metadata(self) -> AdapterMetadata:
+        if self.forward_metadata is None:
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        return self.forward_metadata
+
+    # ------------------------------------------------------------------ attention
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """EXTEND, MIXED, SPLIT_PREFILL and TARGET_VERIFY batches, both layer shapes."""
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def _layer_index(self, layer: Any) -> int:
+        """Our pool's layer index; host checks once per layer (heads, scale, KV scale)."""
+        d, key = self.dims, (int(layer.layer_id), int(layer.qk_head_dim))
+        if key not in self._checked:
+            if layer.tp_q_head_num != d.num_heads:
+                raise SettingsError(
+                    f"layer {key[0]} has {layer.tp_q_head_num} query heads, the backend was "
+                    f"built for {d.num_heads}"
+                )
+            if not math.isclose(float(layer.scaling), d.softmax_scale, rel_tol=1e-6):
+                raise SettingsError(
+                    f"layer {key[0]} softmax scale {layer.scaling} != the model config's "
+                    f"{d.softmax_scale}"
+                )
+            if getattr(layer, "logit_cap", 0.0):
+                raise SettingsError(f"layer {key[0]}: logit capping is not supported")
+            check_kv_scales([layer])
+            self._checked.add(key)
+        idx = key[0] - self.binding.start_layer
+        if not 0 <= idx < self.binding.kv_pool.num_layers:
+            raise BatchError(f"layer {key[0]} is outside this rank's KV pool layers")
+        pool = self.token_to_kv_pool
+        if getattr(pool, "layer_transfer_counter", None) is not None:
+            pool.get_key_buffer(key[0])  # waits for this layer's host-to-device KV load
+        return idx
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        fb: Any,
+        save_kv_cache: bool,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        bad = sorted(n for n in _UNSUPPORTED_KWARGS if kwargs.get(n) is not None)
+        if bad:
+            raise BatchError(f"{self.binding.sgl_name} does not take {bad}")
+        md, d = self._metadata(), self.dims
+        idx = self._layer_index(layer)
+        if (
+            layer.tp_k_head_num == 1
+            and layer.qk_head_dim == d.kv_dim
+            and layer.v_head_dim == d.kv_lora_rank
+        ):
+            return self._absorbed(q, k, idx, md, save_kv_cache, kwargs)
+        if (
+            layer.tp_k_head_num == d.num_heads
+            and layer.qk_head_dim == d.qk_head_dim
+            and layer.v_head_dim == d.v_head_dim
+        ):
+            return self._mha(q, k, v, md, fb, save_kv_cache)
+        raise BatchError(
+            f"layer {layer.layer_id}: head_dim {layer.qk_head_dim}, {layer.tp_k_head_num} KV "
+            f"heads, v {layer.v_head_dim} is neither the absorbed ({d.kv_dim}, 1, "
+            f"{d.kv_lora_rank}) nor the MHA-mode ({d.qk_head_dim}, {d.num_heads}, "
+            f"{d.v_head_dim}) shape"
+        )
+
+    def _absorbed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        idx: int,
+        md: AdapterMetadata,
+        save_kv_cache: bool,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Two call shapes: split (our names are in DeepSeek's FORWARD_ABSORB list: q_nope
+        [T, H, L] strided, k [T, 1, L], q_rope / k_rope in kwargs) and joined (q [T, H*(L+R)]
+        or [T, H, L+R], k [T, 1, L+R] or None when the caller stored the rows already)."""
+        h, lat, r = self.dims.num_heads, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim
+        q_rope = kwargs.get("q_rope")
+        k_rope = kwargs.get("k_rope")
+        if q_rope is not None:
+            q_nope, q_rope = q.view(-1, h, lat), q_rope.view(-1, h, r)
+            k_nope = None if k is None else _rows(k)
+            k_rope = None if k_rope is None else _rows(k_rope)
+        else:
+            q3 = q.view(-1, h, lat + r)
+            q_nope, q_rope = q3[..., :lat], q3[..., lat:]
+            k2 = None if k is None else _rows(k)
+            k_nope = None if k2 is None else k2[:, :lat]
+            k_rope = None if k2 is None else k2[:, lat:]
+        if not save_kv_cache or k_nope is None or k_rope is None:
+            k_nope = k_rope = None  # the rows are in the pool already
+        out = self.backend.forward_absorbed(idx, q_nope, q_rope, k_nope, k_rope, md.batch)
+        assert isinstance(out, torch.Tensor)
+        return _flat(out)
+
+    def _mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        md: AdapterMetadata,
+        fb: Any,
+        save_kv_cache: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """MHA-mode prefill: causal over the new tokens, or (chunked prefix) non-causal
+        against one prefix chunk. LSE when SGLang asks (`mha_return_lse`): natural log
+        [T, H] fp32, what its merge_state expects, and our contract already."""
+        if k is None or v is None:
+            raise BatchError("MHA-mode attention needs k and v")
+        if save_kv_cache:
+            raise BatchError(
+                "MHA-mode call with save_kv_cache=True: the expanded K cannot be cached; the "
+                "model stores the latent rows itself"
+            )
+        d = self.dims
+        q3 = q.view(-1, d.num_heads, d.qk_head_dim)
+        if getattr(fb, "attn_attend_prefix_cache", False):
+            chunk = int(fb.prefix_chunk_idx)
+            if chunk not in md.chunks:
+                md.chunks[chunk] = prefix_chunk_layout(fb, md.batch, chunk)
+            layout, causal = md.chunks[chunk], False
+        else:
+            if md.new_tokens is None:
+                raise BatchError(f"MHA-mode attention in a {md.batch.mode.name} batch")
+            layout, causal = md.new_tokens, True
+        if bool(getattr(fb, "mha_return_lse", False)):
+            out, lse = self.backend.forward_mha(q3, k, v, layout, causal, return_lse=True)
+            return out, lse.contiguous()
+        out = self.backend.forward_mha(q3, k, v, layout, causal)
+        assert isinstance(out, torch.Tensor)
+        return _flat(out)

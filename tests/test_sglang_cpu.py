@@ -1,0 +1,731 @@
+"""The SGLang plug-in on CPU (sglang 0.5.17, tests/sglang_cpu/requirements.txt):
+
+- registration through the installed `sglang.srt.plugins` entry point, CLI choices, DeepSeek
+  routing lists, the start-up check hook;
+- argument parsing with our names; wrong settings refused at start-up with our reason, both in
+  `ServerArgs.check_server_args` and in the backend factory (never a kit skip);
+- SGLang batches converted to ours (eager, graph capture / padded replay, target-verify);
+- both DeepSeek call shapes through RadixAttention (absorbed split / joined with the rows
+  stored by us, MHA-mode prefill and chunked prefix with LSE) against our fp64 reference;
+- SGLang's own MLA kit (make_mla_cases, CUDA-graph decode mode, eagle verify) on mlab_torch,
+  and at DeepSeek shapes on mlab_torch and mlab_triton (Triton interpreter), bf16 and FP8.
+Skipped, with the reason, where sglang cannot be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from sglang_cpu.env import load_sglang
+
+try:
+    load_sglang()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.plugins import load_plugins
+    from sglang_cpu import kit_support as ks
+except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+    pytest.skip(f"sglang unavailable: {' '.join(str(e).split())[:160]}", allow_module_level=True)
+
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit  # noqa: E402
+
+import mla_backends.integrations.sglang as plugin  # noqa: E402
+from mla_backends.backends.base import Capability  # noqa: E402
+from mla_backends.integrations.sglang import binding  # noqa: E402
+from mla_backends.integrations.sglang.binding import SettingsError  # noqa: E402
+from mla_backends.reference import absorbed, mha  # noqa: E402
+from mla_backends.testing import TOLERANCES  # noqa: E402
+
+NAMES = (
+    "mlab_flashmla",
+    "mlab_flashinfer",
+    "mlab_cutlass",
+    "mlab_trtllm",
+    "mlab_triton",
+    "mlab_torch",
+)
+TRITON_CPU = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="triton on CPU needs TRITON_INTERPRET=1"
+)
+BACKENDS = ["mlab_torch", pytest.param("mlab_triton", marks=TRITON_CPU)]
+H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
+CPU = {"device": "cpu"}
+DSV3_KIT = {**CPU, **ks.DSV3, "hidden_size": 256, "dtype": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered() -> list[str]:
+    """Our names, registered the way SGLang does it: load_plugins() and the entry point."""
+    load_plugins()
+    missing = [n for n in NAMES if n not in ATTENTION_BACKENDS]
+    if missing:
+        pytest.fail(f"{missing} not registered: is mla-backends installed (pip install -e .)?")
+    return list(NAMES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_kv_writer() -> Any:
+    """SGLang's MLA KV writer is a Triton kernel: on CPU the same scatter in torch."""
+    undo = ks.use_torch_kv_writer()
+    yield
+    undo()
+
+
+@pytest.fixture
+def on_h100(monkeypatch: pytest.MonkeyPatch) -> Capability:
+    """Capability checks see an H100 (the factory and the start-up hook both ask binding)."""
+    monkeypatch.setattr(binding, "detect_capability", lambda device: H100)
+    return H100
+
+
+# ---------------------------------------------------------------------------------- registration
+def test_entry_point_registers_every_suite_backend() -> None:
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+    )
+    from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import (
+        ATTENTION_BACKEND_CHOICES,
+        CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS,
+        ServerArgs,
+    )
+
+    eps = {e.name: e.value for e in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("mla_backends") == "mla_backends.integrations.sglang:register"
+    assert set(plugin.sglang_names()) == set(NAMES)
+    for name in NAMES:
+        assert ATTENTION_BACKEND_CHOICES.count(name) == 1, name
+        assert name in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
+        assert name in FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
+        assert AttentionBackendRegistry.get_handler(name).func is plugin.deepseek_handler
+    hooks = [h for _, h, _ in HookRegistry._hooks[plugin.CHECK_TARGET]]
+    assert hooks.count(plugin.check_server_args_hook) == 1
+    assert hasattr(ServerArgs.check_server_args, "__wrapped__"), "hook not applied"
+    assert plugin.register() == list(plugin.sglang_names())  # idempotent
+    assert ATTENTION_BACKEND_CHOICES.count("mlab_triton") == 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return p
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--attention-backend", "mlab_triton", "--page-size", "64"],
+        [
+            "--prefill-attention-backend",
+            "mlab_triton",
+            "--decode-attention-backend",
+            "mlab_flashmla",
+        ],
+        ["--prefill-attention-backend", "mlab_torch", "--decode-attention-backend", "flashmla"],
+        ["--attention-backend", "mlab_flashinfer", "--kv-cache-dtype", "fp8_e4m3"],
+    ],
+    ids=["one", "ours-ours", "ours-sglang", "fp8"],
+)
+def test_cli_accepts_our_names(flags: list[str]) -> None:
+    ns = _parser().parse_args(["--model-path", "m", *flags])
+    chosen = {ns.attention_backend, ns.prefill_attention_backend, ns.decode_attention_backend}
+    assert chosen & set(NAMES)
+
+
+def test_cli_rejects_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--model-path", "m", "--attention-backend", "mlab_nope"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- start-up checks
+TINY_DSV3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 128,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSeek-V3 config.json (no weights): all ServerArgs needs to start checking."""
+    d = tmp_path_factory.mktemp("dsv3tiny")
+    (d / "config.json").write_text(json.dumps(TINY_DSV3))
+    return d
+
+
+def _server_args(model: Path, **kw: Any) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(model), device="cpu", **kw)
+
+
+REFUSALS = {
+    "flashmla-page16": (
+        {"attention_backend": "mlab_flashmla", "page_size": 16},
+        r"flashmla needs page_size in \(64,\).*Start SGLang with --page-size 64",
+    ),
+    "flashmla-fp8": (
+        {"attention_backend": "mlab_flashmla", "page_size": 64, "kv_cache_dtype": "fp8_e4m3"},
+        r"flashmla needs kv_dtype in .*float8_e4m3fn.*--kv-cache-dtype bf16",
+    ),
+    "cutlass-on-sm90": (
+        {"attention_backend": "mlab_cutlass", "page_size": 128},
+        r"CUTLASS MLA needs SM 100, found NVIDIA H100 80GB HBM3 \(SM90\)",
+    ),
+    "decode-half-flashmla": (
+        {
+            "prefill_attention_backend": "mlab_triton",
+            "decode_attention_backend": "mlab_flashmla",
+            "page_size": 16,
+        },
+        r"--attention-backend mlab_flashmla: .*--page-size 64",
+    ),
+    "e5m2": (
+        {"attention_backend": "mlab_triton", "page_size": 64, "kv_cache_dtype": "fp8_e5m2"},
+        r"--kv-cache-dtype fp8_e5m2 .* not supported by mla-backends",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS), ids=list(REFUSALS))
+def test_start_up_check_refuses_with_our_reason(
+    case: str, tiny_model: Path, on_h100: Capability
+) -> None:
+    kw, pattern = REFUSALS[case]
+    sa = _server_args(tiny_model, **kw)
+    with pytest.raises(SettingsError, match=pattern):
+        sa.check_server_args()
+
+
+def test_start_up_check_refuses_a_model_without_mla(tmp_path: Path, on_h100: Capability) -> None:
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    sa = _server_args(tmp_path, attention_backend="mlab_triton", page_size=16)
+    with pytest.raises(SettingsError, match=r"mlab_triton serves MLA models.*attention is MHA"):
+        sa.check_server_args()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"attention_backend": "mlab_triton", "page_size": 64},
+        {"attention_backend": "mlab_triton", "page_size": 1, "kv_cache_dtype": "fp8_e4m3"},
+        {"attention_backend": "mlab_torch", "page_size": 16},
+    ],
+    ids=["triton-p64", "triton-fp8-p1", "torch-p16"],
+)
+def test_start_up_check_accepts_settings_that_run(
+    kw: dict[str, Any], tiny_model: Path, on_h100: Capability
+) -> None:
+    sa = _server_args(tiny_model, **kw)
+    sa.check_server_args()
+    assert (sa.attention_backend, sa.page_size) == (kw["attention_backend"], kw["page_size"])
+
+
+@pytest.mark.parametrize(
+    ("backend", "page", "fp8", "pattern"),
+    [
+        ("mlab_flashmla", 16, False, r"--page-size 64"),
+        ("mlab_flashmla", 64, True, r"flashmla needs kv_dtype"),
+        ("mlab_cutlass", 128, False, r"CUTLASS MLA needs SM 100, found .*SM90"),
+        ("mlab_triton", 8, False, r"--page-size 8: mla-backends takes page sizes"),
+    ],
+    ids=["flashmla-page16", "flashmla-fp8", "cutlass-sm90", "page8"],
+)
+def test_factory_refuses_with_our_reason_not_a_skip(
+    backend: str, page: int, fp8: bool, pattern: str, on_h100: Capability
+) -> None:
+    """The kit turns AssertionError / ImportError from a factory into a skip; ours raise."""
+    case = ks.decode_case("refused", backend, 4, page, (page + 1,))
+    with pytest.raises(SettingsError, match=pattern):
+        ks.run_case(case, fp8=fp8, max_context_len=4 * page, **DSV3_KIT)
+
+
+def test_factory_refuses_kv_scale_not_one() -> None:
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16))
+    layer = _mqa_layer(adapter)
+    layer.k_scale_float = 0.5
+    fb = _extend_batch(runner, 16, (3,), (2,))
+    adapter.init_forward_metadata(fb)
+    q = torch.zeros(2, 4 * 48, dtype=torch.bfloat16)
+    with pytest.raises(SettingsError, match=r"k_scale=0.5: SGLang's own KV writers ignore it"):
+        with forward_context(ForwardContext(attn_backend=adapter)):
+            layer(q, None, None, fb, save_kv_cache=False)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _adapter(
+    backend: str,
+    page: int,
+    dims: tuple[int, int, int, int, int] = (4, 512, 64, 512, 512),
+    fp8: bool = False,
+    batch: int = 4,
+    max_ctx: int = 64,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """(adapter, runner) over the kit's MockMLAModelRunner with dims (H, L, R, P, V)."""
+    h, lat, r, p, v = dims
+    mc = kit.TinyMLAModelConfig(
+        num_heads=h, kv_lora_rank=lat, qk_rope_head_dim=r, hidden_size=64, context_len=max_ctx
+    )
+    mc.qk_nope_head_dim, mc.v_head_dim, mc.scaling = p, v, (p + r) ** -0.5
+    case = ks.decode_case("adapter", backend, h, page, (1,) * batch)
+    runner = kit.MockMLAModelRunner(
+        case=case,
+        model_config=mc,
+        dtype=torch.bfloat16,
+        device=device,
+        max_context_len=max_ctx,
+        kv_lora_rank=lat,
+        qk_rope_head_dim=r,
+        fp8_kv_cache=fp8,
+        runner_batch_size=batch,
+    )
+    return ATTENTION_BACKENDS[backend](runner), runner
+
+
+def _mqa_layer(adapter: Any) -> Any:
+    d = adapter.dims
+    return RadixAttention(
+        d.num_heads,
+        d.kv_dim,
+        d.softmax_scale,
+        num_kv_heads=1,
+        layer_id=0,
+        v_head_dim=d.kv_lora_rank,
+    )
+
+
+def _mha_layer(adapter: Any) -> Any:
+    d = adapter.dims
+    return RadixAttention(
+        d.num_heads,
+        d.qk_head_dim,
+        d.softmax_scale,
+        num_kv_heads=d.num_heads,
+        layer_id=0,
+        v_head_dim=d.v_head_dim,
+    )
+
+
+def _fill_table(runner: Any, page: int, seq_lens: tuple[int, ...], gen: torch.Generator) -> None:
+    """Request i (row i) gets pages 1.. in shuffled order (a non-monotonic table)."""
+    r2t = runner.req_to_token_pool.req_to_token
+    table = r2t.cpu()
+    pages = torch.randperm(sum(-(-s // page) for s in seq_lens), generator=gen) + 1
+    k = 0
+    for i, s in enumerate(seq_lens):
+        for pos in range(s):
+            if pos % page == 0:
+                base = int(pages[k]) * page
+                k += 1
+            table[i, pos] = base + pos % page
+    r2t.copy_(table)
+
+
+def _extend_batch(
+    runner: Any, page: int, prefix: tuple[int, ...], ext: tuple[int, ...], seed: int = 0
+) -> Any:
+    """An SGLang EXTEND ForwardBatch over requests 0..B-1 (int64 rows, as serving passes)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    seq = tuple(p + n for p, n in zip(prefix, ext))
+    _fill_table(runner, page, seq, gen)
+    r2t = runner.req_to_token_pool.req_to_token
+    dev = r2t.device
+    loc = torch.cat([r2t[i, p:s].long() for i, (p, s) in enumerate(zip(prefix, seq))])
+    pos = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)]).to(dev)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(seq),
+        input_ids=torch.zeros(sum(ext), dtype=torch.int64, device=dev),
+        req_pool_indices=torch.arange(len(seq), dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
+        seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
+        out_cache_loc=loc,
+        seq_lens_sum=sum(seq),
+        positions=pos,
+    )
+    fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int64, device=dev)
+    fb.extend_prefix_lens_cpu = list(prefix)
+    fb.extend_seq_lens = torch.tensor(ext, dtype=torch.int64, device=dev)
+    fb.extend_seq_lens_cpu = list(ext)
+    fb.extend_num_tokens = sum(ext)
+    return fb
+
+
+def _rows(runner: Any, slots: torch.Tensor) -> torch.Tensor:
+    pool = runner.token_to_kv_pool
+    return pool.get_key_buffer(0)[slots.long(), 0].float()
+
+
+# ---------------------------------------------------------------------------------- conversion
+def test_pools_are_wrapped_not_copied() -> None:
+    for fp8 in (False, True):
+        adapter, runner = _adapter("mlab_torch", page=16, fp8=fp8)
+        ours, sgl = adapter.binding.kv_pool, runner.token_to_kv_pool
+        assert ours.kv_buffer[0].data_ptr() == sgl.kv_buffer[0].data_ptr()
+        assert ours.kv_buffer[0].dtype == sgl.dtype
+        assert ours.num_slots % 16 == 0 and ours.num_slots <= sgl.kv_buffer[0].shape[0]
+        assert adapter.binding.req_pool.req_to_token is runner.req_to_token_pool.req_to_token
+        sgl.kv_buffer[0][17, 0, 3] = torch.tensor(1.5, dtype=sgl.dtype).view(sgl.store_dtype)
+        assert float(ours.kv_buffer[0][17, 3]) == 1.5
+
+
+def test_eager_batch_conversion() -> None:
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16))
+    fb = _extend_batch(runner, 16, (0, 5, 17), (4, 1, 2))
+    adapter.init_forward_metadata(fb)
+    b = adapter.forward_metadata.batch
+    assert b.mode.name == "EXTEND" and b.req_pool_indices.dtype == torch.int32
+    assert b.seq_lens.tolist() == [4, 6, 19] and b.seq_lens_cpu.tolist() == [4, 6, 19]
+    assert b.extend_prefix_lens_cpu.tolist() == [0, 5, 17]
+    assert b.extend_seq_lens.tolist() == [4, 1, 2]
+    assert torch.equal(b.out_cache_loc, fb.out_cache_loc)
+    lay = adapter.forward_metadata.new_tokens
+    assert lay.qo_indptr_cpu.tolist() == [0, 4, 5, 7] == lay.kv_indptr.tolist()
+
+
+def _graph_view(fb: Any, bs: int, pad: int, mode: Any) -> SimpleNamespace:
+    """SGLang's replay view (decode_cuda_graph_runner.build_replay_fb_view): padded request
+    rows 0 with seq_len 1, live (unpadded) out_cache_loc."""
+    n = bs - pad
+    q = fb.input_ids.numel() // n
+    return SimpleNamespace(
+        batch_size=bs,
+        forward_mode=mode,
+        input_ids=torch.zeros(bs * q, dtype=torch.int64),
+        positions=torch.zeros(bs * q, dtype=torch.int64),
+        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+        seq_lens=torch.cat([fb.seq_lens, torch.ones(pad, dtype=torch.int64)]),
+        seq_lens_cpu=torch.cat([fb.seq_lens_cpu, torch.ones(pad, dtype=torch.int64)]),
+        seq_lens_sum=None,
+        num_padding=pad,
+        out_cache_loc=fb.out_cache_loc,
+        spec_info=None,
+    )
+
+
+@pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "verify"])
+def test_graph_replay_view_padding(q_len: int) -> None:
+    """Capture at 4 requests, replay 2 real + 2 padded: padded tokens point at slot 0, padded
+    rows at request row 0 with the fill length; verify lengths gain the draft tokens; the
+    static buffers keep their addresses; real rows match eager."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16), batch=4)
+    mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
+    fb = _extend_batch(runner, 16, (9, 20), (q_len, q_len), seed=1)
+    fb.forward_mode = mode
+    if q_len > 1:  # SGLang's verify seq_lens exclude the draft tokens
+        fb.seq_lens, fb.seq_lens_cpu = fb.seq_lens - q_len, fb.seq_lens_cpu - q_len
+    layer = _mqa_layer(adapter)
+    d = adapter.dims
+    gen = torch.Generator().manual_seed(2)
+    runner.token_to_kv_pool.kv_buffer[0].copy_(
+        torch.randn(runner.token_to_kv_pool.kv_buffer[0].shape, generator=gen).bfloat16()
+    )
+    q = torch.randn(4 * q_len, d.num_heads * d.kv_dim, generator=gen).bfloat16()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        eager = layer(q[: 2 * q_len], None, None, fb, save_kv_cache=False).clone()
+        adapter.init_cuda_graph_state(4, 4 * q_len)
+        cap = _graph_view(fb, 4, 2, mode)
+        cap.num_padding, cap.out_cache_loc = 0, torch.zeros(4 * q_len, dtype=torch.int64)
+        adapter.init_forward_metadata_out_graph(cap, in_capture=True)
+        ptr = adapter.forward_metadata.batch.seq_lens.data_ptr()
+        adapter.init_forward_metadata_out_graph(_graph_view(fb, 4, 2, mode))
+        adapter.init_forward_metadata_in_graph(_graph_view(fb, 4, 2, mode))
+        b = adapter.forward_metadata.batch
+        replay = layer(q, None, None, fb, save_kv_cache=False)
+    assert b.seq_lens.data_ptr() == ptr
+    assert b.req_pool_indices.tolist() == [0, 1, 0, 0]
+    want = [9 + q_len, 20 + q_len] + ([1, 1] if q_len == 1 else [1 + q_len] * 2)
+    assert b.seq_lens.tolist() == want and b.seq_lens_cpu.tolist() == want
+    assert b.out_cache_loc[2 * q_len :].eq(0).all()
+    assert torch.equal(b.out_cache_loc[: 2 * q_len], fb.out_cache_loc)
+    assert b.num_draft_tokens == (q_len if q_len > 1 else 0)
+    torch.testing.assert_close(replay[: 2 * q_len], eager, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- both shapes
+SMALL = (4, 32, 16, 16, 16)  # H, L, R, P, V: every kernel's power-of-two limits hold
+DSV3_DIMS = (16, 512, 64, 128, 128)
+GPU_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU",
+)
+# (backend, device, page, dims): CPU in CI; the gpu-* ones run our GPU backends through the
+# adapter at DeepSeek-V3 shapes (mlab_flashmla's extend and MHA run on its triton partner).
+SHAPE_SETUPS = [
+    pytest.param("mlab_torch", "cpu", 16, SMALL, id="mlab_torch"),
+    pytest.param("mlab_triton", "cpu", 16, SMALL, marks=TRITON_CPU, id="mlab_triton"),
+    *(
+        pytest.param(be, "cuda", 64, DSV3_DIMS, marks=GPU_ONLY, id=f"gpu-{be}")
+        for be in ("mlab_triton", "mlab_flashinfer", "mlab_flashmla", "mlab_torch")
+    ),
+]
+
+
+def _absorbed_reference(
+    runner: Any, fb: Any, q_nope: torch.Tensor, q_rope: torch.Tensor, scale: float
+) -> torch.Tensor:
+    r2t = runner.req_to_token_pool.req_to_token.cpu()
+    lat = q_nope.shape[-1]
+    outs, t = [], 0
+    for i, (p, n) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+        rows = _rows(runner, r2t[i, : p + n]).cpu()
+        q_n, q_r = q_nope[t : t + n].cpu(), q_rope[t : t + n].cpu()
+        o, _ = absorbed(q_n, q_r, rows[:, :lat], rows[:, lat:], scale)
+        outs.append(o)
+        t += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(("backend", "device", "page", "dims"), SHAPE_SETUPS)
+@pytest.mark.parametrize("shape", ["split", "joined"])
+def test_absorbed_call_shapes_store_and_attend(
+    backend: str, device: str, page: int, dims: tuple[int, ...], shape: str
+) -> None:
+    """DeepSeek's two absorbed call shapes with the new rows given (save_kv_cache=True): our
+    store writes them into SGLang's buffer at out_cache_loc, and the output matches the fp64
+    absorbed reference over SGLang's pool. `split` (our names are in FORWARD_ABSORB): q_nope
+    is a transposed bmm result (strided), q_rope / k_rope come as keyword arguments."""
+    adapter, runner = _adapter(backend, page=page, dims=dims, max_ctx=4 * page, device=device)
+    d = adapter.dims
+    fb = _extend_batch(runner, page, (0, 7, page), (5, 1, 2), seed=3)
+    t = sum(fb.extend_seq_lens_cpu)
+    gen = torch.Generator().manual_seed(4)
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    buf.fill_(float("nan"))
+    for i, p in enumerate(fb.extend_prefix_lens_cpu):
+        prefix_slots = runner.req_to_token_pool.req_to_token[i, :p].long()
+        buf[prefix_slots] = torch.randn(p, 1, d.kv_dim, generator=gen).bfloat16().to(device)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16().to(device)
+
+    q_nope = rnd(d.num_heads, t, d.kv_lora_rank).transpose(0, 1)
+    q_rope = rnd(t, d.num_heads, d.qk_rope_head_dim)
+    k_nope, k_rope = rnd(t, 1, d.kv_lora_rank), rnd(t, 1, d.qk_rope_head_dim)
+    layer = _mqa_layer(adapter)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        if shape == "split":
+            out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope)
+        else:
+            q = torch.cat([q_nope, q_rope], -1)
+            out = layer(q, torch.cat([k_nope, k_rope], -1), k_nope, fb, save_kv_cache=True)
+    stored = _rows(runner, fb.out_cache_loc)
+    assert torch.equal(stored, torch.cat([k_nope, k_rope], -1)[:, 0].float())
+    want = _absorbed_reference(runner, fb, q_nope, q_rope, d.softmax_scale)
+    atol, rtol, _ = TOLERANCES["bfloat16"]
+    got = out.view(t, d.num_heads, -1).double().cpu()
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(("backend", "device", "page", "dims"), SHAPE_SETUPS)
+def test_mha_prefill_and_chunked_prefix_with_lse(
+    backend: str, device: str, page: int, dims: tuple[int, ...]
+) -> None:
+    """The MHA-mode layer (head_dim P + R, H KV heads, strided v): causal over the new tokens,
+    then non-causal against prefix chunks with LSE asked, as DeepSeek's MHA_CHUNKED_KV does.
+    Chunk 2 has no rows for two requests: out 0, lse -inf there. LSE is natural log."""
+    adapter, runner = _adapter(backend, page=page, dims=dims, max_ctx=4 * page, device=device)
+    d = adapter.dims
+    h, dqk, dv = d.num_heads, d.qk_head_dim, d.v_head_dim
+    prefix, ext = (0, 5, 9), (3, 2, 4)
+    fb = _extend_batch(runner, page, prefix, ext, seed=5)
+    chunk_lens = torch.tensor([[0, 4, 4], [0, 1, 4], [0, 0, 1]], dtype=torch.int32)
+    fb.num_prefix_chunks = 3
+    fb.prefix_chunk_seq_lens_cpu = chunk_lens
+    cu = torch.zeros(3, 4, dtype=torch.int32)
+    cu[:, 1:] = chunk_lens.cumsum(1)
+    fb.prefix_chunk_cu_seq_lens = cu.to(device)
+    t = sum(ext)
+    gen = torch.Generator().manual_seed(6)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    q = rnd(t, h, dqk)
+    kv = rnd(t, h, d.qk_nope_head_dim + dv)  # kv_b_proj output: v is a strided view
+    k = torch.cat([kv[..., : d.qk_nope_head_dim], rnd(t, h, d.qk_rope_head_dim)], -1)
+    v = kv[..., d.qk_nope_head_dim :]
+    layer = _mha_layer(adapter)
+    atol, rtol, lse_tol = TOLERANCES["bfloat16"]
+    qo = [0, 3, 5, 9]
+
+    def per_request(kk: torch.Tensor, vv: torch.Tensor, kvp: list[int], causal: bool) -> Any:
+        ref = [
+            mha(
+                q[qo[b] : qo[b + 1]],
+                kk[kvp[b] : kvp[b + 1]],
+                vv[kvp[b] : kvp[b + 1]],
+                d.softmax_scale,
+                causal=causal,
+            )
+            for b in range(3)
+        ]
+        return torch.cat([o for o, _ in ref]), torch.cat([s for _, s in ref])
+
+    dev = torch.device(device)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        adapter.init_mha_chunk_metadata(fb)
+        fb.mha_return_lse = True
+        fb.set_attn_attend_prefix_cache(False)
+        out, lse = layer(q.to(dev), k.to(dev), v.to(dev), fb, save_kv_cache=False)
+        want_o, want_l = per_request(k, v, qo, causal=True)
+        torch.testing.assert_close(out.double().cpu(), want_o, atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double().cpu(), want_l, atol=lse_tol, rtol=0)
+        for i in range(3):
+            n = int(chunk_lens[i].sum())
+            kc, vc = rnd(n, h, dqk), rnd(n, h, dv)
+            fb.set_attn_attend_prefix_cache(True)
+            fb.set_prefix_chunk_idx(i)
+            oc, lc = layer(q.to(dev), kc.to(dev), vc.to(dev), fb, save_kv_cache=False)
+            assert lc.dtype == torch.float32 and lc.shape == (t, h) and lc.is_contiguous()
+            want_o, want_l = per_request(kc, vc, [0, *chunk_lens[i].cumsum(0).tolist()], False)
+            torch.testing.assert_close(oc.double().cpu(), want_o, atol=atol, rtol=rtol)
+            torch.testing.assert_close(lc.double().cpu(), want_l, atol=lse_tol, rtol=0)
+    lc = lc.cpu()
+    assert torch.isinf(lc[:5]).all() and (lc[:5] < 0).all() and oc[:5].eq(0).all()
+    assert math.isfinite(float(lc[5:].max()))
+
+
+def test_deepseek_routing_for_our_names() -> None:
+    """Prompts without a cached prefix run MHA-mode, short prefixes absorbed, long prefixes
+    chunked MHA (SGLang's policy for flashinfer / fa3); decode always absorbed."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+    )
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    attn = SimpleNamespace(
+        chunked_prefix_cache_threshold=8,
+        disable_chunked_prefix_cache=False,
+        flashinfer_mla_disable_ragged=False,
+    )
+    handler = AttentionBackendRegistry.get_handler("mlab_triton")
+    got = {}
+    for name, prefix in (("fresh", (0, 0)), ("short", (3, 0)), ("long", (9, 4))):
+        fb = _extend_batch(runner, 16, prefix, (2, 2))
+        got[name] = handler(attn, fb)
+    fb.forward_mode = ForwardMode.DECODE
+    got["decode"] = handler(attn, fb)
+    mha_, mla = AttnForwardMethod.MHA_CHUNKED_KV, AttnForwardMethod.MLA
+    assert got == {"fresh": mha_, "short": mla, "long": mha_, "decode": mla}
+
+
+# ---------------------------------------------------------------------------------- the kit
+@pytest.mark.parametrize("case", kit.make_mla_cases("mlab_torch"), ids=lambda c: c.name)
+def test_kit_default_cases_mlab_torch(case: Any) -> None:
+    ks.run_case(case, **CPU)
+
+
+def test_kit_cuda_graph_decode_mode_mlab_torch() -> None:
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
+
+    case = ks.decode_case("cg", "mlab_torch", 4, 16, (14, 15, 16))
+    cg.run_mla_cuda_graph_decode_case(ks.KitTestCase(), case, **CPU)
+
+
+def test_kit_eagle_verify_mlab_torch() -> None:
+    """Chain drafts (topk 1): the kit's eager verify and its CUDA-graph verify mode."""
+    from sglang.test.kits.attention_unittest.runner_modes import (
+        speculative_target_verify_runner as tv,
+    )
+
+    case = ks.verify_case("verify_chain", "mlab_torch", 4, 16, (13, 16, 30), 3)
+    tv.run_mla_eagle_verify_case(ks.KitTestCase(), case, topk=1, **CPU)
+    ks.run_verify_cuda_graph(case, **CPU)
+
+
+DSV3_CASES = [
+    pytest.param(
+        be,
+        p,
+        c,
+        fp8,
+        marks=TRITON_CPU if be == "mlab_triton" else (),
+        id=(f"{c.name}-{be}-{'fp8' if fp8 else 'bf16'}"),
+    )
+    for be, pages in (("mlab_torch", (16, 64)), ("mlab_triton", (64,)))
+    for p in pages
+    for c in ks.page_edge_cases(be, 4, p)
+    for fp8 in (False, True)
+    if not (fp8 and c.forward_mode.is_target_verify())
+]
+
+
+@pytest.mark.parametrize(("backend", "page", "case", "fp8"), DSV3_CASES)
+def test_kit_dsv3_shapes(backend: str, page: int, case: Any, fp8: bool) -> None:
+    """kv_lora_rank 512, rope 64 (SGLang's own Triton writer runs under the interpreter)."""
+    ks.run_case(case, fp8=fp8, max_context_len=ks.max_context(page), **DSV3_KIT)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kit_cuda_graph_decode_mode_dsv3(backend: str) -> None:
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
+
+    case = ks.decode_case("cg_dsv3", backend, 4, 64, (63, 64, 65))
+    cg.run_mla_cuda_graph_decode_case(ks.KitTestCase(), case, max_context_len=192, **DSV3_KIT)
