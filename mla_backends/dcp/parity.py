@@ -1,0 +1,358 @@
+"""DCP parity checks, run on every rank of a group: a single-process runtime and this rank's
+DCP runtime hold the same requests (same rows, same random KV, each with its own shuffled
+page order and NaN-poisoned pool); the same batch goes through both. The DCP result must
+equal the single-process one and the fp64 absorbed reference within the dtype's tolerance,
+rows no rank can see must be exactly out 0 / lse -inf, and every rank must hold exactly its
+tokens (global position p at local index p // N on rank p % N).
+
+Used by tests/test_dcp.py (gloo, CPU) and scripts/bench_dcp.py (NCCL, GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import KV_DTYPES, Config, MLADims
+from mla_backends.dcp.runtime import DCPRuntime, build_dcp_runtime
+from mla_backends.graph_runner import CudaGraphRunner, InputSpec
+from mla_backends.reference import batch_reference
+from mla_backends.runtime import Runtime
+from mla_backends.testing import TOLERANCES, _compare
+
+# Kernel-legal tiny dims for the triton interpreter: powers of two, distinct.
+SMALL = MLADims(
+    num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
+)
+
+
+@dataclass(frozen=True)
+class DCPCase:
+    """One DCP parity case. `kv_lens` are global KV lengths after the step; `num_heads` is
+    the group's H (each rank holds H / N of them in "tp" mode)."""
+
+    backend: str = "torch"
+    mode: ForwardMode = ForwardMode.DECODE
+    q_len: int = 1  # TARGET_VERIFY: draft tokens; EXTEND: 0 = random per request
+    page_size: int = 16
+    num_heads: int = 4
+    heads: str = "replicated"
+    kv_lens: tuple[int, ...] = (0, 1, 2, 3, 15, 16, 17, 40)
+    dtype: str = "float32"
+    kv_dtype: str = "float32"
+    dims: MLADims = field(default_factory=lambda: SMALL)
+    prefill_backend: str | None = None  # EXTEND's backend in both runtimes (default: backend)
+    graphs: bool = False  # decode / verify stream through the graph runner
+    steps: int = 4  # graph stream: steps
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        g = f"-graph{self.steps}" if self.graphs else ""
+        return (
+            f"{self.backend}-{self.mode.value}-q{self.q_len}-p{self.page_size}-h{self.num_heads}-"
+            f"{self.heads}-{self.kv_dtype}-b{len(self.kv_lens)}{g}"
+        )
+
+
+class DCPPair:
+    """A single-process runtime and this rank's DCP runtime over the same requests."""
+
+    def __init__(
+        self,
+        case: DCPCase,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        num_requests: int,
+        max_context: int,
+        num_pages: int,
+    ) -> None:
+        self.case, self.device = case, device
+        self.rng = random.Random(case.seed)  # same stream on every rank
+        self.gen = torch.Generator().manual_seed(case.seed)
+        cfg = Config(
+            model=case.dims.with_heads(case.num_heads),
+            num_layers=1,
+            prefill_backend=case.prefill_backend or case.backend,
+            decode_backend=case.backend,
+            page_size=case.page_size,
+            kv_dtype=case.kv_dtype,
+            dtype=case.dtype,
+            num_pages=num_pages,
+            max_requests=num_requests + 1,
+            max_context_len=max_context,
+            device=str(device),
+        )
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.size = rank, size
+        self.single = Runtime.build(cfg, self._order(num_pages, case.seed))
+        local_heads = case.num_heads // size if case.heads == "tp" else case.num_heads
+        dcp_cfg = dataclasses.replace(cfg, model=case.dims.with_heads(local_heads))
+        order = self._order(num_pages, case.seed * 131 + rank + 1)
+        self.dcp: DCPRuntime = build_dcp_runtime(dcp_cfg, group, case.heads, order)
+        for pool in (self.single.kv_pool, self.dcp.kv_pool):
+            pool.kv_buffer[0].fill_(float("nan"))
+        self.rows = self.single.req_pool.alloc(num_requests)
+        if self.dcp.req_pool.alloc(num_requests) != self.rows:
+            raise AssertionError("request rows differ between the runtimes")
+        h = case.num_heads // size
+        self.heads = slice(rank * h, (rank + 1) * h) if case.heads == "tp" else slice(None)
+
+    @staticmethod
+    def _order(num_pages: int, seed: int) -> list[int]:
+        order = list(range(1, num_pages + 1))
+        random.Random(seed).shuffle(order)
+        return order
+
+    def _rand(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        x = scale * torch.randn(*shape, generator=self.gen)
+        return x.to(self.device, KV_DTYPES[self.case.dtype])
+
+    def grow(
+        self, rows: list[int], lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Allocate `lens` tokens on both runtimes: (single slots, DCP slots, k_nope, k_rope)."""
+        loc_s = self.single.allocator.alloc_extend(rows, lens)
+        loc_d = self.dcp.allocator.alloc_extend(rows, lens)
+        t, d = sum(lens), self.case.dims
+        return (
+            loc_s,
+            loc_d,
+            self._rand(t, d.kv_lora_rank),
+            self._rand(t, d.qk_rope_head_dim, scale=2.0),
+        )
+
+    def fill(self, rows: list[int], lens: list[int]) -> None:
+        """Store prompts of `lens` tokens, requests growing in turns (interleaved pages); the
+        DCP side through its backend's store_kv (dummy slot for tokens it does not own)."""
+        left = dict(zip(rows, lens))
+        chunk = max(1, self.case.page_size // 2)
+        while any(left.values()):
+            grow = [r for r in rows if left[r]]
+            n = [min(left[r], self.rng.randint(1, chunk)) for r in grow]
+            loc_s, loc_d, kn, kr = self.grow(grow, n)
+            self.single.kv_pool.set_mla_kv_buffer(0, loc_s, kn, kr)
+            self.dcp.backend.store_kv(0, loc_d, kn, kr)
+            for r, k in zip(grow, n):
+                left[r] -= k
+
+    def queries(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d, h = self.case.dims, self.case.num_heads
+        return self._rand(t, h, d.kv_lora_rank, scale=0.3), self._rand(t, h, d.qk_rope_head_dim)
+
+    def check_layout(self) -> str:
+        """Every rank holds exactly its tokens, at local index p // N: bitwise."""
+        s_r2t, d_r2t = self.single.req_pool.req_to_token, self.dcp.req_pool.req_to_token
+        lay, bad = self.dcp.layout, []
+        for row in self.rows:
+            n = self.single.allocator.seq_len(row)
+            if self.dcp.allocator.seq_len(row) != n:
+                bad.append(f"row {row}: global length {self.dcp.allocator.seq_len(row)} != {n}")
+                continue
+            m = lay.local_len(n)
+            mine = self.dcp.kv_pool.kv_buffer[0][d_r2t[row, :m].long()]
+            pos = torch.arange(m, device=self.device) * lay.size + lay.rank
+            want = self.single.kv_pool.kv_buffer[0][s_r2t[row, pos].long()]
+            if not torch.equal(mine.view(torch.uint8), want.view(torch.uint8)):
+                bad.append(f"row {row}: local rows differ from positions {pos.tolist()[:4]}...")
+        return "; ".join(bad)
+
+
+def _q_lens(case: DCPCase, rng: random.Random) -> list[int]:
+    if case.mode is ForwardMode.EXTEND:
+        if case.q_len:
+            return [min(case.q_len, n) for n in case.kv_lens]
+        # Short requests are whole prompts (no prefix); long ones extend a cached prefix.
+        return [n if n <= 3 else rng.randint(1, min(n, 24)) for n in case.kv_lens]
+    return [case.q_len] * len(case.kv_lens)
+
+
+def _result(case: DCPCase, rank: int, checks: list[tuple[str, float, str]]) -> dict[str, Any]:
+    detail = "; ".join(f"{name}: {d}" for name, _, d in checks if d)
+    return {
+        "id": case.id,
+        "rank": rank,
+        "ok": not detail,
+        "errors": {name: err for name, err, _ in checks},
+        "detail": detail,
+    }
+
+
+def _empty_rows_exact(out: torch.Tensor, lse: torch.Tensor, vis: torch.Tensor) -> str:
+    """Rows that see no key anywhere: out exactly 0, lse exactly -inf."""
+    empty = (vis == 0).to(out.device)
+    if not empty.any():
+        return ""
+    if bool((out[empty] != 0).any()) or bool((lse[empty] != float("-inf")).any()):
+        return "rows without keys are not exactly out 0 / lse -inf"
+    return ""
+
+
+def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) -> dict[str, Any]:
+    """One batch (DECODE, TARGET_VERIFY or EXTEND) through the DCP backend on this rank."""
+    if case.graphs:
+        return run_dcp_stream(case, group, device)
+    pages = sum(-(-(n + 1) // case.page_size) for n in case.kv_lens) + 2
+    pair = DCPPair(case, group, device, len(case.kv_lens), max(max(case.kv_lens), 1) + 1, pages)
+    q_lens = _q_lens(case, pair.rng)
+    prefix = [max(n - q, 0) for n, q in zip(case.kv_lens, q_lens)]
+    pair.fill(pair.rows, prefix)
+    # A zero-length request in DECODE / VERIFY keeps its query but sees no keys (the parity
+    # harness's convention): its new row goes to the dummy page, its seq_len stays 0.
+    live = [i for i, n in enumerate(case.kv_lens) if n > 0]
+    loc_s, loc_d, kn_live, kr_live = pair.grow(
+        [pair.rows[i] for i in live], [q_lens[i] for i in live]
+    )
+    t = sum(q_lens)
+    d = case.dims
+    loc_s_all = torch.zeros(t, dtype=torch.int64, device=device)
+    loc_d_all = torch.zeros(t, dtype=torch.int64, device=device)
+    kn = torch.zeros(t, d.kv_lora_rank, dtype=kn_live.dtype, device=device)
+    kr = torch.zeros(t, d.qk_rope_head_dim, dtype=kr_live.dtype, device=device)
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    idx = torch.tensor(
+        [s + j for i in live for s in [starts[i]] for j in range(q_lens[i])], dtype=torch.int64
+    ).to(device)
+    if idx.numel():
+        loc_s_all[idx], loc_d_all[idx], kn[idx], kr[idx] = loc_s, loc_d, kn_live, kr_live
+    batches = []
+    for loc in (loc_s_all, loc_d_all):
+        b = ForwardBatch.build(case.mode, pair.rows, prefix, q_lens, loc, device)
+        if any(n == 0 for n in case.kv_lens):
+            seq = torch.tensor(list(case.kv_lens), dtype=torch.int32)
+            b.seq_lens_cpu, b.seq_lens = seq, seq.to(device)
+        batches.append(b)
+    q_nope, q_rope = pair.queries(t)
+    hs = pair.heads
+
+    single = pair.single.backend
+    single.init_forward_metadata(batches[0])
+    want, want_lse = single.forward_absorbed(0, q_nope, q_rope, kn, kr, batches[0], True)
+    dcp = pair.dcp.backend
+    dcp.init_forward_metadata(batches[1])
+    got, got_lse = dcp.forward_absorbed(
+        0, q_nope[:, hs].contiguous(), q_rope[:, hs].contiguous(), kn, kr, batches[1], True
+    )
+    ref, ref_lse = batch_reference(
+        pair.single.kv_pool,
+        0,
+        pair.single.req_pool.req_to_token,
+        batches[0],
+        *single.effective_query(q_nope, q_rope),
+        None,
+        None,
+        pair.single.config.model.softmax_scale,
+        expanded=False,
+    )
+    atol, rtol, lse_tol = TOLERANCES[case.dtype]
+    vis = dcp.metadata.vis if dcp.metadata is not None else torch.zeros(0)
+    checks = [
+        ("out vs single", *_compare("out", got, want[:, hs], atol, rtol)),
+        ("lse vs single", *_compare("lse", got_lse, want_lse[:, hs], lse_tol, 0.0)),
+        ("out vs reference", *_compare("out", got, ref[:, hs], atol, rtol)),
+        ("lse vs reference", *_compare("lse", got_lse, ref_lse[:, hs], lse_tol, 0.0)),
+        ("empty rows", 0.0, _empty_rows_exact(got, got_lse, vis)),
+        ("layout", 0.0, pair.check_layout()),
+    ]
+    return _result(case, pair.rank, checks)
+
+
+def _absorbed_with_lse(
+    backend: Any, batch: ForwardBatch, inputs: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """What the graph runner captures: store, attend, and return out and lse in one tensor
+    [T, H, L + 1] fp32 (the runner hands back one output)."""
+    out, lse = backend.forward_absorbed(
+        0, inputs["q_nope"], inputs["q_rope"], inputs["k_nope"], inputs["k_rope"], batch, True
+    )
+    return torch.cat([out.float(), lse[..., None]], dim=-1)
+
+
+def run_dcp_stream(case: DCPCase, group: dist.ProcessGroup, device: torch.device) -> dict[str, Any]:
+    """Decode / verify steps through the graph runner (captured on CUDA, the same padded
+    static-buffer path eagerly elsewhere): each step a different subset of requests grows,
+    so batch sizes pad (1, 2, 4, 8), lengths and page tables change between replays."""
+    q = max(case.q_len, 1)
+    n_req = len(case.kv_lens)
+    max_ctx = max(case.kv_lens) + case.steps * q + 1
+    pages = n_req * (-(-max_ctx // case.page_size) + 1) + 2
+    pair = DCPPair(case, group, device, n_req, max_ctx, pages)
+    live = [i for i, n in enumerate(case.kv_lens) if n > 0]
+    pair.fill([pair.rows[i] for i in live], [case.kv_lens[i] for i in live])
+    d, act = case.dims, KV_DTYPES[case.dtype]
+    h_local = case.num_heads // pair.size if case.heads == "tp" else case.num_heads
+    specs = {
+        "q_nope": InputSpec((h_local, d.kv_lora_rank), act),
+        "q_rope": InputSpec((h_local, d.qk_rope_head_dim), act),
+        "k_nope": InputSpec((d.kv_lora_rank,), act),
+        "k_rope": InputSpec((d.qk_rope_head_dim,), act),
+    }
+    dcp = pair.dcp.backend
+    use_graphs = device.type == "cuda"
+    runner = CudaGraphRunner(
+        dcp, partial(_absorbed_with_lse, dcp), specs, (1, 2, 4, 8), q, device, use_graphs
+    )
+    runner.capture()
+    mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
+    atol, rtol, lse_tol = TOLERANCES[case.dtype]
+    checks: list[tuple[str, float, str]] = []
+    buf = pair.dcp.kv_pool.kv_buffer[0]
+    for step in range(case.steps):
+        n = min(len(pair.rows), 1 + pair.rng.randrange(len(pair.rows)))
+        rows = pair.rng.sample(pair.rows, n)
+        prefix = [pair.single.allocator.seq_len(r) for r in rows]
+        loc_s, loc_d, kn, kr = pair.grow(rows, [q] * n)
+        b_s = ForwardBatch.build(mode, rows, prefix, [q] * n, loc_s, device)
+        b_d = ForwardBatch.build(mode, rows, prefix, [q] * n, loc_d, device)
+        q_nope, q_rope = pair.queries(n * q)
+        single = pair.single.backend
+        single.init_forward_metadata(b_s)
+        want, want_lse = single.forward_absorbed(0, q_nope, q_rope, kn, kr, b_s, True)
+        hs = pair.heads
+        inputs = {
+            "q_nope": q_nope[:, hs].contiguous(),
+            "q_rope": q_rope[:, hs].contiguous(),
+            "k_nope": kn,
+            "k_rope": kr,
+        }
+        keep = torch.ones(buf.shape[0], dtype=torch.bool, device=device)
+        keep[: case.page_size] = False  # the dummy page takes padded and non-owned writes
+        keep[loc_d] = False
+        before = buf[keep].clone()
+        if use_graphs:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = runner.replay(b_d, inputs, check_pointers=True).clone()
+        finally:
+            if use_graphs:
+                torch.cuda.set_sync_debug_mode(0)
+        lat = d.kv_lora_rank
+        tag = f"step {step} (n={n})"
+        stray = (
+            ""
+            if torch.equal(buf[keep].view(torch.uint8), before.view(torch.uint8))
+            else ("a padded or non-owned row wrote a real slot")
+        )
+        checks += [
+            (f"{tag} out", *_compare("out", got[..., :lat], want[:, hs].float(), atol, rtol)),
+            (f"{tag} lse", *_compare("lse", got[..., lat], want_lse[:, hs], lse_tol, 0.0)),
+            (f"{tag} stores", 0.0, stray),
+        ]
+    checks.append(("layout", 0.0, pair.check_layout()))
+    return _result(case, pair.rank, checks)
+
+
+def parity_worker(
+    rank: int, group: dist.ProcessGroup, cases: list[DCPCase], device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """Every case on this rank (`launch.spawn` target)."""
+    dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+    # A rank that raises ends the launch (the launcher terminates the others).
+    return [run_dcp_case(case, group, dev) for case in cases]
