@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import KV_DTYPES, Config, MLADims
 from mla_backends.dcp.runtime import DCPRuntime, build_dcp_runtime
@@ -50,15 +51,75 @@ class DCPCase:
     dims: MLADims = field(default_factory=lambda: SMALL)
     prefill_backend: str | None = None  # EXTEND's backend in both runtimes (default: backend)
     graphs: bool = False  # decode / verify stream through the graph runner
+    undefined_empty: bool = False  # wrap the rank's backend in `UndefinedEmptyRows`
     steps: int = 4  # graph stream: steps
     seed: int = 0
 
     @property
     def id(self) -> str:
         g = f"-graph{self.steps}" if self.graphs else ""
+        u = "-undef" if self.undefined_empty else ""
         return (
             f"{self.backend}-{self.mode.value}-q{self.q_len}-p{self.page_size}-h{self.num_heads}-"
-            f"{self.heads}-{self.kv_dtype}-b{len(self.kv_lens)}{g}"
+            f"{self.heads}-{self.kv_dtype}-b{len(self.kv_lens)}{g}{u}"
+        )
+
+
+class UndefinedEmptyRows(MLABackend):
+    """A backend whose rows without keys come back undefined (out NaN, lse 30, which would
+    win any merge): what FlashInfer and FlashMLA return there when the host cannot mask
+    them, inside a captured graph. Decided on the device. DCP must not depend on it."""
+
+    name = "undefined_empty"
+
+    def __init__(self, inner: MLABackend) -> None:
+        super().__init__(inner.ctx)
+        self.inner = inner
+
+    @property
+    def supports_graphs(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_graphs
+
+    @property
+    def cuda_graph_seq_len_fill_value(self) -> int:
+        return self.inner.cuda_graph_seq_len_fill_value
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.inner.init_forward_metadata(batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.inner.init_forward_metadata_capture(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self.inner.init_forward_metadata_replay(batch)
+
+    def store_kv(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        self.inner.store_kv(layer, loc, k_nope, k_rope)
+
+    def _attend_absorbed(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, lse = self.inner._attend_absorbed(layer, q_nope, q_rope, batch, True)
+        ext = batch.extend_seq_lens.long()
+        qo = torch.cumsum(ext, 0) - ext  # first token of each request
+        req = torch.repeat_interleave(
+            torch.arange(ext.numel(), device=ext.device), ext, output_size=batch.num_tokens
+        )
+        j = torch.arange(batch.num_tokens, device=ext.device) - qo[req]
+        empty = batch.seq_lens.long()[req] - ext[req] + j + 1 <= 0
+        assert lse is not None
+        return out.masked_fill(empty[:, None, None], float("nan")), lse.masked_fill(
+            empty[:, None], 30.0
         )
 
 
@@ -97,6 +158,8 @@ class DCPPair:
         dcp_cfg = dataclasses.replace(cfg, model=case.dims.with_heads(local_heads))
         order = self._order(num_pages, case.seed * 131 + rank + 1)
         self.dcp: DCPRuntime = build_dcp_runtime(dcp_cfg, group, case.heads, order)
+        if case.undefined_empty:
+            self.dcp.backend.inner = UndefinedEmptyRows(self.dcp.backend.inner)
         for pool in (self.single.kv_pool, self.dcp.kv_pool):
             pool.kv_buffer[0].fill_(float("nan"))
         self.rows = self.single.req_pool.alloc(num_requests)
@@ -226,7 +289,8 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
     for loc in (loc_s_all, loc_d_all):
         b = ForwardBatch.build(case.mode, pair.rows, prefix, q_lens, loc, device)
         if any(n == 0 for n in case.kv_lens):
-            seq = torch.tensor(list(case.kv_lens), dtype=torch.int32)
+            lens = [0 if n == 0 else p + q for n, p, q in zip(case.kv_lens, prefix, q_lens)]
+            seq = torch.tensor(lens, dtype=torch.int32)
             b.seq_lens_cpu, b.seq_lens = seq, seq.to(device)
         batches.append(b)
     q_nope, q_rope = pair.queries(t)
