@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -152,7 +153,7 @@ class DCPPair:
             device=str(device),
         )
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.rank, self.size = rank, size
+        self.group, self.rank, self.size = group, rank, size
         self.single = Runtime.build(cfg, self._order(num_pages, case.seed))
         local_heads = case.num_heads // size if case.heads == "tp" else case.num_heads
         dcp_cfg = dataclasses.replace(cfg, model=case.dims.with_heads(local_heads))
@@ -205,6 +206,30 @@ class DCPPair:
             self.dcp.backend.store_kv(0, loc_d, kn, kr)
             for r, k in zip(grow, n):
                 left[r] -= k
+
+    def single_attend(
+        self,
+        batch: ForwardBatch,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_rope: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The single-process (out, lse), computed on rank 0 and broadcast (on every rank it
+        would multiply the CPU tests' work by N); every rank stores the new rows."""
+        be = self.single.backend
+        if self.rank == 0:
+            be.init_forward_metadata(batch)
+            out, lse = be.forward_absorbed(0, q_nope, q_rope, k_nope, k_rope, batch, True)
+            out, lse = out.contiguous(), lse.contiguous()
+        else:
+            be.store_kv(0, batch.out_cache_loc, k_nope, k_rope)
+            out = torch.empty_like(q_nope)
+            lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+        src = dist.get_global_rank(self.group, 0)
+        dist.broadcast(out, src, group=self.group)
+        dist.broadcast(lse, src, group=self.group)
+        return out, lse
 
     def queries(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         d, h = self.case.dims, self.case.num_heads
@@ -297,8 +322,7 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
     hs = pair.heads
 
     single = pair.single.backend
-    single.init_forward_metadata(batches[0])
-    want, want_lse = single.forward_absorbed(0, q_nope, q_rope, kn, kr, batches[0], True)
+    want, want_lse = pair.single_attend(batches[0], q_nope, q_rope, kn, kr)
     dcp = pair.dcp.backend
     dcp.init_forward_metadata(batches[1])
     got, got_lse = dcp.forward_absorbed(
@@ -325,7 +349,21 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
         ("empty rows", 0.0, _empty_rows_exact(got, got_lse, vis)),
         ("layout", 0.0, pair.check_layout()),
     ]
+    if case.mode is ForwardMode.EXTEND:  # chunked-prefix MHA reads the prefix from all ranks
+        checks.append(("prefix rows", 0.0, _same_prefix_rows(single, dcp, batches)))
     return _result(case, pair.rank, checks)
+
+
+def _same_prefix_rows(single: MLABackend, dcp: MLABackend, batches: list[ForwardBatch]) -> str:
+    want, got = single.prefix_rows(0, batches[0]), dcp.prefix_rows(0, batches[1])
+    for name, w, g in zip(("latent", "rope"), want[:2], got[:2]):
+        if w.shape != g.shape or not torch.equal(w, g):
+            return f"{name} prefix rows differ from the single-process ones"
+    if not torch.equal(want[2].kv_indptr_cpu, got[2].kv_indptr_cpu) or not torch.equal(
+        want[2].qo_indptr_cpu, got[2].qo_indptr_cpu
+    ):
+        return "prefix layouts differ"
+    return ""
 
 
 def _absorbed_with_lse(
@@ -376,9 +414,7 @@ def run_dcp_stream(case: DCPCase, group: dist.ProcessGroup, device: torch.device
         b_s = ForwardBatch.build(mode, rows, prefix, [q] * n, loc_s, device)
         b_d = ForwardBatch.build(mode, rows, prefix, [q] * n, loc_d, device)
         q_nope, q_rope = pair.queries(n * q)
-        single = pair.single.backend
-        single.init_forward_metadata(b_s)
-        want, want_lse = single.forward_absorbed(0, q_nope, q_rope, kn, kr, b_s, True)
+        want, want_lse = pair.single_attend(b_s, q_nope, q_rope, kn, kr)
         hs = pair.heads
         inputs = {
             "q_nope": q_nope[:, hs].contiguous(),
@@ -418,5 +454,9 @@ def parity_worker(
 ) -> list[dict[str, Any]]:
     """Every case on this rank (`launch.spawn` target)."""
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-    # A rank that raises ends the launch (the launcher terminates the others).
-    return [run_dcp_case(case, group, dev) for case in cases]
+    out = []
+    for case in cases:  # a rank that raises ends the launch (the launcher stops the others)
+        start = time.perf_counter()
+        out.append(run_dcp_case(case, group, dev))
+        out[-1]["seconds"] = time.perf_counter() - start
+    return out
