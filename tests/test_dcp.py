@@ -24,7 +24,7 @@ from mla_backends.config import Config
 from mla_backends.dcp.comm import merge_partials
 from mla_backends.dcp.launch import spawn
 from mla_backends.dcp.layout import DCPLayout, DCPTokenAllocator
-from mla_backends.dcp.parity import DCPCase, parity_worker
+from mla_backends.dcp.parity import DCPCase, edge_lens, gpu_cases, parity_worker
 from mla_backends.pool import ReqToTokenPool
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -127,18 +127,11 @@ def test_merge_partials_takes_a_lone_share_exactly_and_ignores_garbage() -> None
 
 
 # ---------------------------------------------------------------------------- gloo launches
-def _lens(size: int, page: int) -> tuple[int, ...]:
-    """Ragged global lengths: shorter than the group (0-3), and around a local page edge on
-    every rank (N * page - 1, N * page, N * page + 1), plus one odd longer one."""
-    edge = size * page
-    return (0, 1, 2, 3, edge - 1, edge, edge + 1, 2 * edge + 37)
-
-
 def _cases(size: int, backends: tuple[str, ...], pages: tuple[int, ...]) -> list[DCPCase]:
     cases = []
     for be in backends:
         for page in pages:
-            lens = _lens(size, page)
+            lens = edge_lens(size, page)
             cases += [
                 DCPCase(be, DECODE, 1, page, kv_lens=lens),
                 DCPCase(be, VERIFY, 3, page, kv_lens=lens),
@@ -146,7 +139,7 @@ def _cases(size: int, backends: tuple[str, ...], pages: tuple[int, ...]) -> list
             ]
         # Tensor-parallel heads, the graph runner's static path, bf16: at one page size.
         p = pages[len(pages) // 2]
-        lens = _lens(size, p)
+        lens = edge_lens(size, p)
         cases += [
             DCPCase(be, DECODE, 1, p, heads="tp", kv_lens=lens),
             DCPCase(be, VERIFY, 2, p, heads="tp", kv_lens=lens),
@@ -160,7 +153,7 @@ def _cases(size: int, backends: tuple[str, ...], pages: tuple[int, ...]) -> list
 
 def _undefined_empty_cases(size: int, page: int) -> list[DCPCase]:
     """A backend that leaves rows without keys undefined, as kernels do inside a graph."""
-    lens = _lens(size, page)
+    lens = edge_lens(size, page)
     return [
         DCPCase("torch", DECODE, 1, page, kv_lens=lens, undefined_empty=True),
         DCPCase("torch", VERIFY, 3, page, heads="tp", kv_lens=lens, undefined_empty=True),
@@ -209,7 +202,7 @@ def _check(results: dict[str, list[dict[str, Any]]], case: DCPCase, size: int) -
 
 
 def test_case_ids_are_unique() -> None:
-    for cases in (CASES_2, CASES_4):
+    for cases in (CASES_2, CASES_4, gpu_cases(2)):
         assert len({c.id for c in cases}) == len(cases)
 
 
@@ -307,3 +300,23 @@ def test_deepseek_v3_logits_with_dcp2_equal_single_process(backend: str) -> None
     ]
     assert not bad, "; ".join(bad)
     assert len(reports[0]) == 2 * 11
+
+
+# ---------------------------------------------------------------------------- NCCL
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_dcp2_equals_single_process_with_graphs() -> None:
+    """triton, flashinfer_mla and flashmla over NCCL, DeepSeek-V3 dims: decode, verify,
+    extend, H 16 / 128, replicated and TP heads, FP8 pools, and captured CUDA graphs with
+    the collectives inside (50 replays over changing batches, no host sync)."""
+    cases = gpu_cases(2)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for rank_results in spawn(parity_worker, 2, "nccl", (cases, "cuda")):
+        for r in rank_results:
+            results.setdefault(r["id"], []).append(r)
+    bad = [
+        f"{c.id} rank {r['rank']}: {r['detail']}"
+        for c in cases
+        for r in results[c.id]
+        if not r["ok"]
+    ]
+    assert not bad, "\n".join(bad)

@@ -18,6 +18,15 @@ import torch.multiprocessing as mp
 Worker = Callable[..., Any]  # (rank, group, *args) -> JSON-serialisable result
 
 
+# NVLink multicast (NVLS) stays off: a program using it can put a shared host's GPUs out of
+# service. DCP's all-gather / all-to-all do not need it.
+NCCL_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
 def _entry(
     rank: int, world: int, backend: str, store: str, out_dir: str, fn: Worker, args: tuple
 ) -> None:
@@ -37,6 +46,8 @@ def spawn(fn: Worker, nprocs: int, backend: str = "gloo", args: tuple = ()) -> l
     """Run `fn(rank, group, *args)` on `nprocs` fresh processes; returns their results in
     rank order. `fn` must be importable (a module-level function). A failing rank raises
     here with its traceback."""
+    if backend == "nccl":
+        os.environ.update(NCCL_SAFE_ENV)  # inherited by the spawned ranks
     with tempfile.TemporaryDirectory(prefix="dcp-") as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(

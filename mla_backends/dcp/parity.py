@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.config import KV_DTYPES, Config, MLADims
+from mla_backends.config import DEEPSEEK_V3, KV_DTYPES, Config, MLADims
 from mla_backends.dcp.runtime import DCPRuntime, build_dcp_runtime
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.reference import batch_reference
 from mla_backends.runtime import Runtime
-from mla_backends.testing import TOLERANCES, _compare
+from mla_backends.testing import FP8_SCALE, TOLERANCES, _compare
 
 # Kernel-legal tiny dims for the triton interpreter: powers of two, distinct.
 SMALL = MLADims(
@@ -124,6 +124,48 @@ class UndefinedEmptyRows(MLABackend):
         )
 
 
+def edge_lens(size: int, page: int, long: int = 0) -> tuple[int, ...]:
+    """Ragged global lengths: shorter than the group (0-3), around a local page edge on every
+    rank (N * page - 1, N * page, N * page + 1), one odd longer one, and `long` if given."""
+    edge = size * page
+    return (0, 1, 2, 3, edge - 1, edge, edge + 1, 2 * edge + 37) + ((long,) if long else ())
+
+
+def gpu_cases(size: int = 2) -> list[DCPCase]:
+    """The NCCL equality matrix (DeepSeek-V3 dims, bf16): triton, flashinfer_mla and flashmla
+    (EXTEND through triton, as its runtime would) at their page sizes; decode, verify and
+    extend at H 16; H 128 decode and TP-heads verify; FP8 pools where the backend takes them;
+    captured CUDA graphs with NCCL collectives inside, replayed over changing batches."""
+    bf16 = {"dtype": "bfloat16", "kv_dtype": "bfloat16", "dims": DEEPSEEK_V3}
+    cases = []
+    for be, pages, fp8 in (
+        ("triton", (16, 64), True),
+        ("flashinfer_mla", (1, 64), True),
+        ("flashmla", (64,), False),
+    ):
+        pre = "triton" if be == "flashmla" else None
+        for p in pages:
+            lens = edge_lens(size, p, long=3001)
+            kw = {"kv_lens": lens, "prefill_backend": pre, **bf16}
+            cases += [
+                DCPCase(be, ForwardMode.DECODE, 1, p, 16, **kw),
+                DCPCase(be, ForwardMode.TARGET_VERIFY, 2, p, 16, **kw),
+                DCPCase(be, ForwardMode.EXTEND, 0, p, 16, **kw),
+                DCPCase(be, ForwardMode.DECODE, 1, p, 128, **kw),
+                DCPCase(be, ForwardMode.TARGET_VERIFY, 2, p, 128, "tp", **kw),
+            ]
+        p = pages[-1]
+        kw = {"kv_lens": edge_lens(size, p, long=3001), "prefill_backend": pre, **bf16}
+        cases += [
+            DCPCase(be, ForwardMode.DECODE, 1, p, 128, graphs=True, steps=50, **kw),
+            DCPCase(be, ForwardMode.TARGET_VERIFY, 2, p, 16, "tp", graphs=True, steps=20, **kw),
+        ]
+        if fp8:
+            kw = dict(kw, kv_dtype="float8_e4m3fn")
+            cases.append(DCPCase(be, ForwardMode.DECODE, 1, p, 16, **kw))
+    return cases
+
+
 class DCPPair:
     """A single-process runtime and this rank's DCP runtime over the same requests."""
 
@@ -163,6 +205,8 @@ class DCPPair:
             self.dcp.backend.inner = UndefinedEmptyRows(self.dcp.backend.inner)
         for pool in (self.single.kv_pool, self.dcp.kv_pool):
             pool.kv_buffer[0].fill_(float("nan"))
+            if pool.is_fp8:
+                pool.set_scale(0, FP8_SCALE)
         self.rows = self.single.req_pool.alloc(num_requests)
         if self.dcp.req_pool.alloc(num_requests) != self.rows:
             raise AssertionError("request rows differ between the runtimes")
