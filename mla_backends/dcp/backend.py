@@ -223,9 +223,13 @@ class DCPBackend(MLABackend):
         need_lse: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         md = self.metadata
-        if md is None:
-            raise RuntimeError("init_forward_metadata was not called for this batch")
         lat = self.dims.kv_lora_rank
+        if md is None:
+            if batch.batch_size == 0:  # every rank runs the same (empty) batch: no collective
+                t, h = q_nope.shape[:2]
+                empty = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
+                return q_nope.new_empty(t, h, lat), empty
+            raise RuntimeError("init_forward_metadata was not called for this batch")
         if self.heads == "tp":  # one all-gather for both parts, q_nope / q_rope stay views
             q = self.comm.gather_heads(torch.cat([q_nope, q_rope], dim=-1))
             q_nope, q_rope = q[..., :lat], q[..., lat:]

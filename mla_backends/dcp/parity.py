@@ -331,6 +331,8 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
     """One batch (DECODE, TARGET_VERIFY or EXTEND) through the DCP backend on this rank."""
     if case.graphs:
         return run_dcp_stream(case, group, device)
+    if not case.kv_lens:
+        return _run_empty_batch(case, group, device)
     pages = sum(-(-(n + 1) // case.page_size) for n in case.kv_lens) + 2
     pair = DCPPair(case, group, device, len(case.kv_lens), max(max(case.kv_lens), 1) + 1, pages)
     q_lens = _q_lens(case, pair.rng)
@@ -396,6 +398,23 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
     if case.mode is ForwardMode.EXTEND:  # chunked-prefix MHA reads the prefix from all ranks
         checks.append(("prefix rows", 0.0, _same_prefix_rows(single, dcp, batches)))
     return _result(case, pair.rank, checks)
+
+
+def _run_empty_batch(
+    case: DCPCase, group: dist.ProcessGroup, device: torch.device
+) -> dict[str, Any]:
+    """A batch of no requests (an idle step every rank of the group takes together)."""
+    pair = DCPPair(case, group, device, 1, 2, 2)
+    empty = torch.zeros(0, dtype=torch.int64)
+    batch = ForwardBatch.build(case.mode, [], [], [], empty, device)
+    q_nope, q_rope = pair.queries(0)
+    h = q_nope.shape[1] // (pair.size if case.heads == "tp" else 1)
+    dcp = pair.dcp.backend
+    dcp.init_forward_metadata(batch)
+    out, lse = dcp.forward_absorbed(0, q_nope[:, :h], q_rope[:, :h], None, None, batch, True)
+    lat = case.dims.kv_lora_rank
+    ok = out.shape == (0, h, lat) and lse.shape == (0, h)
+    return _result(case, pair.rank, [("shapes", 0.0, "" if ok else f"{out.shape} {lse.shape}")])
 
 
 def _same_prefix_rows(single: MLABackend, dcp: MLABackend, batches: list[ForwardBatch]) -> str:
