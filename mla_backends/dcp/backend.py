@@ -1,0 +1,326 @@
+"""`DCPBackend`: any suite backend in its decode-context-parallel form.
+
+Every rank holds a token-interleaved share of each request's KV (`layout.py`) and runs the
+wrapped backend over its own pool. A query token at global visibility V (it may see global
+positions < V; V = seq_len - q_len + j + 1, bottom-right) sees on rank r the first
+`local(V, r)` rows of the rank's local sequence. Each rank returns (out_r, lse_r) for every
+query row; the ranks' partials are merged by log-sum-exp (`merge_states`, in `comm.py`).
+
+Per-rank batches handed to the wrapped backend:
+- DECODE and TARGET_VERIFY: one DECODE row per query token (request row repeated, seq_len
+  its local visible count). Exact for every backend, since each implements the bottom-right
+  rule at q_len 1, and built by device ops of static shape from the global lengths, so it
+  refills graph buffers without a host sync.
+- EXTEND: per request, its query tokens grouped by j mod N. Within a group consecutive
+  queries are N positions apart, so their local visible counts rise by exactly one: each
+  group is one ordinary bottom-right EXTEND row (q_len m, kv_len the last query's count).
+  One token per group may see nothing on this rank (V <= r); it is left out (out 0, lse
+  -inf). This reads each local row about N times per request instead of once per query
+  token (a chunk of 8k tokens over a long prefix would read it 8k times as decode rows).
+  Built on the host from the CPU lengths (EXTEND is never graph-captured).
+
+Heads: "replicated" (every rank holds all H query heads; out and lse are all-gathered and
+merged, every rank gets the whole result) or "tp" (a tensor-parallel group, each rank holds
+H / N heads: q is all-gathered over heads before attention, and an all-to-all sends each
+rank the partials of its own heads, which it merges: the reduce-scatter pattern).
+MHA-mode prefill attends the new tokens' own k / v (not the pool), which every rank has:
+it runs on each rank without communication. The latent rows are stored by their owners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from mla_backends.backends.base import BackendContext, MLABackend
+from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
+from mla_backends.dcp.comm import DCPGroup, merge_partials
+from mla_backends.dcp.layout import DCPLayout
+from mla_backends.indices import build_token_indices
+
+HEAD_MODES = ("replicated", "tp")
+
+
+@dataclass
+class DCPMetadata:
+    vis: torch.Tensor  # [T] int32, device: global keys each query token may see
+    valid: torch.Tensor  # [N, T] bool, device: rank k holds at least one of them (vis > k)
+    local: ForwardBatch  # this rank's batch for the wrapped backend
+    perm: torch.Tensor | None  # EXTEND: [T'] int64, device: the token of each local row
+
+
+@dataclass
+class DCPGraphState:
+    """Static buffers of the per-rank rows batch, sized for the largest captured batch."""
+
+    rows: torch.Tensor  # [max_t] int32
+    seq: torch.Tensor  # [max_t] int32
+    pre: torch.Tensor  # [max_t] int32
+    ext: torch.Tensor  # [max_t] int32, all 1
+    vis: torch.Tensor  # [max_t] int32
+    valid: torch.Tensor  # [N, max_t] bool
+
+
+class DCPBackend(MLABackend):
+    """`inner` is a suite backend over this rank's pool with all H heads; `mha` serves
+    MHA-mode prefill (in "tp" mode, a backend with this rank's H / N heads)."""
+
+    name = "dcp"
+
+    def __init__(
+        self,
+        inner: MLABackend,
+        group: DCPGroup,
+        heads: str = "replicated",
+        mha: MLABackend | None = None,
+    ) -> None:
+        if heads not in HEAD_MODES:
+            raise ValueError(f"DCP heads={heads!r} is not one of {HEAD_MODES}")
+        if not inner.provides_lse:
+            raise ValueError(f"DCP merges by LSE; backend {inner.name!r} returns none")
+        h = inner.dims.num_heads
+        if heads == "tp" and h % group.size:
+            raise ValueError(f"DCP heads='tp': {h} heads do not split over {group.size} ranks")
+        ctx = inner.ctx
+        if heads == "tp":
+            dims = inner.dims.with_heads(h // group.size)
+            ctx = BackendContext(
+                dataclasses.replace(ctx.config, model=dims), ctx.kv_pool, ctx.req_to_token_pool
+            )
+        super().__init__(ctx)
+        self.inner, self.comm, self.heads = inner, group, heads
+        self.mha = inner if mha is None else mha
+        if self.mha.dims.num_heads != self.dims.num_heads:
+            raise ValueError(
+                f"DCP MHA backend has {self.mha.dims.num_heads} heads, this rank "
+                f"{self.dims.num_heads}"
+            )
+        self.layout = DCPLayout(group.rank, group.size)
+        self.metadata: DCPMetadata | None = None
+        self._graph: DCPGraphState | None = None
+
+    @property
+    def supports_graphs(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_graphs
+
+    @property
+    def cuda_graph_seq_len_fill_value(self) -> int:
+        # N x the inner fill: a padded decode row then gives every rank the inner fill.
+        return self.layout.size * self.inner.cuda_graph_seq_len_fill_value
+
+    def effective_query(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.effective_query(q_nope, q_rope)
+
+    @property
+    def quantizes_query(self) -> bool:
+        return self.inner.quantizes_query
+
+    # ------------------------------------------------------------------ metadata
+    def _ranks_seeing(self, vis: torch.Tensor) -> torch.Tensor:
+        ranks = torch.arange(self.layout.size, device=vis.device, dtype=vis.dtype)
+        return vis[None, :] > ranks[:, None]
+
+    def _rows_metadata(self, batch: ForwardBatch, static: DCPGraphState | None) -> DCPMetadata:
+        """DECODE / TARGET_VERIFY: one DECODE row per query token, device ops only."""
+        b = batch.batch_size
+        q = 1 if batch.mode is ForwardMode.DECODE else batch.num_draft_tokens
+        t = b * q
+        j_cpu = torch.arange(q, dtype=torch.int32)
+        j = torch.arange(q, dtype=torch.int32, device=batch.seq_lens.device)
+        vis_cpu = (batch.seq_lens_cpu[:, None] - q + j_cpu[None, :] + 1).clamp(min=0).reshape(t)
+        vis = (batch.seq_lens[:, None] - q + j[None, :] + 1).clamp(min=0).reshape(t)
+        seq_cpu = self.layout.local_lens(vis_cpu)
+        seq = self.layout.local_lens(vis)
+        rows = batch.req_pool_indices[:, None].expand(b, q).reshape(t)
+        pre = (seq - 1).clamp(min=0)
+        ext = torch.ones_like(seq)
+        valid = self._ranks_seeing(vis)
+        if static is not None:
+            for name, val in (("rows", rows), ("seq", seq), ("pre", pre), ("vis", vis)):
+                getattr(static, name)[:t].copy_(val)
+            static.valid[:, :t].copy_(valid)
+            rows, seq, pre, vis = static.rows[:t], static.seq[:t], static.pre[:t], static.vis[:t]
+            ext, valid = static.ext[:t], static.valid[:, :t]
+        local = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            req_pool_indices=rows,
+            seq_lens=seq,
+            seq_lens_cpu=seq_cpu,
+            extend_prefix_lens=pre,
+            extend_prefix_lens_cpu=(seq_cpu - 1).clamp(min=0),
+            extend_seq_lens=ext,
+            extend_seq_lens_cpu=torch.ones(t, dtype=torch.int32),
+            out_cache_loc=batch.out_cache_loc,  # only its length is read: rows are stored
+            positions=batch.positions,
+        )
+        return DCPMetadata(vis, valid, local, None)
+
+    def _extend_metadata(self, batch: ForwardBatch) -> DCPMetadata:
+        """EXTEND: one local EXTEND row per (request, j mod N) group; built on the host."""
+        lay, dev = self.layout, batch.seq_lens.device
+        sub, q_lens, kv_lens, perm, vis = [], [], [], [], []
+        start = 0
+        for b, (s, n) in enumerate(
+            zip(batch.seq_lens_cpu.tolist(), batch.extend_seq_lens_cpu.tolist())
+        ):
+            vis.extend(max(0, s - n + j + 1) for j in range(n))
+            for c in range(min(n, lay.size)):
+                group = [j for j in range(c, n, lay.size) if lay.local_len(s - n + j + 1) > 0]
+                if group:
+                    sub.append(b)
+                    q_lens.append(len(group))
+                    kv_lens.append(lay.local_len(s - n + group[-1] + 1))
+                    perm.extend(start + j for j in group)
+            start += n
+        i32 = torch.int32
+        seq_cpu, ext_cpu = torch.tensor(kv_lens, dtype=i32), torch.tensor(q_lens, dtype=i32)
+        pre_cpu = seq_cpu - ext_cpu
+        sub_t = torch.tensor(sub, dtype=torch.int64).to(dev)
+        local = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            req_pool_indices=batch.req_pool_indices[sub_t],
+            seq_lens=seq_cpu.to(dev),
+            seq_lens_cpu=seq_cpu,
+            extend_prefix_lens=pre_cpu.to(dev),
+            extend_prefix_lens_cpu=pre_cpu,
+            extend_seq_lens=ext_cpu.to(dev),
+            extend_seq_lens_cpu=ext_cpu,
+            out_cache_loc=torch.zeros(len(perm), dtype=torch.int64, device=dev),
+            positions=torch.zeros(len(perm), dtype=torch.int64, device=dev),
+        )
+        vis_t = torch.tensor(vis, dtype=i32).to(dev)
+        perm_t = torch.tensor(perm, dtype=torch.int64).to(dev)
+        return DCPMetadata(vis_t, self._ranks_seeing(vis_t), local, perm_t)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.batch_size == 0:
+            self.metadata = None
+            return
+        if batch.mode is ForwardMode.EXTEND:
+            self.metadata = self._extend_metadata(batch)
+        else:
+            self.metadata = self._rows_metadata(batch, None)
+        if self.metadata.local.batch_size:
+            self.inner.init_forward_metadata(self.metadata.local)
+
+    # ------------------------------------------------------------------ attention
+    def store_kv(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        """Tokens other ranks own come with slot 0 (the dummy page): stored there, never read."""
+        self.inner.store_kv(layer, loc, k_nope, k_rope)
+
+    def _attend_absorbed(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        md = self.metadata
+        lat = self.dims.kv_lora_rank
+        if md is None:
+            if batch.batch_size == 0:  # every rank runs the same (empty) batch: no collective
+                t, h = q_nope.shape[:2]
+                empty = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
+                return q_nope.new_empty(t, h, lat), empty
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        if self.heads == "tp":  # one all-gather for both parts, q_nope / q_rope stay views
+            q = self.comm.gather_heads(torch.cat([q_nope, q_rope], dim=-1))
+            q_nope, q_rope = q[..., :lat], q[..., lat:]
+        t, h = q_nope.shape[:2]
+        if md.perm is None:
+            out, lse = self.inner.forward_absorbed(
+                layer, q_nope, q_rope, None, None, md.local, return_lse=True
+            )
+        else:
+            out = torch.zeros(t, h, lat, dtype=q_nope.dtype, device=q_nope.device)
+            lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=q_nope.device)
+            if md.local.batch_size:
+                o, s = self.inner.forward_absorbed(
+                    layer, q_nope[md.perm], q_rope[md.perm], None, None, md.local, True
+                )
+                out[md.perm], lse[md.perm] = o, s
+        if self.heads == "tp":
+            out_k, lse_k = self.comm.scatter_heads(out), self.comm.scatter_heads(lse)
+        else:
+            out_k, lse_k = self.comm.all_gather(out), self.comm.all_gather(lse)
+        return merge_partials(out_k, lse_k, md.valid)
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool = True,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """MHA-mode prefill over the new tokens' own k / v: on every rank, no communication."""
+        return self.mha.forward_mha(q, k, v, layout, causal, return_lse)
+
+    def prefix_rows(
+        self, layer: int, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, RaggedLayout]:
+        """The whole cached prefix of every request (chunked-prefix MHA prefill), assembled
+        on every rank from all ranks' shares: one all-gather, padded to rank 0's share (the
+        largest). Transient: each rank holds the whole prefix for the duration of the layer."""
+        lay, dev = self.layout, batch.seq_lens.device
+        pre = batch.extend_prefix_lens_cpu.tolist()
+        shares = [[lay.local_len(p, k) for p in pre] for k in range(lay.size)]
+        width = sum(shares[0])
+        _, slots = build_token_indices(
+            self.req_to_token,
+            batch.req_pool_indices,
+            lay.local_lens(batch.extend_prefix_lens),
+            sum(shares[lay.rank]),
+        )
+        mine = torch.zeros(width, self.dims.kv_dim, dtype=torch.float32, device=dev)
+        mine[: slots.numel()] = self.pool.load_rows(layer, slots)
+        every = self.comm.all_gather(mine).reshape(lay.size * width, -1)
+        # Global prefix position i of a request: rank i % N, local index i // N, after the
+        # shares of the requests before it in that rank's block.
+        parts, off = [], torch.zeros(lay.size, dtype=torch.int64)
+        for b, p in enumerate(pre):
+            i = torch.arange(p)
+            k = i % lay.size
+            parts.append(k * width + off[k] + i // lay.size)
+            off += torch.tensor([shares[k][b] for k in range(lay.size)])
+        index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        rows = every[index.to(dev)]
+        layout = RaggedLayout.from_lens(batch.extend_seq_lens_cpu.tolist(), pre, dev)
+        lat = self.dims.kv_lora_rank
+        return rows[:, :lat], rows[:, lat:], layout
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        i32 = {"dtype": torch.int32, "device": self.device}
+        n = self.layout.size
+        self._graph = DCPGraphState(
+            rows=torch.zeros(max_num_tokens, **i32),
+            seq=torch.zeros(max_num_tokens, **i32),
+            pre=torch.zeros(max_num_tokens, **i32),
+            ext=torch.ones(max_num_tokens, **i32),
+            vis=torch.zeros(max_num_tokens, **i32),
+            valid=torch.zeros(n, max_num_tokens, dtype=torch.bool, device=self.device),
+        )
+        # One local row per query token: the wrapped backend's largest batch is max_t.
+        self.inner.init_cuda_graph_state(max_num_tokens, max_num_tokens)
+
+    def _graph_metadata(self, batch: ForwardBatch) -> DCPMetadata:
+        if self._graph is None:
+            raise RuntimeError("init_cuda_graph_state first")
+        return self._rows_metadata(batch, self._graph)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.metadata = self._graph_metadata(batch)
+        self.inner.init_forward_metadata_capture(self.metadata.local)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self.metadata = self._graph_metadata(batch)
+        self.inner.init_forward_metadata_replay(self.metadata.local)
