@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 PAGE_SIZES = (1, 16, 32, 64, 128)
+DCP_HEADS = ("replicated", "tp")
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -170,6 +171,10 @@ class Config:
     max_context_len: int = 2048
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     device: str = "auto"
+    # Decode context parallelism: each request's KV spread over `dcp_size` ranks
+    # (mla_backends.dcp); "replicated": every rank holds all heads, "tp": H / dcp_size each.
+    dcp_size: int = 1
+    dcp_heads: str = "replicated"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MLADims):
@@ -196,6 +201,10 @@ class Config:
         object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
         for key in ("prefill_backend", "decode_backend"):
             _check_str(key, getattr(self, key), "auto or a backend name")
+        _check_int("", "dcp_size", self.dcp_size, 1)
+        _check_str("dcp_heads", self.dcp_heads, "replicated, tp")
+        if self.dcp_heads not in DCP_HEADS:
+            raise ConfigError(f"dcp_heads={self.dcp_heads!r} is not one of {list(DCP_HEADS)}")
         _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")

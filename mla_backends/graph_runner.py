@@ -135,7 +135,8 @@ class CudaGraphRunner:
 
     def pointer_snapshot(self) -> dict[str, int]:
         """data_ptr of every tensor in the backend's metadata for the current batch (fields,
-        nested dataclasses, tuples and dicts): each must be the same buffer at every replay."""
+        nested dataclasses, tuples and dicts): each must be the same buffer at every replay.
+        Host copies (fields named `*_cpu`) are per-batch host data, not what a graph reads."""
         snap: dict[str, int] = {}
         _collect("metadata", self.backend.metadata, snap)
         return snap
@@ -180,7 +181,8 @@ def _collect(path: str, obj: object, snap: dict[str, int]) -> None:
         snap[path] = obj.data_ptr()
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            _collect(f"{path}.{f.name}", getattr(obj, f.name), snap)
+            if not f.name.endswith("_cpu"):
+                _collect(f"{path}.{f.name}", getattr(obj, f.name), snap)
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             _collect(f"{path}[{i}]", v, snap)

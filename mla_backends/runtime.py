@@ -10,7 +10,7 @@ from mla_backends.backends.base import BackendContext
 from mla_backends.backends.dispatch import DispatchBackend
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.backends.registry import get_backend_class
-from mla_backends.config import Config
+from mla_backends.config import Config, ConfigError
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 
 
@@ -33,6 +33,14 @@ class Runtime:
 
     @classmethod
     def build(cls, config: Config, page_order: Sequence[int] | None = None) -> Runtime:
+        """One process's pool, request table, allocator and backend. With `dcp_size` > 1
+        each rank of a process group builds `mla_backends.dcp.build_dcp_runtime` instead."""
+        if config.dcp_size > 1:
+            raise ConfigError(
+                f"dcp_size={config.dcp_size}: build each rank with "
+                "mla_backends.dcp.build_dcp_runtime(config, group) inside a torch.distributed "
+                "process group of that size"
+            )
         dev, dims = config.torch_device, config.model
         pool = MLATokenToKVPool(
             config.num_layers,

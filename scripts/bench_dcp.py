@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mla_backends.arith import cdiv
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import DEEPSEEK_V3, Config
 from mla_backends.dcp.launch import spawn
@@ -51,7 +52,7 @@ def _config(a: dict[str, Any], backend: str, heads: int, ctx: int, dev: str) -> 
         page_size=a["page"],
         kv_dtype=a["dtype"],
         dtype=a["dtype"],
-        num_pages=a["batch"] * (-(-ctx // a["page"]) + 1) + 2,
+        num_pages=a["batch"] * (cdiv(ctx, a["page"]) + 1) + 2,
         max_requests=a["batch"],
         max_context_len=a["context"] + 8,
         device=dev,
@@ -128,7 +129,7 @@ def bench_worker(rank: int, group: dist.ProcessGroup, a: dict[str, Any]) -> dict
                 )
             dist.barrier(group)
         for mode, heads in (("replicated", h), ("tp", h // n)):
-            cfg = _config(a, be, heads, -(-ctx // n), str(dev))
+            cfg = _config(a, be, heads, cdiv(ctx, n), str(dev))
             rt = build_dcp_runtime(cfg, group, mode)
             res[f"dcp{n}_{mode}"] = _slowest(_measure(rt, a, heads, group), group, dev)
             del rt

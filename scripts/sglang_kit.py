@@ -191,7 +191,8 @@ def factory_reason(backend: str, page: int, fp8: bool, device: str) -> str | Non
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
     from sglang_cpu import kit_support as ks
 
-    from mla_backends.integrations.sglang.binding import SettingsError
+    from mla_backends.arith import round_up
+from mla_backends.integrations.sglang.binding import SettingsError
 
     case = ks.decode_case("probe", backend, 16, page, (page + 1,))
     try:
@@ -457,7 +458,7 @@ def bench_one(
         absorb += ["cutedsl_mla", "tokenspeed_mla", "ascend", "intel_xpu"]
         absorb += [n for n in ATTENTION_BACKENDS if n.startswith("mlab_")]
     lat, r = 512, 64
-    max_ctx = -(-(kv + 1) // page) * page
+    max_ctx = round_up(kv + 1, page)
     mc = kit.TinyMLAModelConfig(
         num_heads=heads, kv_lora_rank=lat, qk_rope_head_dim=r, hidden_size=1024, context_len=max_ctx
     )

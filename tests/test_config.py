@@ -167,3 +167,15 @@ def test_shipped_configs_parse() -> None:
         except ConfigError as e:
             assert str(path) in str(e), str(e)
             assert "cannot run here" in str(e) or "no usable CUDA device" in str(e), str(e)
+
+
+def test_dcp_keys_are_checked_and_a_single_process_runtime_refuses_dcp(tmp_path: Path) -> None:
+    from mla_backends.runtime import Runtime
+
+    with pytest.raises(ConfigError, match=r"dcp_heads='rows' is not one of \['replicated', 'tp'\]"):
+        load_config(_write(tmp_path, "dcp_heads: rows\n"))
+    with pytest.raises(ConfigError, match=r"dcp_size"):
+        load_config(_write(tmp_path, "dcp_size: 0\n"))
+    cfg = load_config(_write(tmp_path, "dcp_size: 2\ndevice: cpu\n"))
+    with pytest.raises(ConfigError, match=r"dcp_size=2: build each rank with .*build_dcp_runtime"):
+        Runtime.build(cfg)

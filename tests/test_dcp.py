@@ -266,9 +266,9 @@ def _model_worker(
     share), per (page size, chunked_prefix_min): None extends over a prefix absorbed, 8
     through chunked-prefix MHA."""
     from mla_backends.dcp.runtime import build_dcp_runtime
+    from mla_backends.models.engine import Engine
+    from mla_backends.models.run import RANDOM_SIZES, random_model
     from mla_backends.runtime import Runtime
-    from models.engine import Engine
-    from models.run import RANDOM_SIZES, random_model
 
     raw = dict(RANDOM_SIZES["tiny"], num_hidden_layers=2)
     gen = torch.Generator().manual_seed(7)

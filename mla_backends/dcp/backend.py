@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mla_backends.backends.base import BackendContext, MLABackend
+from mla_backends.backends.base import BackendContext, GraphCapable, MLABackend
+from mla_backends.backends.paged_table import QueryQuantizer
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.dcp.comm import DCPGroup, merge_partials
 from mla_backends.dcp.layout import DCPLayout
@@ -63,7 +65,7 @@ class DCPGraphState:
     valid: torch.Tensor  # [N, max_t] bool
 
 
-class DCPBackend(MLABackend):
+class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
     """`inner` is a suite backend over this rank's pool with all H heads; `mha` serves
     MHA-mode prefill (in "tp" mode, a backend with this rank's H / N heads)."""
 
@@ -71,14 +73,14 @@ class DCPBackend(MLABackend):
 
     def __init__(
         self,
-        inner: MLABackend,
+        inner: MLABackend[Any],
         group: DCPGroup,
         heads: str = "replicated",
-        mha: MLABackend | None = None,
+        mha: MLABackend[Any] | None = None,
     ) -> None:
         if heads not in HEAD_MODES:
             raise ValueError(f"DCP heads={heads!r} is not one of {HEAD_MODES}")
-        if not inner.provides_lse:
+        if not inner.caps.lse:
             raise ValueError(f"DCP merges by LSE; backend {inner.name!r} returns none")
         h = inner.dims.num_heads
         if heads == "tp" and h % group.size:
@@ -98,11 +100,9 @@ class DCPBackend(MLABackend):
                 f"{self.dims.num_heads}"
             )
         self.layout = DCPLayout(group.rank, group.size)
-        self.metadata: DCPMetadata | None = None
-        self._graph: DCPGraphState | None = None
 
     @property
-    def supports_graphs(self) -> bool:  # type: ignore[override]
+    def supports_graphs(self) -> bool:
         return self.inner.supports_graphs
 
     @property
@@ -110,14 +110,32 @@ class DCPBackend(MLABackend):
         # N x the inner fill: a padded decode row then gives every rank the inner fill.
         return self.layout.size * self.inner.cuda_graph_seq_len_fill_value
 
+    # `paged_table.QueryQuantizer`, passed through: references check a kernel that takes q in
+    # FP8 against the query it really attends with.
+    @property
+    def quantizes_query(self) -> bool:
+        return isinstance(self.inner, QueryQuantizer) and self.inner.quantizes_query
+
     def effective_query(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.effective_query(q_nope, q_rope)
+        if isinstance(self.inner, QueryQuantizer):
+            return self.inner.effective_query(q_nope, q_rope)
+        return q_nope, q_rope
 
-    @property
-    def quantizes_query(self) -> bool:
-        return self.inner.quantizes_query
+    def check_batch(self, batch: ForwardBatch) -> None:
+        """Rows allocated and this rank's share of every row stored: the batch's lengths are
+        global, this rank's pool holds its token-interleaved share."""
+        if batch is self._checked_batch:
+            return
+        lay = self.layout
+        share = dataclasses.replace(
+            batch,
+            seq_lens_cpu=lay.local_lens(batch.seq_lens_cpu),
+            extend_prefix_lens_cpu=lay.local_lens(batch.extend_prefix_lens_cpu),
+        )
+        self.ctx.req_to_token_pool.check_batch(share)
+        self._checked_batch = batch
 
     # ------------------------------------------------------------------ metadata
     def _ranks_seeing(self, vis: torch.Tensor) -> torch.Tensor:
@@ -196,16 +214,16 @@ class DCPBackend(MLABackend):
         perm_t = torch.tensor(perm, dtype=torch.int64).to(dev)
         return DCPMetadata(vis_t, self._ranks_seeing(vis_t), local, perm_t)
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def _build_metadata(self, batch: ForwardBatch) -> DCPMetadata | None:
         if batch.batch_size == 0:
-            self.metadata = None
-            return
+            return None
         if batch.mode is ForwardMode.EXTEND:
-            self.metadata = self._extend_metadata(batch)
+            md = self._extend_metadata(batch)
         else:
-            self.metadata = self._rows_metadata(batch, None)
-        if self.metadata.local.batch_size:
-            self.inner.init_forward_metadata(self.metadata.local)
+            md = self._rows_metadata(batch, None)
+        if md.local.batch_size:
+            self.inner.init_forward_metadata(md.local)
+        return md
 
     # ------------------------------------------------------------------ attention
     def store_kv(
@@ -220,7 +238,7 @@ class DCPBackend(MLABackend):
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         batch: ForwardBatch,
-        need_lse: bool = True,
+        need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         md = self.metadata
         lat = self.dims.kv_lora_rank
@@ -252,21 +270,21 @@ class DCPBackend(MLABackend):
             out_k, lse_k = self.comm.all_gather(out), self.comm.all_gather(lse)
         return merge_partials(out_k, lse_k, md.valid)
 
-    def forward_mha(
+    def _attend_mha(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         layout: RaggedLayout,
-        causal: bool = True,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        causal: bool,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MHA-mode prefill over the new tokens' own k / v: on every rank, no communication."""
-        return self.mha.forward_mha(q, k, v, layout, causal, return_lse)
+        if need_lse:
+            return self.mha.forward_mha(q, k, v, layout, causal, True)
+        return self.mha.forward_mha(q, k, v, layout, causal), None
 
-    def prefix_rows(
-        self, layer: int, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, RaggedLayout]:
+    def load_prefix(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cached prefix of every request (chunked-prefix MHA prefill), assembled
         on every rank from all ranks' shares: one all-gather, padded to rank 0's share (the
         largest). Transient: each rank holds the whole prefix for the duration of the layer."""
@@ -293,34 +311,29 @@ class DCPBackend(MLABackend):
             off += torch.tensor([shares[k][b] for k in range(lay.size)])
         index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         rows = every[index.to(dev)]
-        layout = RaggedLayout.from_lens(batch.extend_seq_lens_cpu.tolist(), pre, dev)
         lat = self.dims.kv_lora_rank
-        return rows[:, :lat], rows[:, lat:], layout
+        return rows[:, :lat], rows[:, lat:]
 
     # ------------------------------------------------------------------ CUDA graphs
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> DCPGraphState:
         i32 = {"dtype": torch.int32, "device": self.device}
-        n = self.layout.size
-        self._graph = DCPGraphState(
+        # One local row per query token: the wrapped backend's largest batch is max_t.
+        self.inner.init_cuda_graph_state(max_num_tokens, max_num_tokens)
+        return DCPGraphState(
             rows=torch.zeros(max_num_tokens, **i32),
             seq=torch.zeros(max_num_tokens, **i32),
             pre=torch.zeros(max_num_tokens, **i32),
             ext=torch.ones(max_num_tokens, **i32),
             vis=torch.zeros(max_num_tokens, **i32),
-            valid=torch.zeros(n, max_num_tokens, dtype=torch.bool, device=self.device),
+            valid=torch.zeros(
+                self.layout.size, max_num_tokens, dtype=torch.bool, device=self.device
+            ),
         )
-        # One local row per query token: the wrapped backend's largest batch is max_t.
-        self.inner.init_cuda_graph_state(max_num_tokens, max_num_tokens)
 
-    def _graph_metadata(self, batch: ForwardBatch) -> DCPMetadata:
-        if self._graph is None:
-            raise RuntimeError("init_cuda_graph_state first")
-        return self._rows_metadata(batch, self._graph)
-
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.metadata = self._graph_metadata(batch)
-        self.inner.init_forward_metadata_capture(self.metadata.local)
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        self.metadata = self._graph_metadata(batch)
-        self.inner.init_forward_metadata_replay(self.metadata.local)
+    def _bind_graph(self, batch: ForwardBatch, state: DCPGraphState, capture: bool) -> DCPMetadata:
+        md = self._rows_metadata(batch, state)
+        if capture:
+            self.inner.init_forward_metadata_capture(md.local)
+        else:
+            self.inner.init_forward_metadata_replay(md.local)
+        return md

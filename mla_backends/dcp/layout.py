@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
+from mla_backends.arith import cdiv
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class DCPTokenAllocator:
         return self.local.available_pages
 
     def _pages(self, n: int, rank: int) -> int:
-        return -(-self.layout.local_len(n, rank) // self.page_size)
+        return cdiv(self.layout.local_len(n, rank), self.page_size)
 
     def _page_delta(self, old: int, new: int) -> list[int]:
         return [self._pages(new, k) - self._pages(old, k) for k in range(self.layout.size)]

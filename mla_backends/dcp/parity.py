@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mla_backends.arith import cdiv
 from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import DEEPSEEK_V3, KV_DTYPES, Config, MLADims
@@ -27,7 +28,7 @@ from mla_backends.dcp.runtime import DCPRuntime, build_dcp_runtime
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.reference import batch_reference
 from mla_backends.runtime import Runtime
-from mla_backends.testing import FP8_SCALE, TOLERANCES, _compare
+from mla_backends.testing import FP8_SCALE, TOLERANCES, _compare, effective_query
 
 # Kernel-legal tiny dims for the triton interpreter: powers of two, distinct.
 SMALL = MLADims(
@@ -73,19 +74,19 @@ class UndefinedEmptyRows(MLABackend):
 
     name = "undefined_empty"
 
-    def __init__(self, inner: MLABackend) -> None:
+    def __init__(self, inner: MLABackend[Any]) -> None:
         super().__init__(inner.ctx)
         self.inner = inner
 
     @property
-    def supports_graphs(self) -> bool:  # type: ignore[override]
+    def supports_graphs(self) -> bool:
         return self.inner.supports_graphs
 
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
         return self.inner.cuda_graph_seq_len_fill_value
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def _build_metadata(self, batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -108,7 +109,7 @@ class UndefinedEmptyRows(MLABackend):
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         batch: ForwardBatch,
-        need_lse: bool = True,
+        need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, lse = self.inner._attend_absorbed(layer, q_nope, q_rope, batch, True)
         ext = batch.extend_seq_lens.long()
@@ -333,7 +334,7 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
         return run_dcp_stream(case, group, device)
     if not case.kv_lens:
         return _run_empty_batch(case, group, device)
-    pages = sum(-(-(n + 1) // case.page_size) for n in case.kv_lens) + 2
+    pages = sum(cdiv(n + 1, case.page_size) for n in case.kv_lens) + 2
     pair = DCPPair(case, group, device, len(case.kv_lens), max(max(case.kv_lens), 1) + 1, pages)
     q_lens = _q_lens(case, pair.rng)
     prefix = [max(n - q, 0) for n, q in zip(case.kv_lens, q_lens)]
@@ -379,7 +380,7 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
         0,
         pair.single.req_pool.req_to_token,
         batches[0],
-        *single.effective_query(q_nope, q_rope),
+        *effective_query(single, q_nope, q_rope),
         None,
         None,
         pair.single.config.model.softmax_scale,
@@ -417,15 +418,13 @@ def _run_empty_batch(
     return _result(case, pair.rank, [("shapes", 0.0, "" if ok else f"{out.shape} {lse.shape}")])
 
 
-def _same_prefix_rows(single: MLABackend, dcp: MLABackend, batches: list[ForwardBatch]) -> str:
-    want, got = single.prefix_rows(0, batches[0]), dcp.prefix_rows(0, batches[1])
-    for name, w, g in zip(("latent", "rope"), want[:2], got[:2]):
+def _same_prefix_rows(
+    single: MLABackend[Any], dcp: MLABackend[Any], batches: list[ForwardBatch]
+) -> str:
+    want, got = single.load_prefix(0, batches[0]), dcp.load_prefix(0, batches[1])
+    for name, w, g in zip(("latent", "rope"), want, got):
         if w.shape != g.shape or not torch.equal(w, g):
             return f"{name} prefix rows differ from the single-process ones"
-    if not torch.equal(want[2].kv_indptr_cpu, got[2].kv_indptr_cpu) or not torch.equal(
-        want[2].qo_indptr_cpu, got[2].qo_indptr_cpu
-    ):
-        return "prefix layouts differ"
     return ""
 
 
@@ -447,7 +446,7 @@ def run_dcp_stream(case: DCPCase, group: dist.ProcessGroup, device: torch.device
     q = max(case.q_len, 1)
     n_req = len(case.kv_lens)
     max_ctx = max(case.kv_lens) + case.steps * q + 1
-    pages = n_req * (-(-max_ctx // case.page_size) + 1) + 2
+    pages = n_req * (cdiv(max_ctx, case.page_size) + 1) + 2
     pair = DCPPair(case, group, device, n_req, max_ctx, pages)
     live = [i for i, n in enumerate(case.kv_lens) if n > 0]
     pair.fill([pair.rows[i] for i in live], [case.kv_lens[i] for i in live])

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendContext
-from mla_backends.config import Config
+from mla_backends.config import Config, ConfigError
 from mla_backends.dcp.backend import HEAD_MODES, DCPBackend
 from mla_backends.dcp.comm import DCPGroup
 from mla_backends.dcp.layout import DCPLayout, DCPTokenAllocator
@@ -43,15 +44,20 @@ class DCPRuntime:
 def build_dcp_runtime(
     config: Config,
     group: dist.ProcessGroup,
-    heads: str = "replicated",
+    heads: str | None = None,
     page_order: Sequence[int] | None = None,
 ) -> DCPRuntime:
-    """This rank's runtime; every rank of `group` calls it with the same config."""
+    """This rank's runtime; every rank of `group` calls it with the same config. `heads`
+    defaults to the config's `dcp_heads`; the group's size must be its `dcp_size` (or the
+    config's `dcp_size` left at 1, for callers that size the group themselves)."""
+    heads = config.dcp_heads if heads is None else heads
     if heads not in HEAD_MODES:
         raise ValueError(f"DCP heads={heads!r} is not one of {HEAD_MODES}")
     comm = DCPGroup(group)
+    if config.dcp_size not in (1, comm.size):
+        raise ConfigError(f"dcp_size={config.dcp_size} but the process group has {comm.size} ranks")
     n, h = comm.size, config.model.num_heads
-    local = dataclasses.replace(config, max_context_len=-(-config.max_context_len // n))
+    local = dataclasses.replace(config, max_context_len=cdiv(config.max_context_len, n), dcp_size=1)
     if heads == "tp":  # the wrapped backend attends the whole group's heads
         local = dataclasses.replace(local, model=config.model.with_heads(h * n))
     rt = Runtime.build(local, page_order)
