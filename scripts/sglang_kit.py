@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from mla_backends.arith import round_up
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -191,8 +193,7 @@ def factory_reason(backend: str, page: int, fp8: bool, device: str) -> str | Non
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
     from sglang_cpu import kit_support as ks
 
-    from mla_backends.arith import round_up
-from mla_backends.integrations.sglang.binding import SettingsError
+    from mla_backends.integrations.sglang.binding import SettingsError
 
     case = ks.decode_case("probe", backend, 16, page, (page + 1,))
     try:
