@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -77,7 +78,15 @@ def load_model(
 ) -> DeepseekV3ForCausalLM:
     path = Path(path)
     cfg = DeepseekV3Config.from_hf(json.loads((path / "config.json").read_text()))
-    model = DeepseekV3ForCausalLM(cfg, chunked_prefix_min)
+    return load_weights(DeepseekV3ForCausalLM(cfg, chunked_prefix_min), path, dtype, device)
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device | str) -> M:
+    """Fill every tensor of `model` (its own state-dict names) from the checkpoint at `path`."""
+    cfg = model.cfg  # type: ignore[attr-defined]
     tensors = read_tensors(path)
     want = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
