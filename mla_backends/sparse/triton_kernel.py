@@ -99,12 +99,14 @@ def _sparse_mla_kernel(
             k8 = tl.load(
                 KV8 + slot[:, None] * ROW_E8 + offs_l[None, :], mask=ok[:, None], other=0.0
             )
+            # One scale per 128-wide tile, broadcast in registers (a per-element gather of the
+            # scales would stage BLOCK_N x L fp32 through shared memory).
+            tiles = tl.arange(0, L // TILE_C)
             sc = tl.load(
-                KVS + slot[:, None] * ROW_S + S_OFF + (offs_l // TILE_C)[None, :],
-                mask=ok[:, None],
-                other=0.0,
+                KVS + slot[:, None] * ROW_S + S_OFF + tiles[None, :], mask=ok[:, None], other=0.0
             )
-            k = (k8.to(tl.float32) * sc).to(qn.dtype)
+            k = tl.reshape(k8.to(tl.float32), [BLOCK_N, L // TILE_C, TILE_C]) * sc[:, :, None]
+            k = tl.reshape(k, [BLOCK_N, L]).to(qn.dtype)
             kr = tl.load(
                 KVR + slot[:, None] * ROW_B + R_OFF + offs_r[None, :], mask=ok[:, None], other=0.0
             )
