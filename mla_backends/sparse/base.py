@@ -123,8 +123,10 @@ class SparseMLABackend(ABC):
 
     # ------------------------------------------------------------------ metadata
     def _metadata(self, batch: ForwardBatch) -> SparseMetadata:
-        valid = visible_counts_cpu(batch).clamp(max=self.topk)
-        return SparseMetadata(valid, valid.to(self.device))
+        # Both copies built where they live: no host-to-device copy (graph replay syncs never).
+        valid_cpu = visible_counts_cpu(batch).clamp(max=self.topk)
+        valid = (batch.positions + 1).clamp(max=self.topk).to(torch.int32)
+        return SparseMetadata(valid_cpu, valid)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.metadata = self._metadata(batch)
