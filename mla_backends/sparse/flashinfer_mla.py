@@ -25,7 +25,10 @@ from mla_backends.backends.kernel_packages import missing, need_sm
 from mla_backends.batch import ForwardBatch
 from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
 
-MAX_PLAN_TOKENS = 8192  # query tokens (FlashInfer "requests") per plan; EXTEND is chunked
+# Query tokens (FlashInfer "requests") per plan; EXTEND batches are chunked. FlashInfer 0.7.2
+# holds at most MAX_WORKS (16384) work items: one per 64-head tile per token plus one per
+# cluster (`kernels/fi_schedule.work_bound`), so 4096 tokens fit at 128 heads.
+MAX_PLAN_TOKENS = 4096
 
 
 @dataclass
