@@ -31,11 +31,22 @@ from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_s
 MAX_PLAN_TOKENS = 4096
 
 
+def load_kernel(
+    device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, lat: int, rope: int
+) -> Any:
+    """The fa3 MLA kernel behind `backends/flashinfer_mla.py` (tests substitute
+    `sparse.emulation.FaMLAEmulation`): `plan(...)` fills its one int workspace, `run(...)`
+    reads it, so a plan holds until the next one."""
+    from mla_backends.backends.flashinfer_mla import _FaMLAKernel
+
+    return _FaMLAKernel(device, "fa3", q_dtype, kv_dtype, lat, rope)
+
+
 @dataclass
 class _Chunk:
     start: int  # host: first query token
     end: int  # host
-    plan_info: Any
+    plan_info: Any  # None: planned right before its run (the int workspace holds one plan)
     src: torch.Tensor  # [(end - start) * topk] int64, device: CSR position -> row-major entry
 
 
@@ -58,12 +69,12 @@ class FlashInferSparseBackend(SparseMLABackend):
 
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
-        from mla_backends.backends.flashinfer_mla import FlashInferMetadata, _FaMLAKernel
+        from mla_backends.backends.flashinfer_mla import FlashInferMetadata
 
         d = self.dims
         self._md_cls = FlashInferMetadata
-        self._kernel = _FaMLAKernel(
-            self.device, "fa3", ctx.dtype, self.pool.dtype, d.kv_lora_rank, d.qk_rope_head_dim
+        self._kernel = load_kernel(
+            self.device, ctx.dtype, self.pool.dtype, d.kv_lora_rank, d.qk_rope_head_dim
         )
         self._chunks: list[_Chunk] = []
         self._graph_plans: dict[int, tuple[int, ...]] = {}
@@ -81,20 +92,29 @@ class FlashInferSparseBackend(SparseMLABackend):
         off = (pos - indptr[seg]).clamp(0, k - 1)
         return indptr, torch.where(pos < indptr[-1], seg * k + off, torch.zeros_like(pos))
 
+    def _plan_chunk(self, start: int, end: int) -> Any:
+        """Host work and one asynchronous copy into the kernel's int workspace (no sync)."""
+        md = self.metadata
+        assert md is not None
+        lens = md.valid_cpu[start:end].to(torch.int32)
+        kv_indptr = torch.zeros(end - start + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(lens, 0)
+        qo_indptr = torch.arange(end - start + 1, dtype=torch.int32)
+        h, lat = self.dims.num_heads, self.dims.kv_lora_rank
+        return self._kernel.plan(qo_indptr, kv_indptr, lens, h, lat, False)
+
     def _plan(self, batch: ForwardBatch) -> list[_Chunk]:
         md = self.metadata
         assert md is not None
-        t, h = batch.num_tokens, self.dims.num_heads
-        chunks = []
-        for s in range(0, t, MAX_PLAN_TOKENS):
-            e = min(s + MAX_PLAN_TOKENS, t)
-            lens = md.valid_cpu[s:e].to(torch.int32)
-            kv_indptr = torch.zeros(e - s + 1, dtype=torch.int32)
-            kv_indptr[1:] = torch.cumsum(lens, 0)
-            qo_indptr = torch.arange(e - s + 1, dtype=torch.int32)
-            info = self._kernel.plan(qo_indptr, kv_indptr, lens, h, self.dims.kv_lora_rank, False)
-            chunks.append(_Chunk(s, e, info, self._src(md.valid[s:e])[1]))
-        return chunks
+        t = batch.num_tokens
+        bounds = [(s, min(s + MAX_PLAN_TOKENS, t)) for s in range(0, t, MAX_PLAN_TOKENS)]
+        # One chunk (every decode / verify batch): planned now, once for all layers. Several
+        # (long EXTEND): each planned right before its run, since a plan overwrites the last.
+        one = len(bounds) == 1
+        return [
+            _Chunk(s, e, self._plan_chunk(s, e) if one else None, self._src(md.valid[s:e])[1])
+            for s, e in bounds
+        ]
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)
@@ -147,7 +167,8 @@ class FlashInferSparseBackend(SparseMLABackend):
         for c in self._chunks:
             flat = compact[c.start : c.end].reshape(-1)
             kv_indices = flat[c.src]
-            md = self._md_cls(c.plan_info, kv_indices, False)
+            info = c.plan_info if c.plan_info is not None else self._plan_chunk(c.start, c.end)
+            md = self._md_cls(info, kv_indices, False)
             self._kernel.run(
                 md,
                 q_nope[c.start : c.end],

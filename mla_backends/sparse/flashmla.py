@@ -19,6 +19,7 @@ real slots or -1 (the indexer's are).
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 
@@ -28,6 +29,11 @@ from mla_backends.batch import ForwardBatch
 from mla_backends.indices import build_token_indices
 from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
 from mla_backends.sparse.fp8_row import Fp8RowPool, dequant_rows
+
+
+def load_kernels() -> ModuleType:
+    """sgl_kernel's FlashMLA module (tests substitute `sparse.emulation.FlashMLAEmulation`)."""
+    return require("sgl_kernel.flash_mla")
 
 
 def padded_heads(h: int) -> int:
@@ -57,7 +63,7 @@ class FlashMLASparseBackend(SparseMLABackend):
 
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
-        self._fm = require("sgl_kernel.flash_mla")
+        self._fm = load_kernels()
         self._hp = padded_heads(self.dims.num_heads)
         self._k = -(-self.topk // 128) * 128  # the prefill kernel wants topk % 128 == 0
         self._fp8 = isinstance(ctx.pool, Fp8RowPool)

@@ -15,7 +15,12 @@ from mla_backends.allocator import PagedTokenAllocator
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import KV_DTYPES, MLADims
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
-from mla_backends.sparse.base import SparseContext, SparseMLABackend, create_sparse_backend
+from mla_backends.sparse.base import (
+    SparseContext,
+    SparseMLABackend,
+    create_sparse_backend,
+    get_sparse_backend_class,
+)
 from mla_backends.sparse.fp8_row import Fp8RowPool
 from mla_backends.sparse.reference import sparse_reference
 from mla_backends.testing import TOLERANCES, _compare
@@ -37,6 +42,7 @@ class SparseCase:
     drop: float = 0.0  # share of valid entries turned into -1 (not for exact-count backends)
     empty_row: bool = False  # one token's row all -1
     seed: int = 0
+    check_support: bool = True  # False: build the class directly (emulated kernels on CPU)
 
     @property
     def id(self) -> str:
@@ -117,7 +123,10 @@ def build(case: SparseCase, device: torch.device | str) -> Built:
     q_nope = torch.randn(batch.num_tokens, h, d.kv_lora_rank, generator=gen).to(device, act)
     q_rope = torch.randn(batch.num_tokens, h, d.qk_rope_head_dim, generator=gen).to(device, act)
     ctx = SparseContext(d, pool, req, case.topk, act)
-    backend = create_sparse_backend(case.backend, ctx)
+    if case.check_support:
+        backend = create_sparse_backend(case.backend, ctx)
+    else:
+        backend = get_sparse_backend_class(case.backend)(ctx)
     return Built(backend, batch, q_nope, q_rope, idx.to(device))
 
 
