@@ -17,6 +17,7 @@ Ratios: raw_fp8 / triton_fp8row (>= 0.9 is the target: speed relative to raw Fla
 dense / (indexer + best sparse).
 
     python scripts/bench_sparse.py --out $OUT/sparse          # about 6 minutes on an H100
+    python scripts/bench_sparse.py --triton-configs --contexts 65536 --out $OUT/sweep
     python scripts/bench_sparse.py --contexts 32768 --batch 16 --heads 128 --out /tmp/s
 """
 
@@ -48,6 +49,9 @@ from mla_backends.sparse.indexer_kernels import index_logits
 
 PAGE = 64
 CHUNK = 1 << 19  # rows per fill chunk
+# (block_m, block_n, warps, stages) alternatives for --triton-configs (the default launch
+# table is in sparse/triton_backend.py).
+TRITON_CONFIGS = [(64, 64, 8, 2), (64, 16, 8, 2), (32, 64, 8, 3), (32, 32, 8, 3), (16, 32, 4, 3)]
 
 
 def graph_ms(fn: Callable[[], object]) -> float:
@@ -110,6 +114,7 @@ def run_one(
     pools,  # type: ignore[no-untyped-def]
     backends: list[str],
     graphs: bool,
+    sweep: bool = False,
 ) -> list[dict]:
     bf16, fp8, cache, req = pools
     dev = torch.device("cuda")
@@ -159,6 +164,17 @@ def run_one(
                 be.init_forward_metadata(batch)
                 fn = lambda be=be: be.forward_sparse(0, q_nope, q_rope, slots, batch)  # noqa: E731
                 attn[f"{name}_{fmt}"] = timed(fn, graphs)
+                if name == "triton" and sweep:  # launch alternatives, each timed alone
+                    for cfg in TRITON_CONFIGS:
+                        be.launch = dict(
+                            zip(("block_m", "block_n", "num_warps", "num_stages"), cfg)
+                        )
+                        tag = "x".join(str(x) for x in cfg)
+                        try:
+                            attn[f"triton_{fmt}[{tag}]"] = timed(fn, graphs)
+                        except Exception as e:  # out of shared memory, say
+                            print(f"  triton {fmt} {tag}: {type(e).__name__} {str(e)[:80]}")
+                    be.launch = None
         attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
         attn["dense_triton"] = dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs)
         row = {"context": ctx, "batch": b, "heads": h, "topk": topk, "indexer": indexer}
@@ -285,6 +301,9 @@ def main() -> None:
     p.add_argument("--backends", default="triton,flashmla,flashinfer_mla")
     p.add_argument("--no-fp8-rows", action="store_true", help="skip the 656-byte row pool")
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    p.add_argument(
+        "--triton-configs", action="store_true", help="also time the Triton launch alternatives"
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -295,7 +314,10 @@ def main() -> None:
     rows = []
     for ctx in contexts:
         for b in batches:
-            rows += run_one(ctx, b, heads, a.topk, pools, a.backends.split(","), not a.no_graphs)
+            rows += run_one(
+                ctx, b, heads, a.topk, pools, a.backends.split(","), not a.no_graphs,
+                a.triton_configs,
+            )  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

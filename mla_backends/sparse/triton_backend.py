@@ -10,7 +10,7 @@ import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.batch import ForwardBatch
-from mla_backends.kernels.common import interpreting, next_pow2, num_sms
+from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
 from mla_backends.sparse.fp8_row import Fp8RowPool
 
@@ -52,19 +52,27 @@ class TritonSparseBackend(SparseMLABackend):
         self._interp = interpreting()
         self._sms = num_sms(self.device)
         self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
+        self.launch: dict[str, int] | None = None  # a launch config instead of LAUNCH's
+
+    # Launch configurations from SM90 offline compiles (registers / spill bytes per thread,
+    # ptxas via Triton 3.9; not yet timed on a GPU: scripts/bench_sparse.py --triton-configs
+    # times the alternatives). bf16 rows: 16 x 32 keys, 4 warps, 236 regs, no spill (16 x 64:
+    # 504 B spilled); 32 heads x 64 keys, 8 warps: 246 regs, no spill (64 x 64 wgmma: 1112 B).
+    # FP8 rows spill in every H128 shape tried (in-register dequantisation): 64 x 16, 8 warps,
+    # 408 B is the least; 16 x 32, 4 warps: 250 regs, no spill.
+    LAUNCH = {
+        (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        (64, False): {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        (64, True): {"block_m": 64, "block_n": 16, "num_warps": 8, "num_stages": 2},
+    }
 
     def _launch(self, tokens: int) -> dict[str, int]:
         h = self.dims.num_heads
         if self._interp:
             return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
-        block_m = min(64, max(16, next_pow2(h)))
-        programs = tokens * -(-h // block_m)
-        cfg = {"block_m": block_m, "block_n": 64}
-        cfg.update(
-            {"num_warps": 8, "num_stages": 2}
-            if block_m == 64
-            else {"num_warps": 4, "num_stages": 3}
-        )
+        cfg = dict(self.launch or self.LAUNCH[(16 if h <= 16 else 64, self._fmt is not None)])
+        programs = tokens * -(-h // cfg["block_m"])
         return {**cfg, "splits": choose_splits(programs, self.topk, self._sms)}
 
     def _attend(

@@ -105,8 +105,10 @@ def _sparse_mla_kernel(
             sc = tl.load(
                 KVS + slot[:, None] * ROW_S + S_OFF + tiles[None, :], mask=ok[:, None], other=0.0
             )
-            k = tl.reshape(k8.to(tl.float32), [BLOCK_N, L // TILE_C, TILE_C]) * sc[:, :, None]
-            k = tl.reshape(k, [BLOCK_N, L]).to(qn.dtype)
+            # Straight to q's dtype: e4m3 codes are exact in bf16 / fp16 and a power-of-two
+            # scale multiplies exactly (an fp32 tile would double the registers and spill).
+            k = tl.reshape(k8.to(qn.dtype), [BLOCK_N, L // TILE_C, TILE_C])
+            k = tl.reshape(k * sc.to(qn.dtype)[:, :, None], [BLOCK_N, L])
             kr = tl.load(
                 KVR + slot[:, None] * ROW_B + R_OFF + offs_r[None, :], mask=ok[:, None], other=0.0
             )
