@@ -279,3 +279,16 @@ def test_fp8_rows_attend_within_e4m3_precision_of_the_unquantised_rows() -> None
     scale = outs[1][0].abs().max()
     err = (outs[0][0] - outs[1][0]).abs().max()
     assert 0 < err <= 2**-4 * scale, (err, scale)
+
+
+def test_verify_sparse_reports_every_runnable_backend_and_pool() -> None:
+    from mla_backends.sparse.verify import verify_sparse
+    from mla_backends.verify import format_table
+
+    rows = verify_sparse("cpu", backends=["torch", "flashmla"])
+    assert [(r.backend, r.dtype) for r in rows[::3]] == [
+        ("sparse:torch", "bfloat16"),
+        ("sparse:torch", "fp8"),
+        ("sparse:torch", "fp8_row"),
+    ]  # flashmla cannot run on a CPU: left out, not failed
+    assert all(r.ok for r in rows), format_table(rows)

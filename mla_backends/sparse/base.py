@@ -221,10 +221,18 @@ def get_sparse_backend_class(name: str) -> type[SparseMLABackend]:
     return _REGISTRY[name]
 
 
+class SparseBackendUnavailable(ValueError):
+    """The named sparse backend cannot run with this context on this machine."""
+
+
+def sparse_backend_names() -> list[str]:
+    return list(_MODULES)
+
+
 def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     """The named backend, or a clear error naming why it cannot run here."""
     cls = get_sparse_backend_class(name)
     reason = cls.supports(ctx, Capability.detect(ctx.device))
     if reason is not None:
-        raise ValueError(f"sparse backend {name!r} cannot run here: {reason}")
+        raise SparseBackendUnavailable(f"sparse backend {name!r} cannot run here: {reason}")
     return cls(ctx)
