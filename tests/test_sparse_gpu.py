@@ -311,7 +311,7 @@ def test_v32_model_decode_graphs_equal_eager(sparse: str, fp8_rows: bool) -> Non
         n_group=4,
         topk_group=2,
         routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
+        first_k_dense_replace=2,
         index_topk=128,
     )
     cfg = DeepseekV32Config.from_hf(raw)
