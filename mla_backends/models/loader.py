@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -100,7 +100,15 @@ def load_model(
         raise
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    model = DeepseekV3ForCausalLM(cfg, chunked_prefix_min)
+    return load_weights(DeepseekV3ForCausalLM(cfg, chunked_prefix_min), path, dtype, device)
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device | str) -> M:
+    """Fill every tensor of `model` (its own state-dict names) from the checkpoint at `path`."""
+    cfg = model.cfg  # type: ignore[attr-defined]
     tensors = read_tensors(path)
     want = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:

@@ -1,0 +1,238 @@
+"""Sparse MLA attention: the contract every sparse backend implements, its registry, and the
+dense/sparse rule.
+
+`forward_sparse(layer, q_nope [T, H, L], q_rope [T, H, R], indices [T, topk] int32, batch)`
+-> out [T, H, L] in q's dtype (+ lse [T, H] fp32, natural log). Row t of `indices` holds pool
+slots (any order, duplicate-free) and -1 for unused entries; token t attends exactly to the
+rows those slots hold. A row with no valid slot gives out 0 and lse -inf. The new latent rows
+are stored first (`store_kv`), as the selection may include the token's own slot.
+
+Valid counts: an indexer row holds exactly min(topk, pos(t) + 1) valid slots; backends that
+plan on the host from counts (`flashinfer_mla`) rely on that and say so
+(`exact_counts = True`); the others take any number.
+
+Dense/sparse rule (`runs_dense`): an eager batch in which every query sees at most topk keys
+(max seq_len <= topk, from the CPU lengths) runs dense attention: the top-k would select every
+visible key, so dense attention is the sparse result, and the indexer's scoring is skipped
+(its K is still stored). Otherwise the batch is sparse, and a short request's rows simply hold
+all of its visible keys. Captured CUDA graphs always take the sparse path (fixed shapes);
+with <= topk keys it equals the dense one.
+
+Per forward batch `init_forward_metadata(batch)` once; CUDA graphs as the dense backends:
+`init_cuda_graph_state(max_bs, max_num_tokens)`, `init_forward_metadata_capture(batch)`,
+`init_forward_metadata_replay(batch)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import torch
+
+from mla_backends.backends.base import Capability
+from mla_backends.batch import ForwardBatch
+from mla_backends.checks import check_tensor
+from mla_backends.config import MLADims
+from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
+from mla_backends.sparse.fp8_row import Fp8RowPool
+
+LatentPool = MLATokenToKVPool | Fp8RowPool
+
+
+@dataclass(frozen=True)
+class SparseContext:
+    """What every sparse backend is built from."""
+
+    dims: MLADims
+    pool: LatentPool
+    req_to_token_pool: ReqToTokenPool
+    topk: int
+    dtype: torch.dtype  # activations (q, out)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def fp8_rows(self) -> bool:
+        return isinstance(self.pool, Fp8RowPool)
+
+
+def visible_counts_cpu(batch: ForwardBatch) -> torch.Tensor:
+    """[T] int32 on the host: keys each query token sees (position + 1), from CPU lengths."""
+    pre, ext = batch.extend_prefix_lens_cpu.long(), batch.extend_seq_lens_cpu.long()
+    if batch.num_tokens == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    start = torch.repeat_interleave(pre - torch.cumsum(ext, 0) + ext, ext)
+    return (start + torch.arange(batch.num_tokens) + 1).to(torch.int32)
+
+
+def runs_dense(batch: ForwardBatch, topk: int) -> bool:
+    """The dense/sparse rule (module docstring): every query sees <= topk keys."""
+    return batch.batch_size == 0 or int(batch.seq_lens_cpu.max()) <= topk
+
+
+def dense_indices(
+    req_to_token: torch.Tensor, batch: ForwardBatch, topk: int, width: int | None = None
+) -> torch.Tensor:
+    """[T, width or topk] int32: the slots of every key each query sees, -1 after; for
+    batches where `runs_dense` holds (a query seeing more than `width` keys is cut)."""
+    width = topk if width is None else width
+    rows = batch.req_pool_indices.long().repeat_interleave(
+        batch.extend_seq_lens.long(), output_size=batch.num_tokens
+    )
+    pos = torch.arange(width, device=req_to_token.device)
+    vis = (batch.positions + 1)[:, None]
+    cols = pos[None, :].clamp(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[rows[:, None], cols].to(torch.int32)
+    return torch.where(pos[None, :] < vis, slots, torch.full_like(slots, -1))
+
+
+@dataclass
+class SparseMetadata:
+    valid_cpu: torch.Tensor  # [T] int32, host: min(topk, keys visible)
+    valid: torch.Tensor  # [T] int32, device: the same
+
+
+class SparseMLABackend(ABC):
+    name: ClassVar[str]
+    pool_kinds: ClassVar[tuple[str, ...]] = ("paged",)  # "paged": MLATokenToKVPool; "fp8_row"
+    supports_graphs: ClassVar[bool] = True
+    exact_counts: ClassVar[bool] = False
+
+    def __init__(self, ctx: SparseContext) -> None:
+        self.ctx, self.dims, self.pool = ctx, ctx.dims, ctx.pool
+        self.req_to_token = ctx.req_to_token_pool.req_to_token
+        self.device, self.topk, self.scale = ctx.device, ctx.topk, ctx.dims.softmax_scale
+        self.metadata: SparseMetadata | None = None
+
+    @classmethod
+    def supports(cls, ctx: SparseContext, cap: Capability) -> str | None:
+        kind = "fp8_row" if ctx.fp8_rows else "paged"
+        if kind not in cls.pool_kinds:
+            return f"sparse backend {cls.name} reads pools {cls.pool_kinds}, not {kind!r}"
+        return cls._supports_extra(ctx, cap)
+
+    @classmethod
+    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+        return None
+
+    # ------------------------------------------------------------------ metadata
+    def _metadata(self, batch: ForwardBatch) -> SparseMetadata:
+        # Both copies built where they live: no host-to-device copy (graph replay syncs never).
+        valid_cpu = visible_counts_cpu(batch).clamp(max=self.topk)
+        valid = (batch.positions + 1).clamp(max=self.topk).to(torch.int32)
+        return SparseMetadata(valid_cpu, valid)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.metadata = self._metadata(batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._g_valid = torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.init_forward_metadata_replay(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        md = self._metadata(batch)
+        t = batch.num_tokens
+        self._g_valid[:t].copy_(md.valid)
+        self.metadata = SparseMetadata(md.valid_cpu, self._g_valid[:t])
+
+    # ------------------------------------------------------------------ attention
+    def store_kv(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        self.pool.set_mla_kv_buffer(layer, loc, k_nope, k_rope)
+
+    def forward_sparse(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        indices: torch.Tensor,
+        batch: ForwardBatch,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        d, t = self.dims, batch.num_tokens
+        act = (torch.float32, torch.bfloat16, torch.float16)
+        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), act, self.device)
+        check_tensor(
+            "q_rope", q_rope, (t, d.num_heads, d.qk_rope_head_dim), q_nope.dtype, self.device
+        )
+        check_tensor("indices", indices, (t, self.topk), torch.int32, self.device)
+        out, lse = self._attend(layer, q_nope, q_rope, indices, batch, return_lse)
+        return (out, lse) if return_lse else out
+
+    @abstractmethod
+    def _attend(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        indices: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [T, H, L], lse [T, H] fp32, natural log)."""
+
+    @staticmethod
+    def mask_empty(
+        out: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The contract for rows with no valid index (out 0, lse -inf), whatever a kernel
+        wrote there. Device ops only."""
+        empty = (indices < 0).all(dim=-1)
+        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
+            empty[:, None], float("-inf")
+        )
+
+
+# ----------------------------------------------------------------------------- registry
+_MODULES: dict[str, str] = {
+    "flashmla": "mla_backends.sparse.flashmla",
+    "flashinfer_mla": "mla_backends.sparse.flashinfer_mla",
+    "triton": "mla_backends.sparse.triton_backend",
+    "torch": "mla_backends.sparse.torch_backend",
+}
+_REGISTRY: dict[str, type[SparseMLABackend]] = {}
+T = TypeVar("T", bound="type[SparseMLABackend]")
+
+
+def register_sparse_backend(name: str) -> Callable[[T], T]:
+    def deco(cls: T) -> T:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"sparse backend {name!r} registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_sparse_backend_class(name: str) -> type[SparseMLABackend]:
+    if name not in _REGISTRY:
+        if name not in _MODULES:
+            raise KeyError(f"unknown sparse backend {name!r}; known: {sorted(_MODULES)}")
+        importlib.import_module(_MODULES[name])
+    return _REGISTRY[name]
+
+
+class SparseBackendUnavailable(ValueError):
+    """The named sparse backend cannot run with this context on this machine."""
+
+
+def sparse_backend_names() -> list[str]:
+    return list(_MODULES)
+
+
+def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
+    """The named backend, or a clear error naming why it cannot run here."""
+    cls = get_sparse_backend_class(name)
+    reason = cls.supports(ctx, Capability.detect(ctx.device))
+    if reason is not None:
+        raise SparseBackendUnavailable(f"sparse backend {name!r} cannot run here: {reason}")
+    return cls(ctx)

@@ -1,0 +1,174 @@
+"""DeepSeek Sparse Attention as one object a model calls: the dense MLA backend (batches the
+dense/sparse rule sends dense, MHA-mode prefill among them), the lightning indexer and a sparse
+backend, with metadata and CUDA-graph hooks forwarded to each once per batch.
+
+Latent storage is either the standard pool (the dense backend and every sparse backend read
+it) or the FP8 row pool (`fp8_row`, for FlashMLA's FP8 sparse decode). No dense backend reads
+FP8 rows, so with them a dense batch runs the sparse backend over all visible keys
+(`base.dense_indices`), which is the same attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mla_backends.backends.base import MLABackend
+from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.runtime import Runtime
+from mla_backends.sparse.base import (
+    SparseContext,
+    SparseMLABackend,
+    create_sparse_backend,
+    dense_indices,
+    runs_dense,
+)
+from mla_backends.sparse.fp8_row import Fp8RowPool
+from mla_backends.sparse.indexer import Indexer, IndexerDims, IndexKCache
+
+
+class DSABackend:
+    """The `AttentionBackend` of a DeepSeek-V3.2 model: the dense verbs go to the dense
+    backend (dense batches, MHA-mode prefill); a sparse layer reaches `indexer` and `sparse`
+    itself (`models/deepseek_v32.py`)."""
+
+    def __init__(
+        self, dense: MLABackend[Any] | None, indexer: Indexer, sparse: SparseMLABackend
+    ) -> None:
+        self.dense, self.indexer, self.sparse = dense, indexer, sparse
+        self.topk = indexer.dims.topk
+        if sparse.topk != self.topk:
+            raise ValueError(f"indexer topk {self.topk} != sparse backend topk {sparse.topk}")
+        self._dense_batch = False
+
+    @classmethod
+    def build(
+        cls,
+        runtime: Runtime,
+        indexer_dims: IndexerDims,
+        sparse_backend: str,
+        fp8_rows: bool = False,
+        indexer_kernels: str = "auto",
+    ) -> DSABackend:
+        """Index-K cache over the runtime pool's slots, the indexer and the sparse backend;
+        with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space."""
+        cfg, pool = runtime.config, runtime.kv_pool
+        dims, dev = cfg.model, pool.device
+        latent = pool
+        if fp8_rows:
+            latent = Fp8RowPool(
+                pool.num_layers,
+                pool.num_pages,
+                pool.page_size,
+                dims.kv_lora_rank,
+                dims.qk_rope_head_dim,
+                dev,
+            )
+        cache = IndexKCache(
+            pool.num_layers, latent.num_slots, indexer_dims.head_dim, indexer_dims.quantized, dev
+        )
+        r2t = runtime.req_pool.req_to_token
+        indexer = Indexer(indexer_dims, cache, r2t, indexer_kernels)
+        ctx = SparseContext(dims, latent, runtime.req_pool, indexer_dims.topk, cfg.torch_dtype)
+        sparse = create_sparse_backend(sparse_backend, ctx)
+        return cls(None if fp8_rows else runtime.backend, indexer, sparse)
+
+    @property
+    def name(self) -> str:
+        dense = self.dense.name if self.dense is not None else "-"
+        return f"dsa({dense}+{self.sparse.name})"
+
+    @property
+    def supports_graphs(self) -> bool:
+        return self.sparse.supports_graphs
+
+    @property
+    def metadata(self) -> object:
+        return self.sparse.metadata
+
+    @property
+    def cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------------ per batch
+    def use_dense(self) -> bool:
+        """This batch runs dense (the rule in `sparse.base`); False under CUDA graphs."""
+        return self._dense_batch
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._dense_batch = runs_dense(batch, self.topk)
+        if self._dense_batch and self.dense is not None:
+            self.dense.init_forward_metadata(batch)
+        else:
+            self.indexer.init_forward_metadata(batch)
+            self.sparse.init_forward_metadata(batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.indexer.init_cuda_graph_state(max_bs, max_num_tokens)
+        self.sparse.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self._dense_batch = False
+        self.indexer.init_forward_metadata_capture(batch)
+        self.sparse.init_forward_metadata_capture(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self._dense_batch = False
+        self.indexer.init_forward_metadata_replay(batch)
+        self.sparse.init_forward_metadata_replay(batch)
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        self.sparse.ctx.req_to_token_pool.check_batch(batch)
+
+    def reset_requests(self, rows: Sequence[int]) -> None:
+        """Nothing per request: index keys live in the pool's slots."""
+
+    def accept(self, num_accepted: torch.Tensor) -> None:
+        """Nothing to keep: the engine truncates rejected slots (latent and index keys)."""
+
+    # ------------------------------------------------------------------ per layer
+    def _dense_backend(self) -> MLABackend[Any]:
+        if self.dense is None:
+            raise RuntimeError(
+                "DSA over FP8 rows has no dense backend: its dense batches run the sparse "
+                "backend over every visible key (dense_slots)"
+            )
+        return self.dense
+
+    def forward_absorbed(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        k_nope: torch.Tensor | None,
+        k_rope: torch.Tensor | None,
+        batch: ForwardBatch,
+        return_lse: bool = False,
+    ) -> Any:  # precise types: AttentionBackend's overloads
+        dense = self._dense_backend()
+        return dense.forward_absorbed(layer, q_nope, q_rope, k_nope, k_rope, batch, return_lse)
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: RaggedLayout,
+        causal: bool = True,
+        return_lse: bool = False,
+    ) -> Any:  # precise types: AttentionBackend's overloads
+        return self._dense_backend().forward_mha(q, k, v, layout, causal, return_lse)
+
+    def store_kv(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        self.sparse.store_kv(layer, loc, k_nope, k_rope)
+
+    def load_prefix(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._dense_backend().load_prefix(layer, batch)
+
+    def dense_slots(self, batch: ForwardBatch) -> torch.Tensor:
+        """Every visible key's slot per query token: the sparse backend's dense path."""
+        return dense_indices(self.sparse.req_to_token, batch, self.topk)

@@ -1,0 +1,211 @@
+"""The `flashmla` sparse backend: FlashMLA's sparse kernels from sglang-kernel 0.4.3 (SM90).
+
+- Standard bf16 pool, every mode: `flash_mla_sparse_fwd(q [T, Hp, 576], kv [slots, 1, 576],
+  indices [T, 1, K])`; indices are rows of kv, i.e. pool slots; -1 (any i < 0) is unused.
+- FP8 row pool (`fp8_row`, 656-byte rows), decode / verify: `flash_mla_with_kvcache(q
+  [T, 1, Hp, 576], kv [slots / 64, 64, 1, 656], indices [T, 1, K], is_fp8_kvcache=True)`,
+  one "request" per query token (as SGLang), cache_seqlens = its valid count, tile metadata
+  from `get_mla_metadata(..., topk=K)` per batch (recomputed into static buffers on graph
+  replay). EXTEND: the batch's rows are dequantised once per layer into a bf16 block and the
+  indices remapped to it, then the prefill kernel.
+Heads are zero-padded to 64 (or 128); the scale is always passed. Hazards: the prefill
+kernel's LSE was base 2 with -inf for empty rows before FlashMLA 082094b and natural log with
++inf after, and sgl_kernel's docstring still says base 2, so the base is measured once at
+construction; rows with no valid index are set to out 0 / lse -inf here, whatever the kernel
+wrote. The decode kernel treats only -1 as unused and reads any other index: indices must be
+real slots or -1 (the indexer's are).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from mla_backends.backends.base import Capability
+from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.batch import ForwardBatch
+from mla_backends.indices import build_token_indices
+from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
+from mla_backends.sparse.fp8_row import Fp8RowPool, dequant_rows
+
+
+def load_kernels() -> ModuleType:
+    """sgl_kernel's FlashMLA module (tests substitute `sparse.emulation.FlashMLAEmulation`)."""
+    return require("sgl_kernel.flash_mla")
+
+
+def padded_heads(h: int) -> int:
+    return 64 if h <= 64 else 128
+
+
+@register_sparse_backend("flashmla")
+class FlashMLASparseBackend(SparseMLABackend):
+    name = "flashmla"
+    pool_kinds = ("paged", "fp8_row")
+
+    @classmethod
+    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+        d = ctx.dims
+        if (d.kv_lora_rank, d.qk_rope_head_dim) != (512, 64):
+            got = f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
+            return f"FlashMLA sparse is built for kv_lora_rank 512 + rope 64, got {got}"
+        if d.num_heads > 128:
+            return f"FlashMLA sparse takes at most 128 heads, got {d.num_heads}"
+        if ctx.dtype != torch.bfloat16:
+            return f"FlashMLA sparse takes bfloat16 activations, got {ctx.dtype}"
+        if not ctx.fp8_rows and ctx.pool.dtype != torch.bfloat16:
+            return f"FlashMLA sparse reads a bfloat16 pool or FP8 rows, got {ctx.pool.dtype}"
+        if ctx.fp8_rows and ctx.topk % 64:
+            return f"FlashMLA's FP8 sparse decode needs topk % 64 == 0, got {ctx.topk}"
+        return missing("sgl_kernel") or need_sm(cap, "FlashMLA sparse", ((9, 0),))
+
+    def __init__(self, ctx: SparseContext) -> None:
+        super().__init__(ctx)
+        self._fm = load_kernels()
+        self._hp = padded_heads(self.dims.num_heads)
+        self._k = -(-self.topk // 128) * 128  # the prefill kernel wants topk % 128 == 0
+        self._fp8 = isinstance(ctx.pool, Fp8RowPool)
+        self._lse_factor = self._prefill_lse_factor()
+        self._tile: torch.Tensor | None = None
+        self._splits: torch.Tensor | None = None
+        self._seqlens: torch.Tensor | None = None
+        self._extend: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 EXTEND gather
+        self._graph_tiles: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ LSE convention
+    def _prefill_lse_factor(self) -> float:
+        """1.0 if the prefill kernel's LSE is natural log, ln 2 if base 2: one small call and
+        one host read at construction (never on the decode path)."""
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        q = torch.randn(1, 64, 576, generator=gen, device=self.device).bfloat16()
+        kv = torch.randn(128, 1, 576, generator=gen, device=self.device).bfloat16()
+        idx = torch.arange(128, dtype=torch.int32, device=self.device).view(1, 1, 128)
+        scale = 0.1
+        _, _, lse = self._fm.flash_mla_sparse_fwd(q, kv, idx, scale, d_v=512)
+        want = torch.logsumexp((q[0].float() @ kv[:, 0].float().T) * scale, dim=-1)
+        got = lse.reshape(-1).float()
+        if torch.allclose(got, want, atol=1e-2, rtol=0):
+            return 1.0
+        if torch.allclose(got * math.log(2), want, atol=1e-2, rtol=0):
+            return math.log(2)
+        raise RuntimeError(
+            f"flash_mla_sparse_fwd's LSE is neither natural log nor base 2: got "
+            f"{got[:4].tolist()}, natural log {want[:4].tolist()}"
+        )
+
+    # ------------------------------------------------------------------ metadata
+    def _decode_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        md = self.metadata
+        assert md is not None
+        # Hazard: FlashMLA's FP8 kernels misbehave on requests with no keys; an empty row is
+        # given length 1 (it reads a stand-in entry) and set to 0 / -inf afterwards.
+        seqlens = md.valid.clamp(min=1)
+        tile, splits = self._fm.get_mla_metadata(
+            cache_seqlens=seqlens,
+            num_q_tokens_per_head_k=self._hp,
+            num_heads_k=1,
+            num_heads_q=self._hp,
+            is_fp8_kvcache=True,
+            topk=self.topk,
+        )
+        return seqlens, tile, splits
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        super().init_forward_metadata(batch)
+        self._extend = None
+        if not self._fp8:
+            return
+        if batch.mode.is_decode_or_verify:
+            self._seqlens, self._tile, self._splits = self._decode_metadata()
+            return
+        total = int(batch.seq_lens_cpu.sum())
+        _, slots = build_token_indices(
+            self.req_to_token, batch.req_pool_indices, batch.seq_lens, total
+        )
+        slot_to_row = torch.full((self.pool.num_slots,), -1, dtype=torch.int32, device=self.device)
+        slot_to_row[slots.long()] = torch.arange(total, dtype=torch.int32, device=self.device)
+        self._extend = (slots, slot_to_row)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        self._g_seqlens = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
+        self._g_splits = torch.zeros(max_num_tokens + 1, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        # Hazard (a peer bug): tile metadata depends on the lengths; a stale one degrades the
+        # output after some tokens. Recomputed into the static buffers on every replay.
+        super().init_forward_metadata_replay(batch)
+        self._extend = None
+        if not self._fp8:
+            return
+        t = batch.num_tokens
+        seqlens, tile, splits = self._decode_metadata()
+        self._g_seqlens[:t].copy_(seqlens)
+        static = self._graph_tiles.setdefault(t, torch.empty_like(tile))
+        static.copy_(tile)
+        self._g_splits[: t + 1].copy_(splits)
+        self._seqlens, self._tile, self._splits = (
+            self._g_seqlens[:t],
+            static,
+            self._g_splits[: t + 1],
+        )
+
+    # ------------------------------------------------------------------ attention
+    def _query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        t, h, lat = q_nope.shape
+        q = q_nope.new_zeros(t, self._hp, lat + q_rope.shape[-1])
+        q[:, :h, :lat] = q_nope
+        q[:, :h, lat:] = q_rope
+        return q
+
+    def _prefill(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = q.shape[0]
+        if indices.shape[1] != self._k:
+            indices = torch.nn.functional.pad(indices, (0, self._k - indices.shape[1]), value=-1)
+        out, _, lse = self._fm.flash_mla_sparse_fwd(
+            q, kv, indices.view(t, 1, -1), self.scale, d_v=self.dims.kv_lora_rank
+        )
+        return out, lse * self._lse_factor
+
+    def _attend(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        indices: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, h, lat = q_nope.shape
+        q = self._query(q_nope, q_rope)
+        if not self._fp8:
+            kv = self.pool.kv_buffer[layer].view(-1, 1, self.dims.kv_dim)
+            out, lse = self._prefill(q, kv, indices)
+        elif self._extend is not None:
+            slots, slot_to_row = self._extend
+            rows = dequant_rows(self.pool.fmt, self.pool.kv_buffer[layer][slots.long()])
+            remap = torch.where(indices >= 0, slot_to_row[indices.clamp(min=0).long()], -1)
+            out, lse = self._prefill(q, rows.bfloat16().view(-1, 1, self.dims.kv_dim), remap)
+        else:
+            if self._tile is None:
+                raise RuntimeError("init_forward_metadata was not called for this batch")
+            out, lse = self._fm.flash_mla_with_kvcache(
+                q.view(t, 1, self._hp, -1),
+                self.pool.get_paged_buffer(layer),
+                torch.empty(t, 0, dtype=torch.int32, device=q.device),
+                self._seqlens,
+                lat,
+                self._tile,
+                self._splits,
+                softmax_scale=self.scale,
+                causal=False,
+                is_fp8_kvcache=True,
+                indices=indices.view(t, 1, -1),
+            )
+            out, lse = out.view(t, self._hp, lat), lse.reshape(t, self._hp)
+        out, lse = out[:, :h].to(q_nope.dtype), lse[:, :h].float()
+        return self.mask_empty(out, lse, indices)

@@ -1,0 +1,106 @@
+"""The `triton` sparse backend: our sparse kernel (`triton_kernel.py`) on any CUDA GPU (SM80+,
+FP8 rows SM89+), and on CPU under TRITON_INTERPRET=1 (tests). Both pool formats."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from mla_backends.backends.base import Capability
+from mla_backends.batch import ForwardBatch
+from mla_backends.kernels.common import interpreting, num_sms
+from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
+from mla_backends.sparse.fp8_row import Fp8RowPool
+
+
+def choose_splits(programs: int, topk: int, sms: int, max_splits: int = 16) -> int:
+    """Split the index list until the grid fills the GPU about twice, >= 128 entries per
+    split; a power of two (the merge kernel's arange needs one)."""
+    want = max(1, min(round(2 * sms / max(programs, 1)), topk // 128, max_splits))
+    return 1 << (want.bit_length() - 1)
+
+
+@register_sparse_backend("triton")
+class TritonSparseBackend(SparseMLABackend):
+    name = "triton"
+    pool_kinds = ("paged", "fp8_row")
+
+    @classmethod
+    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "the triton package is not installed (pip install triton)"
+        if cap.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton on a CPU runs only under TRITON_INTERPRET=1 (tests), no GPU found"
+        if cap.sm is not None and cap.sm < (8, 0):
+            return f"the sparse Triton kernel needs SM80 or newer, found {cap.describe()}"
+        fp8 = ctx.fp8_rows or getattr(ctx.pool, "is_fp8", False)
+        if cap.sm is not None and fp8 and cap.sm < (8, 9):
+            return f"FP8 KV needs SM89 or newer, found {cap.describe()}"
+        d = ctx.dims
+        for n in (d.kv_lora_rank, d.qk_rope_head_dim):
+            if n < 16 or n & (n - 1):
+                return f"the sparse Triton kernel needs L and R powers of two >= 16, got {n}"
+        return None
+
+    def __init__(self, ctx: SparseContext) -> None:
+        super().__init__(ctx)
+        from mla_backends.sparse import triton_kernel
+
+        self._kernel = triton_kernel
+        self._interp = interpreting()
+        self._sms = num_sms(self.device)
+        self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
+        self.launch: dict[str, int] | None = None  # a launch config instead of LAUNCH's
+
+    # Launch configurations from SM90 offline compiles (registers / spill bytes per thread,
+    # ptxas via Triton 3.9; not yet timed on a GPU: scripts/bench_sparse.py --triton-configs
+    # times the alternatives). bf16 rows: 16 x 32 keys, 4 warps, 236 regs, no spill (16 x 64:
+    # 504 B spilled); 32 heads x 64 keys, 8 warps: 246 regs, no spill (64 x 64 wgmma: 1112 B).
+    # FP8 rows spill in every H128 shape tried (in-register dequantisation): 64 x 16, 8 warps,
+    # 408 B is the least; 16 x 32, 4 warps: 250 regs, no spill.
+    LAUNCH = {
+        (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        (64, False): {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        (64, True): {"block_m": 64, "block_n": 16, "num_warps": 8, "num_stages": 2},
+    }
+
+    def _launch(self, tokens: int) -> dict[str, int]:
+        h = self.dims.num_heads
+        if self._interp:
+            return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
+        cfg = dict(self.launch or self.LAUNCH[(16 if h <= 16 else 64, self._fmt is not None)])
+        programs = tokens * -(-h // cfg["block_m"])
+        return {**cfg, "splits": choose_splits(programs, self.topk, self._sms)}
+
+    def _attend(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        indices: torch.Tensor,
+        batch: ForwardBatch,
+        need_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, h, _ = q_nope.shape
+        out = torch.empty_like(q_nope)
+        lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
+        cfg = self._launch(t)
+        splits = cfg.pop("splits")
+        self._kernel.sparse_mla(
+            q_nope,
+            q_rope,
+            self.pool.kv_buffer[layer],
+            indices,
+            self.scale,
+            self.pool.scale(layer),
+            splits,
+            out,
+            lse,
+            self._fmt,
+            dot_f32=self._interp,
+            **cfg,
+        )
+        return out, lse

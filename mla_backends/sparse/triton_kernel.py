@@ -1,0 +1,232 @@
+"""Sparse absorbed MLA in Triton: attention over the rows a top-k index list selects.
+
+A program owns one query token, one block of BLOCK_M of its heads (all of them up to 64), and
+one split of its index list; it gathers only the selected rows, BLOCK_N at a time, and reads
+each once for the QK^T over L + R and again (from registers) for P @ V over L. Unused
+entries (-1) are masked loads: their stand-in rows are never read. Two row formats:
+- the pool's [slots, L + R] rows (bf16 / fp16 / fp32, or e4m3 under one per-layer scale that
+  multiplies scores and output);
+- the FP8 row format (`fp8_row`): e4m3 codes times their tile's fp32 scale, dequantised in
+  registers to q's dtype (exact: a 4-bit significand times a power of two), rope in bf16.
+With NUM_SPLITS > 1, partial (out, lse) pairs are merged by `mla_attention._merge`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_backends.arith import cdiv
+from mla_backends.kernels.mla_attention import LOG2E, _merge, _online_softmax
+from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    QNope,
+    QRope,
+    KV,
+    KV8,
+    KVS,
+    KVR,
+    Idx,
+    Out,
+    Lse,
+    PartOut,
+    PartLse,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qr_t,
+    stride_qr_h,
+    stride_kv,
+    stride_idx,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    topk,
+    qk_scale_log2,
+    out_scale,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    FP8_ROW: tl.constexpr,
+    ROW_E8: tl.constexpr,
+    ROW_S: tl.constexpr,
+    S_OFF: tl.constexpr,
+    ROW_B: tl.constexpr,
+    R_OFF: tl.constexpr,
+    TILE_C: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    hblk = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    heads = hblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    h_ok = heads < H
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    qn = tl.load(
+        QNope + t * stride_qn_t + heads[:, None] * stride_qn_h + offs_l[None, :],
+        mask=h_ok[:, None],
+        other=0.0,
+    )
+    qr = tl.load(
+        QRope + t * stride_qr_t + heads[:, None] * stride_qr_h + offs_r[None, :],
+        mask=h_ok[:, None],
+        other=0.0,
+    )
+    if DOT_F32:
+        qn = qn.to(tl.float32)
+        qr = qr.to(tl.float32)
+
+    chunk = tl.cdiv(tl.cdiv(topk, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, topk)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, L], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(Idx + t * stride_idx + j, mask=j < hi, other=-1)
+        ok = idx >= 0
+        slot = tl.where(ok, idx, 0).to(tl.int64)
+        if FP8_ROW:
+            k8 = tl.load(
+                KV8 + slot[:, None] * ROW_E8 + offs_l[None, :], mask=ok[:, None], other=0.0
+            )
+            # One scale per 128-wide tile, broadcast in registers (a per-element gather of the
+            # scales would stage BLOCK_N x L fp32 through shared memory).
+            tiles = tl.arange(0, L // TILE_C)
+            sc = tl.load(
+                KVS + slot[:, None] * ROW_S + S_OFF + tiles[None, :], mask=ok[:, None], other=0.0
+            )
+            # Straight to q's dtype: e4m3 codes are exact in bf16 / fp16 and a power-of-two
+            # scale multiplies exactly (an fp32 tile would double the registers and spill).
+            k = tl.reshape(k8.to(qn.dtype), [BLOCK_N, L // TILE_C, TILE_C])
+            k = tl.reshape(k * sc.to(qn.dtype)[:, :, None], [BLOCK_N, L])
+            kr = tl.load(
+                KVR + slot[:, None] * ROW_B + R_OFF + offs_r[None, :], mask=ok[:, None], other=0.0
+            )
+        else:
+            k = tl.load(
+                KV + slot[:, None] * stride_kv + offs_l[None, :], mask=ok[:, None], other=0.0
+            )
+            kr = tl.load(
+                KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=ok[:, None], other=0.0
+            )
+        k = k.to(qn.dtype)
+        kr = kr.to(qr.dtype)
+        s = tl.dot(qn, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=PRECISION)
+        s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
+        acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
+        acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (out_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    if NUM_SPLITS == 1:
+        o_ptr = Out + t * stride_o_t + heads[:, None] * stride_o_h + offs_l[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(Lse + t * stride_lse_t + heads, lse, mask=h_ok)
+    else:
+        prow = (t * H + heads) * NUM_SPLITS + split
+        tl.store(PartOut + prow[:, None] * L + offs_l[None, :], out, mask=h_ok[:, None])
+        tl.store(PartLse + prow, lse, mask=h_ok)
+
+
+def sparse_mla(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    kv_scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    fmt: Fp8RowFormat | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    dot_f32: bool = False,
+) -> None:
+    """q_nope [T, H, L], q_rope [T, H, R], indices [T, K] int32 slots (-1 unused) ->
+    out [T, H, L], lse [T, H] fp32 (natural log). kv: the pool layer's [slots, L + R] rows,
+    or with `fmt` its [slots, row_bytes] uint8 FP8 rows (then kv_scale must be 1)."""
+    t, h, lat = q_nope.shape
+    r = q_rope.shape[2]
+    if t == 0:
+        return
+    if num_splits > 1:
+        part_out = torch.empty(t * h * num_splits, lat, dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q_nope.device)
+    else:
+        part_out, part_lse = out, lse  # unused
+    if fmt is not None:
+        if kv_scale != 1.0:
+            raise ValueError("FP8 rows carry their own scales: kv_scale must be 1")
+        kv8, kvs, kvr = (
+            kv.view(torch.float8_e4m3fn),
+            kv.view(torch.float32),
+            kv.view(torch.bfloat16),
+        )
+        rows = dict(
+            ROW_E8=fmt.row_bytes,
+            ROW_S=fmt.row_bytes // 4,
+            S_OFF=fmt.scale_offset // 4,
+            ROW_B=fmt.row_bytes // 2,
+            R_OFF=fmt.rope_offset // 2,
+        )
+        stride_kv = 0
+    else:
+        kv8 = kvs = kvr = kv
+        rows = dict(ROW_E8=0, ROW_S=0, S_OFF=0, ROW_B=0, R_OFF=0)
+        stride_kv = kv.stride(0)
+    precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
+    _sparse_mla_kernel[(cdiv(h, block_m), t, num_splits)](
+        q_nope,
+        q_rope,
+        kv,
+        kv8,
+        kvs,
+        kvr,
+        indices,
+        out,
+        lse,
+        part_out,
+        part_lse,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        stride_kv,
+        indices.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        indices.shape[1],
+        sm_scale * kv_scale * LOG2E,
+        kv_scale,
+        H=h,
+        L=lat,
+        R=r,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        FP8_ROW=fmt is not None,
+        TILE_C=TILE,
+        DOT_F32=dot_f32,
+        PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **rows,
+    )
+    _merge(part_out, part_lse, out, lse, num_splits)

@@ -1,0 +1,334 @@
+"""DeepSeek-V3.2 sparse decode (DSA) on one GPU, per layer: the indexer (q prep, paged logits,
+top-k, positions -> slots) and sparse attention over its selection, against dense decode of
+the same context through our `triton` dense backend, and against raw FlashMLA sparse kernels
+on the same indices. Random data; one layer; contexts x batch x heads.
+
+Attention columns (ms per layer, median of `triton.testing.do_bench` after warm-up, eager:
+host launch overhead included; `graph` columns: one captured CUDA graph replayed, the GPU
+time a decode graph pays):
+- triton_bf16 / triton_fp8row: our sparse kernel on the bf16 pool / the 656-byte FP8 rows;
+- flashmla_bf16 / flashmla_fp8row: our `flashmla` backend (prefill kernel / FP8 decode
+  kernel, heads padded to 64, empty rows masked);
+- flashinfer_bf16: our `flashinfer_mla` backend (fa3, page 1);
+- raw_flashmla_fp8 / raw_flashmla_bf16: `flash_mla_with_kvcache(is_fp8_kvcache=True,
+  indices=...)` / `flash_mla_sparse_fwd` alone, inputs and metadata prepared outside;
+- dense_triton: our dense `triton` backend over the whole context (bf16 pool).
+Ratios: raw_fp8 / triton_fp8row (>= 0.9 is the target: speed relative to raw FlashMLA),
+dense / (indexer + best sparse).
+
+    python scripts/bench_sparse.py --out $OUT/sparse          # about 6 minutes on an H100
+    python scripts/bench_sparse.py --triton-configs --contexts 65536 --out $OUT/sweep
+    python scripts/bench_sparse.py --contexts 32768 --batch 16 --heads 128 --out /tmp/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.benchmark import bench_us
+from mla_backends.config import Config, MLADims
+from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
+from mla_backends.sparse.base import SparseContext, create_sparse_backend
+from mla_backends.sparse.fp8_row import Fp8RowPool, pack_rows
+from mla_backends.sparse.indexer import (
+    Indexer,
+    IndexerDims,
+    IndexKCache,
+    positions_to_slots,
+    prepare_q,
+    select_topk,
+)
+from mla_backends.sparse.indexer_kernels import index_logits
+
+PAGE = 64
+CHUNK = 1 << 19  # rows per fill chunk
+# (block_m, block_n, warps, stages) alternatives for --triton-configs (the default launch
+# table is in sparse/triton_backend.py).
+TRITON_CONFIGS = [(64, 64, 8, 2), (64, 16, 8, 2), (32, 64, 8, 3), (32, 32, 8, 3), (16, 32, 4, 3)]
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_us(g.replay) / 1000.0
+
+
+def timed(fn: Callable[[], object], graphs: bool) -> dict[str, float]:
+    out = {"eager": bench_us(fn) / 1000.0}
+    if graphs:
+        out["graph"] = graph_ms(fn)
+    return out
+
+
+def build_pools(max_b: int, max_ctx: int, fp8_rows: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    """bf16 pool (and FP8 rows of the same values), index-K cache, request table: request i
+    owns max_ctx tokens on pages in random order."""
+    dev = torch.device("cuda")
+    torch.manual_seed(seed)
+    ppr = -(-max_ctx // PAGE)
+    pages = max_b * ppr
+    bf16 = MLATokenToKVPool(1, pages, PAGE, 512, 64, torch.bfloat16, dev)
+    buf = bf16.kv_buffer[0]
+    for s in range(0, buf.shape[0], CHUNK):
+        buf[s : s + CHUNK].normal_()
+    fp8 = None
+    if fp8_rows:
+        fp8 = Fp8RowPool(1, pages, PAGE, 512, 64, dev)
+        for s in range(0, buf.shape[0], CHUNK):
+            rows = buf[s : s + CHUNK]
+            fp8.kv_buffer[0][s : s + CHUNK] = pack_rows(fp8.fmt, rows[:, :512], rows[:, 512:])
+    cache = IndexKCache(1, bf16.num_slots, 128, True, dev)
+    data, scale = cache.data_view(cache.buffers[0]), cache.scale_view(cache.buffers[0])
+    for s in range(0, data.shape[0], CHUNK // PAGE):
+        blk = data[s : s + CHUNK // PAGE]
+        blk.copy_(torch.randn(blk.shape, device=dev).mul_(64).to(torch.float8_e4m3fn))
+    scale.copy_(torch.exp2(-torch.randint(4, 9, scale.shape, device=dev).float()))
+    req = ReqToTokenPool(max_b, max_ctx + 1, dev)
+    order = torch.randperm(pages, device=dev) + 1
+    pos = torch.arange(max_ctx, device=dev)
+    for i in range(max_b):
+        mine = order[i * ppr : (i + 1) * ppr]
+        req.req_to_token[i + 1, :max_ctx] = (mine[pos // PAGE] * PAGE + pos % PAGE).int()
+    return bf16, fp8, cache, req
+
+
+def run_one(
+    ctx: int,
+    b: int,
+    heads: list[int],
+    topk: int,
+    pools,  # type: ignore[no-untyped-def]
+    backends: list[str],
+    graphs: bool,
+    sweep: bool = False,
+) -> list[dict]:
+    bf16, fp8, cache, req = pools
+    dev = torch.device("cuda")
+    rows = list(range(1, b + 1))
+    loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
+    batch = ForwardBatch.build(ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev)
+
+    idims = IndexerDims(topk=topk)
+    ix = Indexer(idims, cache, req.req_to_token, "triton")
+    ix.init_forward_metadata(batch)
+    q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
+    w = torch.randn(b, 64, device=dev)
+    ang = torch.rand(b, 32, device=dev) * 6
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    md = ix.metadata
+    qp, wp = prepare_q(idims, q_idx, w, cos, sin)
+    logits = index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width)
+    indexer = {
+        "total": timed(lambda: ix.select(0, q_idx, w, cos, sin), graphs),
+        "q_prep": timed(lambda: prepare_q(idims, q_idx, w, cos, sin), graphs),
+        "logits": timed(
+            lambda: index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width),
+            graphs,
+        ),
+        "topk_slots": timed(
+            lambda: positions_to_slots(select_topk(logits, topk), req.req_to_token, md.rows),
+            graphs,
+        ),
+    }
+    slots = ix.select(0, q_idx, w, cos, sin)
+    out = []
+    for h in heads:
+        dims = MLADims(h, 512, 64, 128, 128, 40.0, 1.0)
+        q_nope = torch.randn(b, h, 512, device=dev).bfloat16()
+        q_rope = torch.randn(b, h, 64, device=dev).bfloat16()
+        attn: dict[str, dict[str, float]] = {}
+        for name in backends:
+            for fmt, pool in (("bf16", bf16), ("fp8row", fp8)):
+                if pool is None:
+                    continue
+                sctx = SparseContext(dims, pool, req, topk, torch.bfloat16)
+                try:
+                    be = create_sparse_backend(name, sctx)
+                except (ValueError, ImportError) as e:
+                    print(f"  skip {name}-{fmt}: {e}")
+                    continue
+                be.init_forward_metadata(batch)
+                fn = lambda be=be: be.forward_sparse(0, q_nope, q_rope, slots, batch)  # noqa: E731
+                attn[f"{name}_{fmt}"] = timed(fn, graphs)
+                if name == "triton" and sweep:  # launch alternatives, each timed alone
+                    for cfg in TRITON_CONFIGS:
+                        be.launch = dict(
+                            zip(("block_m", "block_n", "num_warps", "num_stages"), cfg)
+                        )
+                        tag = "x".join(str(x) for x in cfg)
+                        try:
+                            attn[f"triton_{fmt}[{tag}]"] = timed(fn, graphs)
+                        except Exception as e:  # out of shared memory, say
+                            print(f"  triton {fmt} {tag}: {type(e).__name__} {str(e)[:80]}")
+                    be.launch = None
+        attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
+        attn["dense_triton"] = dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs)
+        row = {"context": ctx, "batch": b, "heads": h, "topk": topk, "indexer": indexer}
+        row["attention"] = attn
+        out.append(row)
+        print(summary(row), flush=True)
+    return out
+
+
+def raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs):  # type: ignore[no-untyped-def]
+    if importlib.util.find_spec("sgl_kernel") is None:
+        return {}
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+
+    b, h, _ = q_nope.shape
+    hp = 64 if h <= 64 else 128
+    q = q_nope.new_zeros(b, hp, 576)
+    q[:, :h, :512], q[:, :h, 512:] = q_nope, q_rope
+    res = {}
+    kpad = -(-topk // 128) * 128
+    idx = torch.nn.functional.pad(slots, (0, kpad - topk), value=-1).view(b, 1, kpad)
+    kv = bf16.kv_buffer[0].view(-1, 1, 576)
+    fn = lambda: flash_mla_sparse_fwd(q, kv, idx, dims.softmax_scale, d_v=512)  # noqa: E731
+    res["raw_flashmla_bf16"] = timed(fn, graphs)
+    if fp8 is not None:
+        seqlens = torch.full((b,), topk, dtype=torch.int32, device=q.device)
+        tile, splits = get_mla_metadata(
+            cache_seqlens=seqlens,
+            num_q_tokens_per_head_k=hp,
+            num_heads_k=1,
+            num_heads_q=hp,
+            is_fp8_kvcache=True,
+            topk=topk,
+        )
+        table = torch.empty(b, 0, dtype=torch.int32, device=q.device)
+        kc = fp8.get_paged_buffer(0)
+        q4, i4 = q.view(b, 1, hp, 576), slots.view(b, 1, topk)
+
+        def fn8() -> object:
+            return flash_mla_with_kvcache(
+                q4, kc, table, seqlens, 512, tile, splits, softmax_scale=dims.softmax_scale,
+                causal=False, is_fp8_kvcache=True, indices=i4,
+            )  # fmt: skip
+
+        res["raw_flashmla_fp8"] = timed(fn8, graphs)
+    return res
+
+
+def dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs):  # type: ignore[no-untyped-def]
+    from mla_backends.backends.base import BackendContext
+    from mla_backends.backends.triton_backend import TritonBackend
+
+    cfg = Config(
+        model=dims, num_layers=1, prefill_backend="triton", decode_backend="triton",
+        page_size=PAGE, kv_dtype="bfloat16", dtype="bfloat16", num_pages=bf16.num_pages,
+        max_requests=req.size, max_context_len=req.max_context_len, device="cuda",
+    )  # fmt: skip
+    be = TritonBackend(BackendContext(cfg, bf16, req))
+    be.init_forward_metadata(batch)
+    return timed(lambda: be.forward_absorbed(0, q_nope, q_rope, None, None, batch), graphs)
+
+
+SPARSE_OURS = ("triton_bf16", "triton_fp8row", "flashmla_bf16", "flashmla_fp8row")
+SPARSE_OURS += ("flashinfer_mla_bf16",)
+
+
+def ratios(row: dict, mode: str = "eager") -> dict[str, float | None]:
+    a = {k: v.get(mode) for k, v in row["attention"].items()}
+    ours = {k: a[k] for k in SPARSE_OURS if a.get(k) is not None}
+    best = min(ours.values()) if ours else None
+    idx = row["indexer"]["total"].get(mode)
+    out: dict[str, float | None] = {"best_sparse": best}
+    raw = a.get("raw_flashmla_fp8")
+    out["raw_fp8/triton_fp8row"] = (
+        raw / a["triton_fp8row"] if raw and a.get("triton_fp8row") else None
+    )
+    out["raw_fp8/best"] = raw / best if raw and best else None
+    dense = a.get("dense_triton")
+    out["dense/(indexer+best)"] = dense / (idx + best) if dense and best and idx else None
+    return out
+
+
+def summary(row: dict) -> str:
+    a = row["attention"]
+    parts = [f"ctx {row['context']:>6} B {row['batch']:>2} H {row['heads']:>3}"]
+    parts.append(f"indexer {row['indexer']['total']['eager']:.3f}")
+    parts += [f"{k} {v['eager']:.3f}" for k, v in a.items()]
+    r = ratios(row)
+    parts += [f"{k} {v:.2f}" for k, v in r.items() if v is not None and "/" in k]
+    return " | ".join(parts)
+
+
+def markdown(rows: list[dict], mode: str) -> str:
+    cols = ["triton_bf16", "triton_fp8row", "flashmla_bf16", "flashmla_fp8row"]
+    cols += ["flashinfer_mla_bf16", "raw_flashmla_bf16", "raw_flashmla_fp8", "dense_triton"]
+    cols = [c for c in cols if any(c in r["attention"] for r in rows)]
+    head = ["context", "B", "H", "indexer", "(logits", "topk)"] + cols
+    head += ["raw fp8 / triton fp8row", "dense / (indexer + best)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def f(x: float | None, p: int = 3) -> str:
+        return "-" if x is None else f"{x:.{p}f}"
+
+    for r in rows:
+        a, ix, q = r["attention"], r["indexer"], ratios(r, mode)
+        cells = [str(r["context"]), str(r["batch"]), str(r["heads"])]
+        cells += [
+            f(ix["total"].get(mode)),
+            f(ix["logits"].get(mode)),
+            f(ix["topk_slots"].get(mode)),
+        ]
+        cells += [f(a[c].get(mode)) if c in a else "-" for c in cols]
+        cells += [f(q["raw_fp8/triton_fp8row"], 2), f(q["dense/(indexer+best)"], 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="16384,32768,65536,131072")
+    p.add_argument("--batch", default="1,16,64")
+    p.add_argument("--heads", default="128,16")
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--backends", default="triton,flashmla,flashinfer_mla")
+    p.add_argument("--no-fp8-rows", action="store_true", help="skip the 656-byte row pool")
+    p.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    p.add_argument(
+        "--triton-configs", action="store_true", help="also time the Triton launch alternatives"
+    )
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sparse.py needs a CUDA GPU")
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    contexts, batches, heads = ints(a.contexts), ints(a.batch), ints(a.heads)
+    pools = build_pools(max(batches), max(contexts), not a.no_fp8_rows)
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            rows += run_one(
+                ctx, b, heads, a.topk, pools, a.backends.split(","), not a.no_graphs,
+                a.triton_configs,
+            )  # fmt: skip
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    (out / "bench_sparse.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    text = f"# DSA sparse decode, one layer, ms ({meta['device']})\n\n## eager\n\n"
+    text += markdown(rows, "eager")
+    if not a.no_graphs:
+        text += "\n\n## CUDA graph replay\n\n" + markdown(rows, "graph")
+    (out / "bench_sparse.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""DSA building blocks on CPU: quantisation maths, the FP8 row format, the indexer K cache
+layout and kernels, the dense/sparse rule, and every CPU sparse backend (torch; triton under
+TRITON_INTERPRET=1) against the fp64 sparse reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import MLADims
+from mla_backends.reference import absorbed
+from mla_backends.sparse.base import dense_indices, runs_dense, visible_counts_cpu
+from mla_backends.sparse.fp8_row import Fp8RowFormat, Fp8RowPool, dequant_rows, pack_rows
+from mla_backends.sparse.indexer import (
+    Indexer,
+    IndexerDims,
+    IndexerMetadata,
+    IndexKCache,
+    prepare_k,
+    prepare_q,
+    select_topk,
+)
+from mla_backends.sparse.quant import block_quant, hadamard, hadamard_matrix, ue8m0_scale
+from mla_backends.sparse.reference import sparse_attention, sparse_reference
+from mla_backends.sparse.testing import SparseCase, build, run
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interp = pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+
+
+# ----------------------------------------------------------------------------- quantisation
+def test_hadamard_is_the_orthonormal_sylvester_transform() -> None:
+    x = torch.randn(5, 3, 128, dtype=torch.float64)
+    h = hadamard_matrix(128, torch.float64)
+    assert torch.equal(h, h.T) and torch.equal(h @ h, 128 * torch.eye(128, dtype=torch.float64))
+    torch.testing.assert_close(hadamard(x).double(), x @ h * 128**-0.5, rtol=1e-6, atol=1e-6)
+    q, k = torch.randn(7, 128), torch.randn(9, 128)
+    torch.testing.assert_close(hadamard(q) @ hadamard(k).T, q @ k.T, rtol=1e-5, atol=1e-4)
+
+
+def test_ue8m0_scale_is_the_smallest_power_of_two_at_or_above_amax_over_448() -> None:
+    just_above = 448.0 * 2.0**-7 * (1 + 2.0**-20)  # amax / 448 a hair above 2^-7
+    amax = torch.tensor([448.0, 448.0 * 2.0**-7, just_above, 0.0, 1e-9, 3.0, 1e6])
+    s = ue8m0_scale(amax)
+    assert s.tolist()[:4] == [1.0, 2.0**-7, 2.0**-6, ue8m0_scale(torch.tensor(1e-4)).item()]
+    want = torch.exp2(torch.ceil(torch.log2(amax.double().clamp_min(1e-4) / 448.0)))
+    torch.testing.assert_close(s.double(), want, rtol=0, atol=0)
+    assert torch.equal(torch.log2(s), torch.round(torch.log2(s)))  # powers of two
+
+
+def test_block_quant_never_saturates_and_stays_within_e4m3_rounding() -> None:
+    x = torch.randn(64, 256) * torch.logspace(-3, 3, 64)[:, None]
+    codes, s = block_quant(x, 128)
+    assert codes.dtype == torch.float8_e4m3fn and s.shape == (64, 2)
+    assert codes.float().abs().max() <= 448
+    back = (codes.float().view(64, 2, 128) * s[..., None]).view(64, 256)
+    # e4m3: 3 mantissa bits (relative step 2^-3, rounding 2^-4); subnormals step 2^-9 * s
+    bound = x.abs() * 2**-4 + s.repeat_interleave(128, 1) * 2**-10
+    assert ((back - x).abs() <= bound).all()
+
+
+# ----------------------------------------------------------------------------- FP8 rows
+def test_fp8_row_format_is_656_bytes_and_round_trips_within_e4m3_precision() -> None:
+    fmt = Fp8RowFormat()
+    assert (fmt.row_bytes, fmt.scale_offset, fmt.rope_offset) == (656, 512, 528)
+    k_nope = torch.randn(33, 512) * torch.logspace(-2, 2, 33)[:, None]
+    k_rope = 3 * torch.randn(33, 64)
+    rows = pack_rows(fmt, k_nope, k_rope)
+    assert rows.shape == (33, 656) and rows.dtype == torch.uint8
+    scales = rows[:, 512:528].contiguous().view(torch.float32)
+    torch.testing.assert_close(scales, ue8m0_scale(k_nope.view(33, 4, 128).abs().amax(-1)))
+    vals = dequant_rows(fmt, rows)
+    assert torch.equal(vals[:, 512:], k_rope.bfloat16().float())  # rope is bf16, exact
+    bound = k_nope.abs() * 2**-4 + scales.repeat_interleave(128, 1) * 2**-10
+    assert ((vals[:, :512] - k_nope).abs() <= bound).all()
+    pool = Fp8RowPool(1, 3, 16, 512, 64)
+    assert pool.num_slots == 64 and pool.get_paged_buffer(0).stride(1) == 656
+    pool.kv_buffer[0].fill_(0xFF)
+    pool.set_mla_kv_buffer(0, torch.tensor([17, 40]), k_nope[:2], k_rope[:2])
+    torch.testing.assert_close(
+        pool.load_rows(0, torch.tensor([[40], [17]])).view(2, 576), vals[[1, 0]]
+    )
+    assert pool.load_rows(0, torch.tensor([18])).isnan().all()  # the poison reads as NaN
+
+
+# ----------------------------------------------------------------------------- indexer cache
+def test_index_k_cache_is_sglang_page_major() -> None:
+    """Block b = slots [64 b, 64 b + 64): 64 x 128 e4m3 bytes, then 64 fp32 scales."""
+    cache = IndexKCache(2, 200, 128, True, "cpu")
+    assert cache.buffers[0].shape == (4, 64 * 132) and cache.block_bytes == 8448
+    k = torch.randn(2, 128).to(torch.float8_e4m3fn)
+    cache.write(1, torch.tensor([70, 3]), k, torch.tensor([0.5, 2.0**-9]))
+    raw = cache.buffers[1]
+    assert torch.equal(raw[1, 6 * 128 : 7 * 128], k[0].view(torch.uint8))
+    assert raw[1, 8192 + 6 * 4 : 8192 + 7 * 4].view(torch.float32).item() == 0.5
+    assert raw[0, 8192 + 3 * 4 : 8192 + 4 * 4].view(torch.float32).item() == 2.0**-9
+    got, s = cache.read(1, torch.tensor([3, 70]))
+    assert torch.equal(got.view(torch.uint8), k[[1, 0]].view(torch.uint8))
+    assert s.tolist() == [2.0**-9, 0.5]
+    assert cache.bytes_per_token == 2 * 132
+
+
+def _indexer_inputs(dims: IndexerDims, t: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, dims.head_dim, generator=g)
+    q = torch.randn(t, dims.n_heads, dims.head_dim, generator=g)
+    w = torch.randn(t, dims.n_heads, generator=g)
+    ang = torch.rand(t, dims.rope_dim // 2, generator=g) * 6
+    return k, q, w, ang.cos(), ang.sin()
+
+
+@needs_interp
+@pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "fp32"])
+def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
+    """Fused store (RoPE, rotation, e4m3) and the paged logits kernel against the torch
+    reference, over a poisoned cache; positions past a token's context read -inf."""
+    from mla_backends.sparse.indexer_kernels import index_logits, store_index_k
+
+    dims = IndexerDims(4, 32, 16, 8, quantized)
+    t = 40
+    k, q, w, cos, sin = _indexer_inputs(dims, t, 0)
+    caches = [IndexKCache(1, 200, 32, quantized, "cpu") for _ in range(2)]
+    for c in caches:  # poison: NaN data and scales wherever nothing is stored
+        c.buffers[0].fill_(0xFF)
+    loc = torch.randperm(190)[:t] + 2
+    store_index_k(caches[0], 0, k, cos, sin, loc)
+    codes, scale = prepare_k(dims, k, cos, sin)
+    caches[1].write(0, loc, codes, scale)
+    got, want = caches[0].read(0, loc), caches[1].read(0, loc)
+    assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
+
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    r2t[2, :t] = loc.int()
+    rows = torch.full((6,), 2)
+    vis = torch.tensor([1, 7, 16, 17, 33, 40], dtype=torch.int32)
+    qp, wp = prepare_q(dims, q[:6], w[:6], cos[:6], sin[:6])
+    tri = index_logits(caches[0], 0, qp, wp, r2t, rows, vis, 48)
+    ref = Indexer(dims, caches[1], r2t, "torch")
+    ref.metadata = IndexerMetadata(rows, vis, 48, [(0, 6)])
+    want_logits = ref.logits(0, qp, wp, 0, 6)
+    finite = torch.arange(48)[None, :] < vis[:, None]
+    assert torch.equal(torch.isfinite(tri), finite) and torch.equal(
+        torch.isfinite(want_logits), finite
+    )
+    torch.testing.assert_close(tri[finite], want_logits[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
+    vis = torch.tensor([1, 3, 8, 20])
+    logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)
+    idx = select_topk(logits, 8)
+    assert idx.shape == (4, 8) and idx.dtype == torch.int32
+    for i, v in enumerate(vis.tolist()):
+        got = sorted(x for x in idx[i].tolist() if x >= 0)
+        want = sorted(logits[i, :v].topk(min(8, v)).indices.tolist())
+        assert got == want and (idx[i] < 0).sum() == 8 - min(8, v)
+    assert (select_topk(logits[:, :5], 8)[:, 5:] == -1).all()  # a narrow context pads
+
+
+# ----------------------------------------------------------------------------- dense / sparse
+def _batch(mode: ForwardMode, prefix: list[int], new: list[int]) -> ForwardBatch:
+    loc = torch.arange(sum(new)) + 100
+    return ForwardBatch.build(mode, list(range(1, len(new) + 1)), prefix, new, loc, "cpu")
+
+
+def test_dense_rule_and_dense_indices() -> None:
+    b = _batch(ForwardMode.EXTEND, [0, 5, 2], [3, 2, 1])
+    assert visible_counts_cpu(b).tolist() == [1, 2, 3, 6, 7, 3]
+    assert runs_dense(b, 7) and not runs_dense(b, 6)
+    r2t = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
+    idx = dense_indices(r2t, b, 8)
+    assert idx[3].tolist() == [32, 33, 34, 35, 36, 37, -1, -1]  # request row 2, 6 keys
+    assert idx[5].tolist() == [48, 49, 50] + [-1] * 5
+
+
+def test_sparse_reference_equals_dense_when_every_key_is_selected_and_masks_otherwise() -> None:
+    g = torch.Generator().manual_seed(0)
+    s, n, h = 30, 4, 3
+    lat, rope = torch.randn(s, 32, generator=g), torch.randn(s, 8, generator=g)
+    qn, qr = torch.randn(n, h, 32, generator=g), torch.randn(n, h, 8, generator=g)
+    want = absorbed(qn, qr, lat, rope, 0.3)
+    rows = torch.cat([lat, rope], -1)
+    vis = torch.arange(s - n + 1, s + 1)
+    perm = torch.stack([torch.randperm(s, generator=g) for _ in range(n)])
+    gathered, valid = rows[perm], perm < vis[:, None]  # every visible key, shuffled
+    got = sparse_attention(qn, qr, gathered, valid, 0.3)
+    torch.testing.assert_close(got[0], want[0]) and torch.testing.assert_close(got[1], want[1])
+    sel = valid & (torch.rand(n, s, generator=g) < 0.5)  # a subset: the masked dense form
+    mask = torch.zeros(n, s, dtype=torch.bool)
+    mask.scatter_(1, perm, sel)
+    scores = (
+        torch.einsum("nhl,sl->hns", qn.double(), lat.double())
+        + torch.einsum("nhr,sr->hns", qr.double(), rope.double())
+    ) * 0.3
+    scores = scores.masked_fill(~mask[None], -torch.inf)
+    lse = torch.logsumexp(scores, -1).transpose(0, 1)
+    out = torch.einsum("hns,sl->nhl", torch.softmax(scores, -1), lat.double())
+    got = sparse_attention(qn, qr, gathered, sel, 0.3)
+    torch.testing.assert_close(got[0], out) and torch.testing.assert_close(got[1], lse)
+
+
+# ----------------------------------------------------------------------------- backends
+MODES = {
+    "decode": (ForwardMode.DECODE, 1),
+    "verify": (ForwardMode.TARGET_VERIFY, 3),
+    "extend": (ForwardMode.EXTEND, 6),
+}
+POOLS = {  # pool format -> activation dtype
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "fp8": "bfloat16",
+    "fp8_row": "bfloat16",
+}
+
+
+def _cases(backend: str, heads: tuple[int, ...]) -> list[SparseCase]:
+    out = []
+    for pool, act in POOLS.items():
+        for mode, q in MODES.values():
+            for h in heads:
+                dims = MLADims(h, 128, 16, 16, 16)
+                out.append(
+                    SparseCase(backend, pool, act, mode, q, dims=dims, drop=0.2, empty_row=True)
+                )
+    return out
+
+
+@pytest.mark.parametrize("case", _cases("torch", (4, 16)), ids=lambda c: c.id)
+def test_torch_sparse_backend_matches_reference(case: SparseCase) -> None:
+    _, _, detail = run(case)
+    assert not detail, detail
+
+
+@needs_interp
+@pytest.mark.parametrize("case", _cases("triton", (16,)), ids=lambda c: c.id)
+def test_triton_sparse_backend_matches_reference(case: SparseCase) -> None:
+    _, _, detail = run(case)
+    assert not detail, detail
+
+
+@needs_interp
+def test_triton_sparse_exact_counts_and_contexts_shorter_than_topk() -> None:
+    """Indexer-shaped rows (exactly min(topk, visible) valid) at every context around topk."""
+    case = SparseCase("triton", "bfloat16", "bfloat16", kv_lens=(1, 31, 32, 33, 64), topk=32)
+    _, _, detail = run(case)
+    assert not detail, detail
+
+
+def test_poisoned_rows_would_fail_the_comparison() -> None:
+    """The harness can fail: point one valid entry at a poisoned (NaN) slot."""
+    b = build(SparseCase("torch", "bfloat16", "bfloat16"), "cpu")
+    b.backend.init_forward_metadata(b.batch)
+    idx = b.indices.clone()
+    row = int((idx >= 0).sum(1).argmax())
+    col = int((idx[row] >= 0).nonzero()[0])
+    idx[row, col] = b.backend.pool.num_slots - 1  # never stored: NaN
+    out = b.backend.forward_sparse(0, b.q_nope, b.q_rope, idx, b.batch)
+    assert out[row].isnan().all()
+    ref, _ = sparse_reference(b.backend.pool, 0, b.q_nope, b.q_rope, b.indices, b.backend.scale)
+    assert not out[row + 1 :].isnan().any() or row + 1 == out.shape[0]
+    assert torch.isfinite(ref).all()
+
+
+def test_fp8_rows_attend_within_e4m3_precision_of_the_unquantised_rows() -> None:
+    """The FP8 row pool's attention, against the same rows kept in fp32: e4m3 rounding of
+    the latent (relative 2^-4 per element) bounds the output change."""
+    base = SparseCase("torch", "fp8_row", "float32", dims=MLADims(16, 128, 16, 16, 16))
+    fp8, ref = build(base, "cpu"), build(dataclasses.replace(base, pool="float32"), "cpu")
+    assert torch.equal(fp8.indices, ref.indices)
+    outs = []
+    for b in (fp8, ref):
+        b.backend.init_forward_metadata(b.batch)
+        outs.append(b.backend.forward_sparse(0, b.q_nope, b.q_rope, b.indices, b.batch, True))
+    scale = outs[1][0].abs().max()
+    err = (outs[0][0] - outs[1][0]).abs().max()
+    assert 0 < err <= 2**-4 * scale, (err, scale)
+
+
+def test_verify_sparse_reports_every_runnable_backend_and_pool() -> None:
+    from mla_backends.sparse.verify import verify_sparse
+    from mla_backends.verify import format_table
+
+    rows = verify_sparse("cpu", backends=["torch", "flashmla"])
+    assert [(r.backend, r.dtype) for r in rows[::3]] == [
+        ("sparse:torch", "bfloat16"),
+        ("sparse:torch", "fp8"),
+        ("sparse:torch", "fp8_row"),
+    ]  # flashmla cannot run on a CPU: left out, not failed
+    assert all(r.ok for r in rows), format_table(rows)

@@ -1,0 +1,257 @@
+"""The `flashmla` and `flashinfer_mla` sparse backends on CPU, their kernels replaced by
+plain-PyTorch emulations of the documented contracts (`sparse/emulation.py`): head and index
+padding, the 656-byte row view, EXTEND remapping, compaction and CSR gathers, plan / run
+order, LSE conventions and empty rows, against the fp64 sparse reference; and a V3.2 engine's
+graph path (static buffers, padded batches) through them. The real kernels: test_sparse_gpu."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_backends.backends.emulation import KernelContractError
+from mla_backends.batch import ForwardMode
+from mla_backends.config import Config, MLADims
+from mla_backends.sparse import flashinfer_mla as fi_mod
+from mla_backends.sparse import flashmla as fm_mod
+from mla_backends.sparse.emulation import FaMLAEmulation, FlashMLAEmulation
+from mla_backends.sparse.testing import SparseCase, build, run
+
+MODES = {
+    "decode": (ForwardMode.DECODE, 1),
+    "verify": (ForwardMode.TARGET_VERIFY, 2),
+    "extend": (ForwardMode.EXTEND, 5),
+}
+KV_LENS = (1, 100, 127, 128, 129, 300)
+
+
+def _dims(h: int) -> MLADims:
+    return MLADims(h, 512, 64, 128, 128, 40.0, 1.0)
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    fm = FlashMLAEmulation()
+    made: list[FaMLAEmulation] = []
+
+    def fa(*args: object) -> FaMLAEmulation:
+        made.append(FaMLAEmulation(*args))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(fm_mod, "load_kernels", lambda: fm)
+    monkeypatch.setattr(fi_mod, "load_kernel", fa)
+    return {"flashmla": fm, "flashinfer": made}
+
+
+def _cases() -> list[SparseCase]:
+    out = []
+    pools = {"flashmla": ("bfloat16", "fp8_row"), "flashinfer_mla": ("bfloat16", "fp8")}
+    for backend, ps in pools.items():
+        exact = backend == "flashinfer_mla"
+        for pool in ps:
+            for mode, q in MODES.values():
+                for h in (16, 128):
+                    out.append(
+                        SparseCase(
+                            backend,
+                            pool,
+                            "bfloat16",
+                            mode,
+                            q,
+                            KV_LENS,
+                            128,
+                            64,
+                            _dims(h),
+                            drop=0.0 if exact else 0.2,
+                            empty_row=not exact,
+                            check_support=False,
+                        )  # fmt: skip
+                    )
+    return out
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
+def test_contract_parity(kernels: dict[str, object], case: SparseCase) -> None:
+    _, _, detail = run(case)
+    assert not detail, detail
+    fm = kernels["flashmla"]
+    assert isinstance(fm, FlashMLAEmulation)
+    if case.backend == "flashmla":  # the kernel each mode must take
+        fp8_decode = case.pool == "fp8_row" and case.mode is not ForwardMode.EXTEND
+        assert (fm.decode_calls, fm.prefill_calls > 1) == (int(fp8_decode), not fp8_decode)
+
+
+def test_flashmla_base2_prefill_lse_is_measured_and_converted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FlashMLA before 082094b wrote base-2 LSE and -inf for empty rows: the construction
+    probe finds the base, the backend converts it, and empty rows still read -inf."""
+    monkeypatch.setattr(fm_mod, "load_kernels", lambda: FlashMLAEmulation("2"))
+    case = SparseCase(
+        "flashmla", "bfloat16", "bfloat16", ForwardMode.EXTEND, 5, KV_LENS, 128, 64, _dims(16),
+        drop=0.2, empty_row=True, check_support=False,
+    )  # fmt: skip
+    assert build(case, "cpu").backend._lse_factor == pytest.approx(math.log(2))
+    _, _, detail = run(case)
+    assert not detail, detail
+
+
+def test_flashinfer_long_extend_plans_each_chunk_before_its_run(
+    kernels: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan fills the kernel's one workspace: chunks of a long EXTEND are planned one by
+    one, right before their runs (planning all first would run every chunk on the last
+    plan, which the emulation's single workspace would expose)."""
+    monkeypatch.setattr(fi_mod, "MAX_PLAN_TOKENS", 4)
+    case = SparseCase(
+        "flashinfer_mla", "bfloat16", "bfloat16", ForwardMode.EXTEND, 5, KV_LENS, 128, 64,
+        _dims(16), check_support=False,
+    )  # fmt: skip
+    _, _, detail = run(case)
+    assert not detail, detail
+    [fa] = kernels["flashinfer"]  # type: ignore[misc]
+    tokens = 1 + 5 * 5  # the kv_len 1 request has one new token
+    assert fa.plans == fa.runs == -(-tokens // 4)
+
+
+def test_emulations_reject_what_the_kernels_reject() -> None:
+    fm = FlashMLAEmulation()
+    q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
+    kc = torch.zeros(1, 64, 1, 656, dtype=torch.float8_e4m3fn)
+    idx = torch.full((2, 1, 64), -1, dtype=torch.int32)
+    seq, table = torch.ones(2, dtype=torch.int32), torch.empty(2, 0, dtype=torch.int32)
+    tile, splits = fm.get_mla_metadata(seq, 64, 1, 64, True, 64)
+    base = dict(softmax_scale=0.1, causal=False, is_fp8_kvcache=True)
+    out, lse = fm.flash_mla_with_kvcache(q, kc, table, seq, 512, tile, splits, indices=idx, **base)
+    assert out.shape == (2, 1, 64, 512) and torch.isinf(lse).all() and (lse > 0).all()
+    bad = idx.clone()
+    bad[0, 0, 0] = 64  # one past the cache: an illegal memory access on the GPU
+    with pytest.raises(KernelContractError, match="past the cache"):
+        fm.flash_mla_with_kvcache(q, kc, table, seq, 512, tile, splits, indices=bad, **base)
+    with pytest.raises(KernelContractError, match="Unsupported h_q 16"):
+        fm.flash_mla_with_kvcache(
+            q[:, :, :16], kc, table, seq, 512, tile, splits, indices=idx, **base
+        )
+    with pytest.raises(KernelContractError, match="softmax scale"):
+        fm.flash_mla_with_kvcache(
+            q, kc, table, seq, 512, tile, splits, indices=idx, **{**base, "softmax_scale": None}
+        )
+    kv = torch.zeros(10, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(KernelContractError, match="topk % 128"):
+        fm.flash_mla_sparse_fwd(q[:, 0], kv, torch.zeros(2, 1, 64, dtype=torch.int32), 0.1)
+    fa = FaMLAEmulation(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 512, 64)
+    with pytest.raises(KernelContractError, match="run before plan"):
+        fa.run(
+            None,
+            torch.zeros(1, dtype=torch.int32),
+            False,
+            q[:, 0, :, :512],
+            q[:, 0, :, 512:],
+            kv,
+            kv,
+            None,
+            None,
+            1,
+            0.1,
+            1.0,
+        )  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- V3.2 engine
+V32_RAW = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=512,
+    qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, n_routed_experts=8,
+    n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5, first_k_dense_replace=2, index_n_heads=8, index_head_dim=64,
+    index_topk=64,
+)  # fmt: skip
+
+
+def _model():  # type: ignore[no-untyped-def]
+    from mla_backends.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(V32_RAW))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    return model.to(torch.bfloat16).eval()
+
+
+def _engine(model, sparse: str, fp8_rows: bool):  # type: ignore[no-untyped-def]
+    from mla_backends.models.engine import Engine
+    from mla_backends.runtime import Runtime
+    from mla_backends.sparse.base import SparseContext, get_sparse_backend_class
+    from mla_backends.sparse.dsa import DSABackend
+    from mla_backends.sparse.fp8_row import Fp8RowPool
+    from mla_backends.sparse.indexer import Indexer, IndexKCache
+
+    c = model.cfg
+    cfg = Config(
+        model=c.attention_dims, num_layers=2, prefill_backend="torch", decode_backend="torch",
+        page_size=64, kv_dtype="bfloat16", dtype="bfloat16", num_pages=16, max_requests=4,
+        max_context_len=512, device="cpu",
+    )  # fmt: skip
+    rt = Runtime.build(cfg)
+    dims = c.indexer_dims(True)
+    latent = Fp8RowPool(2, 16, 64, 512, 64) if fp8_rows else rt.kv_pool
+    cache = IndexKCache(2, latent.num_slots, dims.head_dim, True, "cpu")
+    indexer = Indexer(dims, cache, rt.req_pool.req_to_token, "torch")
+    ctx = SparseContext(c.attention_dims, latent, rt.req_pool, dims.topk, torch.bfloat16)
+    sp = get_sparse_backend_class(sparse)(ctx)
+    dsa = DSABackend(None if fp8_rows else rt.backend, indexer, sp)
+    return Engine(model, rt, dsa)
+
+
+ENGINE_CASES = [("flashmla", False), ("flashmla", True), ("flashinfer_mla", False)]
+
+
+@pytest.mark.parametrize(
+    "sparse, fp8_rows", ENGINE_CASES, ids=["flashmla", "flashmla-fp8row", "flashinfer"]
+)
+def test_v32_engine_graph_path_through_emulated_kernels(
+    kernels: dict[str, object], sparse: str, fp8_rows: bool
+) -> None:
+    """Dense MLPs (no MoE routing flips in bf16). Prompts longer than topk (sparse prefill),
+    then decode steps through the graph runner's static padded batches (replay hooks, no
+    capture on CPU), against the torch sparse backend on the same pool format."""
+    model = _model()
+    ref, eng = _engine(model, "torch", fp8_rows), _engine(model, sparse, fp8_rows)
+    eng.enable_graphs([1, 2, 4], use_graphs=False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (80, 20, 100)]
+    rows = [e.new_requests(3) for e in (ref, eng)]
+    got = [e.extend(r, prompts) for e, r in zip((ref, eng), rows)]
+    assert float((got[1] - got[0]).abs().max() / got[0].abs().max()) <= 2e-2
+    for step in range(4):
+        k = 3 if step % 2 == 0 else 2
+        toks = torch.randint(0, 96, (k,), generator=gen).tolist()
+        want, out = (e.decode(r[:k], toks) for e, r in zip((ref, eng), rows))
+        err = float((out - want).abs().max() / want.abs().max())
+        assert err <= 2e-2, f"step {step}: {err}"
+    fm = kernels["flashmla"]
+    assert isinstance(fm, FlashMLAEmulation)
+    assert (fm.decode_calls > 0) == (sparse == "flashmla" and fp8_rows)  # FP8 decode kernel
+
+
+def test_flashinfer_replay_fails_loudly_if_the_plan_layout_moves(
+    kernels: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    eng = _engine(model, "flashinfer_mla", False)
+    eng.enable_graphs([1, 2], use_graphs=False)
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1] * 70, [2] * 3])
+    [fa] = kernels["flashinfer"]  # type: ignore[misc]
+    monkeypatch.setattr(fa, "plan", lambda *a: (0, 0, 0))  # a planner whose grid moved
+    with pytest.raises(RuntimeError, match="plan layout changed since capture"):
+        eng.decode(rows, [3, 4])
+
+
+def test_case_ids_are_unique() -> None:
+    ids = [c.id for c in _cases()]
+    assert len(set(ids)) == len(ids)

@@ -1,0 +1,358 @@
+"""DSA on a GPU (skipped without CUDA, SM90 or the kernel packages): every sparse backend
+against the fp64 sparse reference at DeepSeek dims, the indexer kernels against the torch
+maths, CUDA-graph capture / replay (no host sync) against eager, and a whole V3.2 model with
+captured decode graphs. Run on an H100 / H200:
+
+    pytest -q tests/test_sparse_gpu.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import MLADims
+from mla_backends.graph_runner import CudaGraphRunner, InputSpec
+from mla_backends.sparse.indexer import IndexerDims
+from mla_backends.sparse.testing import SparseCase, run
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (and no TRITON_INTERPRET)")
+
+
+def _has(pkg: str) -> bool:
+    return importlib.util.find_spec(pkg) is not None
+
+
+def _need(backend: str) -> None:
+    if backend == "flashmla" and not (SM90 and _has("sgl_kernel")):
+        pytest.skip("flashmla sparse needs SM90 and sglang-kernel 0.4.3")
+    if backend == "flashinfer_mla" and not (SM90 and _has("flashinfer")):
+        pytest.skip("flashinfer_mla sparse needs SM90 and flashinfer-python 0.7.2.post1")
+
+
+def _dims(h: int) -> MLADims:
+    return MLADims(h, 512, 64, 128, 128, 40.0, 1.0)
+
+
+TOPK = 2048
+KV_LENS = (1, 100, 2047, 2048, 2049, 5000)
+MODES = {"decode": (ForwardMode.DECODE, 1), "verify": (ForwardMode.TARGET_VERIFY, 3)}
+MODES["extend"] = (ForwardMode.EXTEND, 5)
+POOLS = {
+    "triton": ("bfloat16", "fp8", "fp8_row"),
+    "flashmla": ("bfloat16", "fp8_row"),
+    "flashinfer_mla": ("bfloat16", "fp8"),
+}
+
+
+def _cases() -> list[SparseCase]:
+    out = []
+    for backend, pools in POOLS.items():
+        exact = backend == "flashinfer_mla"
+        for pool in pools:
+            for mode, q in MODES.values():
+                for h in (16, 128):
+                    out.append(
+                        SparseCase(
+                            backend,
+                            pool,
+                            "bfloat16",
+                            mode,
+                            q,
+                            KV_LENS,
+                            TOPK,
+                            64,
+                            _dims(h),
+                            drop=0.0 if exact else 0.2,
+                            empty_row=not exact,
+                        )
+                    )
+    return out
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
+def test_sparse_backend_matches_reference(case: SparseCase) -> None:
+    _need(case.backend)
+    _, _, detail = run(case, "cuda")
+    assert not detail, detail
+
+
+def test_indexer_kernels_match_torch_maths_bf16() -> None:
+    """bf16 activations, quantised: the fused store's codes within one e4m3 step of the torch
+    maths (the Hadamard's fp32 sums differ in order), logits and top-k sets on the same cache."""
+    from mla_backends.sparse.indexer import (
+        Indexer,
+        IndexerMetadata,
+        IndexKCache,
+        prepare_k,
+        prepare_q,
+        select_topk,
+    )
+    from mla_backends.sparse.indexer_kernels import index_logits, store_index_k
+
+    dims = IndexerDims()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t = 3000
+    k = torch.randn(t, 128, generator=g, device="cuda").bfloat16()
+    ang = torch.rand(t, 32, generator=g, device="cuda") * 6
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    cache = IndexKCache(1, 4096, 128, True, "cuda")
+    loc = torch.randperm(4000, device="cuda")[:t] + 64
+    store_index_k(cache, 0, k, cos, sin, loc)
+    got_k, got_s = cache.read(0, loc)
+    want_k, want_s = prepare_k(dims, k, cos, sin)
+    assert (got_s == want_s).float().mean() >= 0.99
+    diff = (got_k.float() * got_s[:, None] - want_k.float() * want_s[:, None]).abs()
+    assert (
+        diff <= 2**-3 * (want_k.float() * want_s[:, None]).abs() + 2**-9 * want_s[:, None]
+    ).all()
+
+    r2t = torch.zeros(2, 4096, dtype=torch.int32, device="cuda")
+    r2t[1, :t] = loc.int()
+    rows = torch.ones(8, dtype=torch.long, device="cuda")
+    vis = torch.tensor([1, 50, 2047, 2048, 2049, 2500, 2999, 3000], device="cuda").int()
+    q = torch.randn(8, 64, 128, generator=g, device="cuda").bfloat16()
+    w = torch.randn(8, 64, generator=g, device="cuda")
+    qp, wp = prepare_q(dims, q, w, cos[:8], sin[:8])
+    tri = index_logits(cache, 0, qp, wp, r2t, rows, vis, t)
+    ref = Indexer(dims, cache, r2t, "torch")
+    ref.metadata = IndexerMetadata(rows, vis, t, [(0, 8)])
+    want = ref.logits(0, qp, wp, 0, 8)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(tri))
+    torch.testing.assert_close(
+        tri[fin], want[fin], rtol=1e-5, atol=1e-5 * want[fin].abs().max().item()
+    )
+    a, b = select_topk(tri, TOPK), select_topk(want, TOPK)
+    for i in range(8):
+        sa, sb = set(a[i].tolist()) - {-1}, set(b[i].tolist()) - {-1}
+        assert len(sa) == min(TOPK, int(vis[i])) and len(sa & sb) >= 0.995 * len(sb)
+
+
+def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Pools, indexer and sparse backend over requests with random prompts (latent rows and
+    index K stored), for the graph tests."""
+    from mla_backends.allocator import PagedTokenAllocator
+    from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
+    from mla_backends.sparse.base import SparseContext, create_sparse_backend
+    from mla_backends.sparse.fp8_row import Fp8RowPool
+    from mla_backends.sparse.indexer import Indexer, IndexKCache
+
+    dims, dev = _dims(h), torch.device("cuda")
+    rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
+    n_req, max_ctx, ps = 6, 4096, 64
+    pages = n_req * max_ctx // ps + 1
+    if pool == "fp8_row":
+        latent = Fp8RowPool(1, pages, ps, 512, 64, dev)
+    else:
+        kv = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
+        latent = MLATokenToKVPool(1, pages, ps, 512, 64, kv, dev)
+        if pool == "fp8":
+            latent.set_scale(0, 0.037)
+    req = ReqToTokenPool(n_req, max_ctx, dev)
+    order = list(range(1, pages + 1))
+    rng.shuffle(order)
+    alloc = PagedTokenAllocator(pages, ps, req, order)
+    idims = IndexerDims()
+    cache = IndexKCache(1, latent.num_slots, 128, True, dev)
+    indexer = Indexer(idims, cache, req.req_to_token)
+    ctx = SparseContext(dims, latent, req, TOPK, torch.bfloat16)
+    sparse = create_sparse_backend(backend, ctx)
+    rows = req.alloc(n_req)
+    for r in rows:
+        n = rng.randint(1, 3500)
+        loc = alloc.alloc_extend([r], [n])
+        ang = torch.rand(n, 32, generator=gen, device=dev) * 6
+        indexer.store(
+            0,
+            torch.randn(n, 128, generator=gen, device=dev).bfloat16(),
+            ang.cos().bfloat16(),
+            ang.sin().bfloat16(),
+            loc,
+        )
+        latent.set_mla_kv_buffer(
+            0,
+            loc,
+            torch.randn(n, 512, generator=gen, device=dev).bfloat16(),
+            torch.randn(n, 64, generator=gen, device=dev).bfloat16(),
+        )
+    return indexer, sparse, alloc, rows, gen, rng
+
+
+INPUTS = {
+    "k_idx": InputSpec((128,), torch.bfloat16),
+    "q_idx": InputSpec((64, 128), torch.bfloat16),
+    "w": InputSpec((64,), torch.float32),
+    "cos": InputSpec((32,), torch.bfloat16),
+    "sin": InputSpec((32,), torch.bfloat16),
+    "k_nope": InputSpec((512,), torch.bfloat16),
+    "k_rope": InputSpec((64,), torch.bfloat16),
+}
+
+
+class _Step:
+    """indexer store + select + latent store + sparse attention: what a layer runs."""
+
+    def __init__(self, indexer, sparse) -> None:  # type: ignore[no-untyped-def]
+        self.indexer, self.sparse = indexer, sparse
+        self.name, self.supports_graphs = sparse.name, True
+        self.cuda_graph_seq_len_fill_value = 1
+
+    @property
+    def metadata(self) -> object:
+        """The device buffers a captured graph reads (the runner checks they never move)."""
+        ix, sp = self.indexer.metadata, self.sparse.metadata
+        return SimpleNamespace(rows=ix.rows, visible=ix.visible, valid=sp.valid)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.indexer.init_forward_metadata(batch)
+        self.sparse.init_forward_metadata(batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.indexer.init_cuda_graph_state(max_bs, max_num_tokens)
+        self.sparse.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.indexer.init_forward_metadata_capture(batch)
+        self.sparse.init_forward_metadata_capture(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self.indexer.init_forward_metadata_replay(batch)
+        self.sparse.init_forward_metadata_replay(batch)
+
+    def forward(self, batch: ForwardBatch, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.indexer.store(0, x["k_idx"], x["cos"], x["sin"], batch.out_cache_loc)
+        slots = self.indexer.select(0, x["q_idx"], x["w"], x["cos"], x["sin"])
+        self.sparse.store_kv(0, batch.out_cache_loc, x["k_nope"], x["k_rope"])
+        return self.sparse.forward_sparse(0, x["q_nope"], x["q_rope"], slots, batch)
+
+
+GRAPH_CASES = [("triton", "bfloat16"), ("triton", "fp8_row"), ("flashmla", "bfloat16")]
+GRAPH_CASES += [("flashmla", "fp8_row"), ("flashinfer_mla", "bfloat16"), ("flashinfer_mla", "fp8")]
+
+
+@pytest.mark.parametrize("q_len", [1, 2], ids=["decode", "verify"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("backend, pool", GRAPH_CASES, ids=[f"{b}-{p}" for b, p in GRAPH_CASES])
+def test_graph_replay_equals_eager_without_host_sync(
+    backend: str, pool: str, heads: int, q_len: int
+) -> None:
+    """Indexer + sparse attention captured once per batch size, replayed on changing batches
+    (sizes, lengths across topk, page tables), padded; no host sync during replay; each
+    replay equals the eager step on the same state."""
+    _need(backend)
+    indexer, sparse, alloc, rows, gen, rng = _graph_setup(backend, pool, heads)
+    step = _Step(indexer, sparse)
+    inputs = dict(INPUTS, q_nope=InputSpec((heads, 512), torch.bfloat16))
+    inputs["q_rope"] = InputSpec((heads, 64), torch.bfloat16)
+    runner = CudaGraphRunner(step, step.forward, inputs, [1, 2, 4], q_len, "cuda")  # type: ignore[arg-type]
+    runner.capture()
+    mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
+    for i in range(6):
+        n = rng.choice([1, 2, 3, 4])
+        rs = rng.sample(rows, n)
+        prefix = [alloc.seq_len(r) for r in rs]
+        loc = alloc.alloc_extend(rs, [q_len] * n)
+        batch = ForwardBatch.build(mode, rs, prefix, [q_len] * n, loc, "cuda")
+        x = {
+            k: torch.randn(n * q_len, *s.shape, generator=gen, device="cuda").to(s.dtype)
+            for k, s in inputs.items()
+        }
+        step.init_forward_metadata(batch)
+        want = step.forward(batch, x).clone()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = runner.replay(batch, x, check_pointers=True).clone()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        assert err <= 2e-2, f"step {i}: {err}"
+
+
+@pytest.mark.parametrize(
+    "sparse, fp8_rows",
+    [("triton", False), ("flashmla", False), ("flashmla", True), ("flashinfer_mla", False)],
+)
+def test_v32_model_decode_graphs_equal_eager(sparse: str, fp8_rows: bool) -> None:
+    """A random bf16 DeepSeek-V3.2 (DeepSeek dims, 16 heads, topk 128) through the engine:
+    prompts longer than topk, decode steps through captured whole-model graphs against the
+    same steps eager."""
+    _need(sparse)
+    from mla_backends.config import Config
+    from mla_backends.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+    from mla_backends.models.engine import Engine
+    from mla_backends.runtime import Runtime
+    from mla_backends.sparse.dsa import DSABackend
+
+    raw = dict(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=2,
+        index_topk=128,
+    )
+    cfg = DeepseekV32Config.from_hf(raw)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = DeepseekV32ForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+
+    def engine() -> tuple[Engine, DSABackend]:
+        rt = Runtime.build(
+            Config(
+                model=cfg.attention_dims,
+                num_layers=2,
+                prefill_backend="triton",
+                decode_backend="triton",
+                page_size=64,
+                kv_dtype="bfloat16",
+                dtype="bfloat16",
+                num_pages=64,
+                max_requests=4,
+                max_context_len=1024,
+                device="cuda",
+            )
+        )
+        dsa = DSABackend.build(rt, cfg.indexer_dims(True), sparse, fp8_rows)
+        return Engine(model, rt, dsa), dsa
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (300, 40, 150)]
+    (eager, _), (graphed, _) = engine(), engine()
+    rows = [e.new_requests(3) for e in (eager, graphed)]
+    for e, r in zip((eager, graphed), rows):
+        e.extend(r, prompts)
+    graphed.enable_graphs([1, 2, 4])
+    for i in range(8):
+        k = 3 if i % 2 == 0 else 2
+        toks = torch.randint(0, 256, (k,), generator=gen).tolist()
+        want = eager.decode(rows[0][:k], toks)
+        got = graphed.decode(rows[1][:k], toks)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= 2e-2, f"step {i}: {err}"
