@@ -18,9 +18,9 @@ visible key, so dense attention is the sparse result, and the indexer's scoring 
 all of its visible keys. Captured CUDA graphs always take the sparse path (fixed shapes);
 with <= topk keys it equals the dense one.
 
-Per forward batch `init_forward_metadata(batch)` once; CUDA graphs as the dense backends:
-`init_cuda_graph_state(max_bs, max_num_tokens)`, `init_forward_metadata_capture(batch)`,
-`init_forward_metadata_replay(batch)`.
+The class mirrors `backends.base.MLABackend`: declared `caps`, `_machine_reason`, metadata
+built once per batch (`_build_metadata`, a `SparseMetadata` dataclass), CUDA-graph state in
+one dataclass allocated once (`_new_graph_state`) and refilled in place (`_bind_graph`).
 """
 
 from __future__ import annotations
@@ -92,56 +92,98 @@ def dense_indices(
     return torch.where(pos[None, :] < vis, slots, torch.full_like(slots, -1))
 
 
+@dataclass(frozen=True)
+class SparseCaps:
+    """What a sparse backend declares, checked by `supports` before `_machine_reason`."""
+
+    pool_kinds: tuple[str, ...] = ("paged",)  # "paged": MLATokenToKVPool; "fp8_row"
+    graphs: bool = True
+    # Plans on the host from valid counts: relies on rows holding exactly min(topk, pos + 1)
+    # valid slots (what the indexer writes).
+    exact_counts: bool = False
+
+
 @dataclass
 class SparseMetadata:
     valid_cpu: torch.Tensor  # [T] int32, host: min(topk, keys visible)
     valid: torch.Tensor  # [T] int32, device: the same
 
 
+@dataclass
+class SparseGraphState:
+    valid: torch.Tensor  # [max_num_tokens] int32, device: every capture reads leading rows
+
+
 class SparseMLABackend(ABC):
     name: ClassVar[str]
-    pool_kinds: ClassVar[tuple[str, ...]] = ("paged",)  # "paged": MLATokenToKVPool; "fp8_row"
-    supports_graphs: ClassVar[bool] = True
-    exact_counts: ClassVar[bool] = False
+    caps: ClassVar[SparseCaps] = SparseCaps()
 
     def __init__(self, ctx: SparseContext) -> None:
         self.ctx, self.dims, self.pool = ctx, ctx.dims, ctx.pool
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.device, self.topk, self.scale = ctx.device, ctx.topk, ctx.dims.softmax_scale
         self.metadata: SparseMetadata | None = None
+        self._graph: SparseGraphState | None = None
 
     @classmethod
     def supports(cls, ctx: SparseContext, cap: Capability) -> str | None:
         kind = "fp8_row" if ctx.fp8_rows else "paged"
-        if kind not in cls.pool_kinds:
-            return f"sparse backend {cls.name} reads pools {cls.pool_kinds}, not {kind!r}"
-        return cls._supports_extra(ctx, cap)
+        if kind not in cls.caps.pool_kinds:
+            return f"sparse backend {cls.name} reads pools {cls.caps.pool_kinds}, not {kind!r}"
+        return cls._machine_reason(ctx, cap)
 
     @classmethod
-    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+    def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
+        """Why this machine (packages, SM version) or context cannot run the kernels."""
         return None
 
+    @property
+    def supports_graphs(self) -> bool:
+        return self.caps.graphs
+
     # ------------------------------------------------------------------ metadata
-    def _metadata(self, batch: ForwardBatch) -> SparseMetadata:
+    def _counts(self, batch: ForwardBatch) -> SparseMetadata:
         # Both copies built where they live: no host-to-device copy (graph replay syncs never).
         valid_cpu = visible_counts_cpu(batch).clamp(max=self.topk)
         valid = (batch.positions + 1).clamp(max=self.topk).to(torch.int32)
         return SparseMetadata(valid_cpu, valid)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self.metadata = self._metadata(batch)
+        self.metadata = self._build_metadata(batch)
 
+    def _build_metadata(self, batch: ForwardBatch) -> SparseMetadata:
+        """This batch's metadata, once for every layer."""
+        return self._counts(batch)
+
+    # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._g_valid = torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device)
+        self._graph = self._new_graph_state(max_bs, max_num_tokens)
+
+    @property
+    def graph_state(self) -> SparseGraphState:
+        if self._graph is None:
+            raise RuntimeError(
+                f"sparse {self.name}: CUDA-graph state not allocated; call init_cuda_graph_state"
+            )
+        return self._graph
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.init_forward_metadata_replay(batch)
+        self.metadata = self._bind_graph(batch, self.graph_state, capture=True)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        md = self._metadata(batch)
-        t = batch.num_tokens
-        self._g_valid[:t].copy_(md.valid)
-        self.metadata = SparseMetadata(md.valid_cpu, self._g_valid[:t])
+        self.metadata = self._bind_graph(batch, self.graph_state, capture=False)
+
+    def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> SparseGraphState:
+        """Static buffers for up to `max_num_tokens` query tokens, allocated once."""
+        return SparseGraphState(torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device))
+
+    def _bind_graph(
+        self, batch: ForwardBatch, state: SparseGraphState, capture: bool
+    ) -> SparseMetadata:
+        """Metadata over the state's buffers, refilled in place (same pointers every replay)."""
+        md, t = self._counts(batch), batch.num_tokens
+        state.valid[:t].copy_(md.valid)
+        return SparseMetadata(md.valid_cpu, state.valid[:t])
 
     # ------------------------------------------------------------------ attention
     def store_kv(

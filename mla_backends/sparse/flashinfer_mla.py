@@ -15,7 +15,7 @@ the per-layer scale); LSE natural log; rows with no key set to 0 / -inf here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,14 @@ import torch
 from mla_backends.backends.base import Capability
 from mla_backends.backends.kernel_packages import missing, need_sm
 from mla_backends.batch import ForwardBatch
-from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
+from mla_backends.sparse.base import (
+    SparseCaps,
+    SparseContext,
+    SparseGraphState,
+    SparseMetadata,
+    SparseMLABackend,
+    register_sparse_backend,
+)
 
 # Query tokens (FlashInfer "requests") per plan; EXTEND batches are chunked. FlashInfer 0.7.2
 # holds at most MAX_WORKS (16384) work items: one per 64-head tile per token plus one per
@@ -50,13 +57,24 @@ class _Chunk:
     src: torch.Tensor  # [(end - start) * topk] int64, device: CSR position -> row-major entry
 
 
+@dataclass
+class FlashInferSparseMetadata(SparseMetadata):
+    chunks: list[_Chunk] = field(default_factory=list)  # host plans over the query tokens
+
+
+@dataclass
+class FlashInferSparseGraphState(SparseGraphState):
+    src: torch.Tensor  # [max_num_tokens * topk] int64, device
+    plans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens -> plan key
+
+
 @register_sparse_backend("flashinfer_mla")
 class FlashInferSparseBackend(SparseMLABackend):
     name = "flashinfer_mla"
-    exact_counts = True
+    caps = SparseCaps(exact_counts=True)
 
     @classmethod
-    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+    def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
         d = ctx.dims
         if (d.kv_lora_rank, d.qk_rope_head_dim) != (512, 64):
             got = f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
@@ -73,8 +91,6 @@ class FlashInferSparseBackend(SparseMLABackend):
         self._kernel = load_kernel(
             self.device, ctx.dtype, self.pool.dtype, d.kv_lora_rank, d.qk_rope_head_dim
         )
-        self._chunks: list[_Chunk] = []
-        self._graph_plans: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ metadata
     def _src(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,59 +105,62 @@ class FlashInferSparseBackend(SparseMLABackend):
         off = (pos - indptr[seg]).clamp(0, k - 1)
         return indptr, torch.where(pos < indptr[-1], seg * k + off, torch.zeros_like(pos))
 
-    def _plan_chunk(self, start: int, end: int) -> Any:
+    def _plan_chunk(self, valid_cpu: torch.Tensor, start: int, end: int) -> Any:
         """Host work and one asynchronous copy into the kernel's int workspace (no sync)."""
-        md = self.metadata
-        assert md is not None
-        lens = md.valid_cpu[start:end].to(torch.int32)
+        lens = valid_cpu[start:end].to(torch.int32)
         kv_indptr = torch.zeros(end - start + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(lens, 0)
         qo_indptr = torch.arange(end - start + 1, dtype=torch.int32)
         h, lat = self.dims.num_heads, self.dims.kv_lora_rank
         return self._kernel.plan(qo_indptr, kv_indptr, lens, h, lat, False)
 
-    def _plan(self, batch: ForwardBatch) -> list[_Chunk]:
-        md = self.metadata
-        assert md is not None
+    def _plan(self, batch: ForwardBatch, md: SparseMetadata) -> list[_Chunk]:
         t = batch.num_tokens
         bounds = [(s, min(s + MAX_PLAN_TOKENS, t)) for s in range(0, t, MAX_PLAN_TOKENS)]
         # One chunk (every decode / verify batch): planned now, once for all layers. Several
         # (long EXTEND): each planned right before its run, since a plan overwrites the last.
         one = len(bounds) == 1
         return [
-            _Chunk(s, e, self._plan_chunk(s, e) if one else None, self._src(md.valid[s:e])[1])
+            _Chunk(
+                s,
+                e,
+                self._plan_chunk(md.valid_cpu, s, e) if one else None,
+                self._src(md.valid[s:e])[1],
+            )
             for s, e in bounds
         ]
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        super().init_forward_metadata(batch)
-        self._chunks = self._plan(batch) if batch.num_tokens else []
+    def _build_metadata(self, batch: ForwardBatch) -> FlashInferSparseMetadata:
+        c = self._counts(batch)
+        chunks = self._plan(batch, c) if batch.num_tokens else []
+        return FlashInferSparseMetadata(c.valid_cpu, c.valid, chunks)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        super().init_cuda_graph_state(max_bs, max_num_tokens)
-        self._g_src = torch.zeros(max_num_tokens * self.topk, dtype=torch.int64, device=self.device)
+    def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> FlashInferSparseGraphState:
+        base = super()._new_graph_state(max_bs, max_num_tokens)
+        src = torch.zeros(max_num_tokens * self.topk, dtype=torch.int64, device=self.device)
+        return FlashInferSparseGraphState(base.valid, src)
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.init_forward_metadata_replay(batch, capture=True)
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch, capture: bool = False) -> None:
-        super().init_forward_metadata_replay(batch)
+    def _bind_graph(
+        self, batch: ForwardBatch, state: SparseGraphState, capture: bool
+    ) -> FlashInferSparseMetadata:
+        assert isinstance(state, FlashInferSparseGraphState)
         t = batch.num_tokens
         if t > MAX_PLAN_TOKENS:
             raise ValueError(f"graphs of more than {MAX_PLAN_TOKENS} tokens are not supported")
-        [chunk] = self._plan(batch)
+        c = super()._bind_graph(batch, state, capture)
+        [chunk] = self._plan(batch, c)
         key = tuple(int(x) for x in chunk.plan_info)
         if capture:
-            self._graph_plans[t] = key
-        elif self._graph_plans.get(t) != key:
+            state.plans[t] = key
+        elif state.plans.get(t) != key:
             # Hazard: the grid and workspace offsets are baked into the captured launch.
             raise RuntimeError(
-                f"FlashInfer sparse plan layout changed since capture: "
-                f"{self._graph_plans.get(t)} -> {key}"
+                "FlashInfer sparse plan layout changed since capture: "
+                f"{state.plans.get(t)} -> {key}"
             )
-        self._g_src[: t * self.topk].copy_(chunk.src)
-        chunk.src = self._g_src[: t * self.topk]
-        self._chunks = [chunk]
+        state.src[: t * self.topk].copy_(chunk.src)
+        chunk.src = state.src[: t * self.topk]
+        return FlashInferSparseMetadata(c.valid_cpu, c.valid, [chunk])
 
     # ------------------------------------------------------------------ attention
     def _attend(
@@ -161,10 +180,15 @@ class FlashInferSparseBackend(SparseMLABackend):
         # Valid entries first, order kept (a stable sort on the "unused" flag).
         order = torch.argsort((indices < 0).to(torch.int8), dim=1, stable=True)
         compact = torch.gather(indices, 1, order)
-        for c in self._chunks:
+        md = self.metadata
+        if not isinstance(md, FlashInferSparseMetadata):
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        for c in md.chunks:
             flat = compact[c.start : c.end].reshape(-1)
             kv_indices = flat[c.src]
-            info = c.plan_info if c.plan_info is not None else self._plan_chunk(c.start, c.end)
+            info = c.plan_info
+            if info is None:
+                info = self._plan_chunk(md.valid_cpu, c.start, c.end)
             self._kernel.run(
                 info,
                 kv_indices,

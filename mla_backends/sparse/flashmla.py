@@ -19,15 +19,24 @@ real slots or -1 (the indexer's are).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
+from mla_backends.arith import round_up
 from mla_backends.backends.base import Capability
 from mla_backends.backends.kernel_packages import missing, need_sm, require
 from mla_backends.batch import ForwardBatch
 from mla_backends.indices import build_token_indices
-from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
+from mla_backends.sparse.base import (
+    SparseCaps,
+    SparseContext,
+    SparseGraphState,
+    SparseMetadata,
+    SparseMLABackend,
+    register_sparse_backend,
+)
 from mla_backends.sparse.fp8_row import Fp8RowPool, dequant_rows
 
 
@@ -40,13 +49,30 @@ def padded_heads(h: int) -> int:
     return 64 if h <= 64 else 128
 
 
+@dataclass
+class FlashMLASparseMetadata(SparseMetadata):
+    # FP8 rows, decode / verify: the FP8 sparse decode kernel's schedule
+    seqlens: torch.Tensor | None = None  # [T] int32, device: valid counts, empty rows as 1
+    tile: torch.Tensor | None = None  # [num_sm_parts, 8] int32, device
+    splits: torch.Tensor | None = None  # [T + 1] int32, device
+    # FP8 rows, EXTEND: (the batch's slots [N], slot -> row of the dequantized gather)
+    extend: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class FlashMLASparseGraphState(SparseGraphState):
+    seqlens: torch.Tensor  # [max_num_tokens] int32, device
+    splits: torch.Tensor  # [max_num_tokens + 1] int32, device
+    tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # per token count
+
+
 @register_sparse_backend("flashmla")
 class FlashMLASparseBackend(SparseMLABackend):
     name = "flashmla"
-    pool_kinds = ("paged", "fp8_row")
+    caps = SparseCaps(pool_kinds=("paged", "fp8_row"))
 
     @classmethod
-    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+    def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
         d = ctx.dims
         if (d.kv_lora_rank, d.qk_rope_head_dim) != (512, 64):
             got = f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
@@ -65,14 +91,9 @@ class FlashMLASparseBackend(SparseMLABackend):
         super().__init__(ctx)
         self._fm = load_kernels()
         self._hp = padded_heads(self.dims.num_heads)
-        self._k = -(-self.topk // 128) * 128  # the prefill kernel wants topk % 128 == 0
+        self._k = round_up(self.topk, 128)  # the prefill kernel wants topk % 128 == 0
         self._fp8 = isinstance(ctx.pool, Fp8RowPool)
         self._lse_factor = self._prefill_lse_factor()
-        self._tile: torch.Tensor | None = None
-        self._splits: torch.Tensor | None = None
-        self._seqlens: torch.Tensor | None = None
-        self._extend: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 EXTEND gather
-        self._graph_tiles: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ LSE convention
     def _prefill_lse_factor(self) -> float:
@@ -96,12 +117,10 @@ class FlashMLASparseBackend(SparseMLABackend):
         )
 
     # ------------------------------------------------------------------ metadata
-    def _decode_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        md = self.metadata
-        assert md is not None
+    def _schedule(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Hazard: FlashMLA's FP8 kernels misbehave on requests with no keys; an empty row is
         # given length 1 (it reads a stand-in entry) and set to 0 / -inf afterwards.
-        seqlens = md.valid.clamp(min=1)
+        seqlens = valid.clamp(min=1)
         tile, splits = self._fm.get_mla_metadata(
             cache_seqlens=seqlens,
             num_q_tokens_per_head_k=self._hp,
@@ -112,45 +131,49 @@ class FlashMLASparseBackend(SparseMLABackend):
         )
         return seqlens, tile, splits
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        super().init_forward_metadata(batch)
-        self._extend = None
+    def _build_metadata(self, batch: ForwardBatch) -> FlashMLASparseMetadata:
+        c = self._counts(batch)
+        md = FlashMLASparseMetadata(c.valid_cpu, c.valid)
         if not self._fp8:
-            return
+            return md
         if batch.mode.is_decode_or_verify:
-            self._seqlens, self._tile, self._splits = self._decode_metadata()
-            return
+            md.seqlens, md.tile, md.splits = self._schedule(md.valid)
+            return md
         total = int(batch.seq_lens_cpu.sum())
         _, slots = build_token_indices(
             self.req_to_token, batch.req_pool_indices, batch.seq_lens, total
         )
         slot_to_row = torch.full((self.pool.num_slots,), -1, dtype=torch.int32, device=self.device)
         slot_to_row[slots.long()] = torch.arange(total, dtype=torch.int32, device=self.device)
-        self._extend = (slots, slot_to_row)
+        md.extend = (slots, slot_to_row)
+        return md
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        super().init_cuda_graph_state(max_bs, max_num_tokens)
-        self._g_seqlens = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
-        self._g_splits = torch.zeros(max_num_tokens + 1, dtype=torch.int32, device=self.device)
+    def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> FlashMLASparseGraphState:
+        i32 = {"dtype": torch.int32, "device": self.device}
+        return FlashMLASparseGraphState(
+            torch.zeros(max_num_tokens, **i32),
+            torch.ones(max_num_tokens, **i32),
+            torch.zeros(max_num_tokens + 1, **i32),
+        )
 
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+    def _bind_graph(
+        self, batch: ForwardBatch, state: SparseGraphState, capture: bool
+    ) -> FlashMLASparseMetadata:
         # Hazard (a peer bug): tile metadata depends on the lengths; a stale one degrades the
         # output after some tokens. Recomputed into the static buffers on every replay.
-        super().init_forward_metadata_replay(batch)
-        self._extend = None
+        assert isinstance(state, FlashMLASparseGraphState)
+        c = super()._bind_graph(batch, state, capture)
+        md = FlashMLASparseMetadata(c.valid_cpu, c.valid)
         if not self._fp8:
-            return
+            return md
         t = batch.num_tokens
-        seqlens, tile, splits = self._decode_metadata()
-        self._g_seqlens[:t].copy_(seqlens)
-        static = self._graph_tiles.setdefault(t, torch.empty_like(tile))
+        seqlens, tile, splits = self._schedule(md.valid)
+        state.seqlens[:t].copy_(seqlens)
+        static = state.tiles.setdefault(t, torch.empty_like(tile))
         static.copy_(tile)
-        self._g_splits[: t + 1].copy_(splits)
-        self._seqlens, self._tile, self._splits = (
-            self._g_seqlens[:t],
-            static,
-            self._g_splits[: t + 1],
-        )
+        state.splits[: t + 1].copy_(splits)
+        md.seqlens, md.tile, md.splits = state.seqlens[:t], static, state.splits[: t + 1]
+        return md
 
     # ------------------------------------------------------------------ attention
     def _query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
@@ -182,25 +205,26 @@ class FlashMLASparseBackend(SparseMLABackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, lat = q_nope.shape
         q = self._query(q_nope, q_rope)
+        md = self.metadata
+        if not isinstance(md, FlashMLASparseMetadata):
+            raise RuntimeError("init_forward_metadata was not called for this batch")
         if not self._fp8:
             kv = self.pool.kv_buffer[layer].view(-1, 1, self.dims.kv_dim)
             out, lse = self._prefill(q, kv, indices)
-        elif self._extend is not None:
-            slots, slot_to_row = self._extend
+        elif md.extend is not None:
+            slots, slot_to_row = md.extend
             rows = dequant_rows(self.pool.fmt, self.pool.kv_buffer[layer][slots.long()])
             remap = torch.where(indices >= 0, slot_to_row[indices.clamp(min=0).long()], -1)
             out, lse = self._prefill(q, rows.bfloat16().view(-1, 1, self.dims.kv_dim), remap)
         else:
-            if self._tile is None:
-                raise RuntimeError("init_forward_metadata was not called for this batch")
             out, lse = self._fm.flash_mla_with_kvcache(
                 q.view(t, 1, self._hp, -1),
                 self.pool.get_paged_buffer(layer),
                 torch.empty(t, 0, dtype=torch.int32, device=q.device),
-                self._seqlens,
+                md.seqlens,
                 lat,
-                self._tile,
-                self._splits,
+                md.tile,
+                md.splits,
                 softmax_scale=self.scale,
                 causal=False,
                 is_fp8_kvcache=True,

@@ -18,7 +18,7 @@ min(topk, pos(t) + 1) entries are valid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -187,6 +187,14 @@ def token_rows(batch: ForwardBatch) -> torch.Tensor:
     )
 
 
+@dataclass
+class IndexerGraphState:
+    rows: torch.Tensor  # [max_num_tokens] int64, device: request row of each token
+    visible: torch.Tensor  # [max_num_tokens] int32, device: keys each token sees
+    width: int  # host: the longest context a graph may see
+    captured: dict[int, IndexerMetadata] = field(default_factory=dict)  # per token count
+
+
 class Indexer:
     """The indexer as a backend step: `store` (every batch, every layer) and `select` (sparse
     batches). `kernels` = "triton" (GPU, or CPU under TRITON_INTERPRET=1) or "torch"."""
@@ -208,7 +216,7 @@ class Indexer:
             raise ValueError("IndexKCache and IndexerDims disagree on head_dim / quantisation")
         self.dims, self.cache, self.req_to_token, self.kernels = dims, cache, req_to_token, kernels
         self.metadata: IndexerMetadata | None = None
-        self._graph: dict[int, IndexerMetadata] = {}
+        self._graph: IndexerGraphState | None = None
 
     # ------------------------------------------------------------------ metadata
     def _chunks(self, t: int, width: int, mode: ForwardMode) -> list[tuple[int, int]]:
@@ -229,18 +237,25 @@ class Indexer:
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         dev = self.cache.device
-        self._g_rows = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
-        self._g_vis = torch.ones(max_num_tokens, dtype=torch.int32, device=dev)
-        self._g_width = self.req_to_token.shape[1]
+        self._graph = IndexerGraphState(
+            torch.zeros(max_num_tokens, dtype=torch.int64, device=dev),
+            torch.ones(max_num_tokens, dtype=torch.int32, device=dev),
+            self.req_to_token.shape[1],
+        )
+
+    def _graph_state(self) -> IndexerGraphState:
+        if self._graph is None:
+            raise RuntimeError("indexer: CUDA-graph state not allocated; init_cuda_graph_state")
+        return self._graph
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        t = batch.num_tokens
-        md = IndexerMetadata(self._g_rows[:t], self._g_vis[:t], self._g_width, [(0, t)])
-        self._graph[t] = md
+        g, t = self._graph_state(), batch.num_tokens
+        md = IndexerMetadata(g.rows[:t], g.visible[:t], g.width, [(0, t)])
+        g.captured[t] = md
         self._refill(md, batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        md = self._graph.get(batch.num_tokens)
+        md = self._graph_state().captured.get(batch.num_tokens)
         if md is None:
             raise RuntimeError(f"indexer: no graph captured for {batch.num_tokens} tokens")
         self._refill(md, batch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mla_backends.batch import ForwardBatch
-from mla_backends.sparse.base import SparseMLABackend, register_sparse_backend
+from mla_backends.sparse.base import SparseCaps, SparseMLABackend, register_sparse_backend
 from mla_backends.sparse.reference import sparse_reference
 
 GATHER_BUDGET = 256 << 20  # bytes of gathered fp32 rows per chunk
@@ -15,7 +15,7 @@ GATHER_BUDGET = 256 << 20  # bytes of gathered fp32 rows per chunk
 @register_sparse_backend("torch")
 class TorchSparseBackend(SparseMLABackend):
     name = "torch"
-    pool_kinds = ("paged", "fp8_row")
+    caps = SparseCaps(pool_kinds=("paged", "fp8_row"))
 
     def _attend(
         self,

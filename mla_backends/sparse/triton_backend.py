@@ -11,7 +11,12 @@ import torch
 from mla_backends.backends.base import Capability
 from mla_backends.batch import ForwardBatch
 from mla_backends.kernels.common import interpreting, num_sms
-from mla_backends.sparse.base import SparseContext, SparseMLABackend, register_sparse_backend
+from mla_backends.sparse.base import (
+    SparseCaps,
+    SparseContext,
+    SparseMLABackend,
+    register_sparse_backend,
+)
 from mla_backends.sparse.fp8_row import Fp8RowPool
 
 
@@ -25,10 +30,10 @@ def choose_splits(programs: int, topk: int, sms: int, max_splits: int = 16) -> i
 @register_sparse_backend("triton")
 class TritonSparseBackend(SparseMLABackend):
     name = "triton"
-    pool_kinds = ("paged", "fp8_row")
+    caps = SparseCaps(pool_kinds=("paged", "fp8_row"))
 
     @classmethod
-    def _supports_extra(cls, ctx: SparseContext, cap: Capability) -> str | None:
+    def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "the triton package is not installed (pip install triton)"
         if cap.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

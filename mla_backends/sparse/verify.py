@@ -41,7 +41,7 @@ def verify_sparse(
         dims, topk, page, kv_lens = MLADims(heads, 128, 16, 16, 16), 32, 16, (1, 5, 31, 33, 70)
     rows = []
     for name in backends or sparse_backend_names():
-        exact = get_sparse_backend_class(name).exact_counts
+        exact = get_sparse_backend_class(name).caps.exact_counts
         for pool in POOLS:
             for mode_name, (mode, q) in MODES.items():
                 case = SparseCase(
