@@ -1,4 +1,5 @@
-"""`verify`: every backend that can run here, a mix of random batches, vs the MHA oracle."""
+"""`verify`: every backend that can run here, a mix of random batches, vs the MHA oracle;
+then every sparse (DeepSeek-V3.2) backend that can run here vs the sparse reference."""
 
 from __future__ import annotations
 
@@ -144,6 +145,9 @@ def verify(config: Config, seed: int = 0) -> list[Row]:
                 seed,
             )
             rows.append(_row(r, name, "mha-prefix-chunk", act))
+    from mla_backends.sparse.verify import verify_sparse  # DeepSeek-V3.2 sparse attention
+
+    rows += verify_sparse(config.torch_device, config.model.num_heads, seed)
     return rows
 
 
