@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 PAGE_SIZES = (1, 16, 32, 64, 128)
 DCP_HEADS = ("replicated", "tp")
+SPARSE_BACKENDS = ("auto", "flashmla", "flashinfer_mla", "triton", "torch")  # sparse/base.py
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -175,6 +176,9 @@ class Config:
     # (mla_backends.dcp); "replicated": every rank holds all heads, "tp": H / dcp_size each.
     dcp_size: int = 1
     dcp_heads: str = "replicated"
+    # DeepSeek-V3.2 models (sparse attention): the sparse backend (mla_backends.sparse), or
+    # "auto": the first of flashmla, flashinfer_mla, triton, torch that runs here.
+    sparse_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MLADims):
@@ -205,6 +209,11 @@ class Config:
         _check_str("dcp_heads", self.dcp_heads, "replicated, tp")
         if self.dcp_heads not in DCP_HEADS:
             raise ConfigError(f"dcp_heads={self.dcp_heads!r} is not one of {list(DCP_HEADS)}")
+        _check_str("sparse_backend", self.sparse_backend, "auto or a sparse backend name")
+        if self.sparse_backend not in SPARSE_BACKENDS:
+            raise ConfigError(
+                f"sparse_backend={self.sparse_backend!r} is not one of {list(SPARSE_BACKENDS)}"
+            )
         _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")

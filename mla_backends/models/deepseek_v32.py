@@ -12,7 +12,6 @@ fp32, HF transformers' maths, for parity tests).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,9 +130,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> DeepseekV32ForCausalLM:
-    """An HF-layout DeepSeek-V3.2 checkpoint (config.json + safetensors) through the V3 loader."""
-    from mla_backends.models.loader import load_weights
+    """An HF-layout DeepSeek-V3.2 checkpoint (config.json + safetensors), through the loader
+    every DeepSeek model shares (it reads `model_type`)."""
+    from mla_backends.models.loader import CheckpointError
+    from mla_backends.models.loader import load_model as load
 
-    path = Path(path)
-    cfg = DeepseekV32Config.from_hf(json.loads((path / "config.json").read_text()))
-    return load_weights(DeepseekV32ForCausalLM(cfg), path, dtype, device)
+    model = load(path, dtype, device)
+    if not isinstance(model, DeepseekV32ForCausalLM):
+        raise CheckpointError(f"{path}: config.json's model_type is not deepseek_v32")
+    return model

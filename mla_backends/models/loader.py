@@ -93,14 +93,27 @@ def load_model(
     device: torch.device | str = "cpu",
     chunked_prefix_min: int | None = None,
 ) -> DeepseekV3ForCausalLM:
+    """DeepSeek-V3 (or V3.2: `model_type` "deepseek_v32" adds the indexer) from an HF-layout
+    checkpoint directory."""
     path = Path(path)
+    raw = read_config_json(path)
     try:
-        cfg = DeepseekV3Config.from_hf(read_config_json(path))
+        if raw.get("model_type") == "deepseek_v32":
+            from mla_backends.models.deepseek_v32 import (
+                DeepseekV32Config,
+                DeepseekV32ForCausalLM,
+            )
+
+            model: DeepseekV3ForCausalLM = DeepseekV32ForCausalLM(
+                DeepseekV32Config.from_hf(raw), chunked_prefix_min
+            )
+        else:
+            model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw), chunked_prefix_min)
     except CheckpointError:
         raise
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return load_weights(DeepseekV3ForCausalLM(cfg, chunked_prefix_min), path, dtype, device)
+    return load_weights(model, path, dtype, device)
 
 
 M = TypeVar("M", bound=torch.nn.Module)

@@ -17,14 +17,18 @@ import torch
 
 from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendContext
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.backends.reference_backend import ReferenceBackend
 from mla_backends.backends.registry import resolve_backends
 from mla_backends.cli import UsageError, add_config_argument, existing_dir, int_at_least
 from mla_backends.config import Config, load_config
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.deepseek_v32 import DeepseekV32ForCausalLM
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import load_model
 from mla_backends.runtime import Runtime
+from mla_backends.sparse.dsa import DSABackend
+from mla_backends.sparse.torch_backend import ReferenceSparseBackend
 
 # Largest relative logit difference from the fp64-reference-attention run, per dtype.
 AGREE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
@@ -59,6 +63,15 @@ RANDOM_SIZES: dict[str, dict] = {
         },
     ),
 }
+# DeepSeek-V3.2 at the tiny size: an index_topk below the prompts' lengths, so the indexer's
+# selection decides what attention reads.
+RANDOM_SIZES["tiny-v32"] = dict(
+    RANDOM_SIZES["tiny"],
+    model_type="deepseek_v32",
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=8,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,7 +121,15 @@ def random_model(
     """DeepSeek-V3 from an HF config dict with random weights, built on `device`: matrices
     N(0, 0.02), vectors (gate correction biases) N(0, 0.1), norms left at 1."""
     with torch.device(device):
-        model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw)).to(dtype)
+        if raw.get("model_type") == "deepseek_v32":
+            from mla_backends.models.deepseek_v32 import (
+                DeepseekV32Config,
+                DeepseekV32ForCausalLM,
+            )
+
+            model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(raw)).to(dtype)
+        else:
+            model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw)).to(dtype)
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -139,9 +160,12 @@ def _serve(
     """Prefill all prompts, then greedy decode; (logits per step, tokens/s, generated ids).
     reference: attention by the fp64 `ReferenceBackend` instead of the configured backends."""
     rt = Runtime.build(config)
-    backend = (
-        ReferenceBackend(BackendContext(config, rt.kv_pool, rt.req_pool)) if reference else None
-    )
+    backend: AttentionBackend | None = None
+    if reference:
+        backend = ReferenceBackend(BackendContext(config, rt.kv_pool, rt.req_pool))
+    if isinstance(model, DeepseekV32ForCausalLM):  # indexer + sparse attention (DSA)
+        sparse = ReferenceSparseBackend if reference else config.sparse_backend
+        backend = DSABackend.build(rt, model.cfg.indexer_dims(), sparse, dense=backend)
     eng = Engine(model, rt, backend)
     rows = eng.new_requests(len(prompts))
     t0 = time.perf_counter()
@@ -195,8 +219,9 @@ def run(args: argparse.Namespace) -> int:
         f"layers, {c.num_attention_heads} heads, device {config.torch_device}"
     )
     print(
-        f"backends: prefill={config.prefill_backend} decode={config.decode_backend}, "
-        f"page {config.page_size}, kv {config.kv_dtype}"
+        f"backends: prefill={config.prefill_backend} decode={config.decode_backend}"
+        + (f" sparse={config.sparse_backend}" if isinstance(model, DeepseekV32ForCausalLM) else "")
+        + f", page {config.page_size}, kv {config.kv_dtype}"
     )
     print(
         f"{len(prompts)} requests, prompt lengths {[len(p) for p in prompts]}, "

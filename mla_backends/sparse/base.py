@@ -272,7 +272,17 @@ def sparse_backend_names() -> list[str]:
 
 
 def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
-    """The named backend, or a clear error naming why it cannot run here."""
+    """The named backend ("auto": the first in `_MODULES` order that runs here; on a CPU the
+    torch backend, which runs there compiled), or a clear error naming why it cannot run."""
+    if name == "auto":
+        cap = Capability.detect(ctx.device)
+        order = list(_MODULES) if ctx.device.type == "cuda" else ["torch"]
+        for n in order:
+            if get_sparse_backend_class(n).supports(ctx, cap) is None:
+                name = n
+                break
+        else:
+            raise SparseBackendUnavailable(f"no sparse backend can run on {cap.describe()}")
     cls = get_sparse_backend_class(name)
     reason = cls.supports(ctx, Capability.detect(ctx.device))
     if reason is not None:

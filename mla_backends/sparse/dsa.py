@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mla_backends.backends.base import MLABackend
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.runtime import Runtime
 from mla_backends.sparse.base import (
@@ -35,7 +35,7 @@ class DSABackend:
     itself (`models/deepseek_v32.py`)."""
 
     def __init__(
-        self, dense: MLABackend[Any] | None, indexer: Indexer, sparse: SparseMLABackend
+        self, dense: AttentionBackend | None, indexer: Indexer, sparse: SparseMLABackend
     ) -> None:
         self.dense, self.indexer, self.sparse = dense, indexer, sparse
         self.topk = indexer.dims.topk
@@ -48,12 +48,14 @@ class DSABackend:
         cls,
         runtime: Runtime,
         indexer_dims: IndexerDims,
-        sparse_backend: str,
+        sparse_backend: str | type[SparseMLABackend],
         fp8_rows: bool = False,
         indexer_kernels: str = "auto",
+        dense: AttentionBackend | None = None,
     ) -> DSABackend:
         """Index-K cache over the runtime pool's slots, the indexer and the sparse backend;
-        with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space."""
+        with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space.
+        `dense`: the dense batches' backend (default: the runtime's)."""
         cfg, pool = runtime.config, runtime.kv_pool
         dims, dev = cfg.model, pool.device
         latent = pool
@@ -72,8 +74,13 @@ class DSABackend:
         r2t = runtime.req_pool.req_to_token
         indexer = Indexer(indexer_dims, cache, r2t, indexer_kernels)
         ctx = SparseContext(dims, latent, runtime.req_pool, indexer_dims.topk, cfg.torch_dtype)
-        sparse = create_sparse_backend(sparse_backend, ctx)
-        return cls(None if fp8_rows else runtime.backend, indexer, sparse)
+        if isinstance(sparse_backend, str):
+            sparse = create_sparse_backend(sparse_backend, ctx)
+        else:  # a class the registry does not hold (the fp64 reference)
+            sparse = sparse_backend(ctx)
+        if fp8_rows:
+            return cls(None, indexer, sparse)
+        return cls(runtime.backend if dense is None else dense, indexer, sparse)
 
     @property
     def name(self) -> str:
@@ -129,7 +136,7 @@ class DSABackend:
         """Nothing to keep: the engine truncates rejected slots (latent and index keys)."""
 
     # ------------------------------------------------------------------ per layer
-    def _dense_backend(self) -> MLABackend[Any]:
+    def _dense_backend(self) -> AttentionBackend:
         if self.dense is None:
             raise RuntimeError(
                 "DSA over FP8 rows has no dense backend: its dense batches run the sparse "

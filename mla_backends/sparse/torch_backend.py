@@ -16,6 +16,7 @@ GATHER_BUDGET = 256 << 20  # bytes of gathered fp32 rows per chunk
 class TorchSparseBackend(SparseMLABackend):
     name = "torch"
     caps = SparseCaps(pool_kinds=("paged", "fp8_row"))
+    maths: torch.dtype = torch.float32
 
     def _attend(
         self,
@@ -30,9 +31,9 @@ class TorchSparseBackend(SparseMLABackend):
         step = max(1, GATHER_BUDGET // (4 * self.topk * self.dims.kv_dim))
         if t <= step:  # one block: the shapes graph capture sees
             out, lse = sparse_reference(
-                self.pool, layer, q_nope, q_rope, indices, self.scale, torch.float32
+                self.pool, layer, q_nope, q_rope, indices, self.scale, self.maths
             )
-            return out.to(q_nope.dtype), lse
+            return out.to(q_nope.dtype), lse.float()
         outs, lses = [], []
         for s in range(0, t, step):
             o, lse = sparse_reference(
@@ -42,8 +43,17 @@ class TorchSparseBackend(SparseMLABackend):
                 q_rope[s : s + step],
                 indices[s : s + step],
                 self.scale,
-                torch.float32,
+                self.maths,
             )
             outs.append(o.to(q_nope.dtype))
-            lses.append(lse)
+            lses.append(lse.float())
         return torch.cat(outs), torch.cat(lses)
+
+
+class ReferenceSparseBackend(TorchSparseBackend):
+    """The fp64 sparse reference behind the sparse interface, so a whole DeepSeek-V3.2 model
+    can run on it (`run` checks a configured sparse backend's logits against it). Never
+    registered: no config can pick it."""
+
+    name = "reference"
+    maths = torch.float64
