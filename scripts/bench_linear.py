@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.benchmark import bench_us, ceilings
+from mla_backends.bench.timing import bench_us, ceilings
 from mla_backends.linear.backend import LinearAttentionBackend
 from mla_backends.linear.state_pool import LinearStatePool
 

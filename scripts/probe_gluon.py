@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from mla_backends.benchmark import bench_us, decode_setup, time_flashmla, traffic
+from mla_backends.bench.fixtures import decode_setup, traffic
+from mla_backends.bench.peers import time_flashmla
+from mla_backends.bench.timing import bench_us
 from scripts.sweep_triton import decode_call
 
 # (heads, q_len, batch, kv): [(block_m, block_n, warps, stages, splits, tma, gluon)]

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from mla_backends.benchmark import bench_us, decode_setup, time_flashmla, traffic
+from mla_backends.bench.fixtures import decode_setup, traffic
+from mla_backends.bench.peers import time_flashmla
+from mla_backends.bench.timing import bench_us
 from mla_backends.kernels.mla_attention import _mla_attn_kernel
 from scripts.sweep_triton import decode_call
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from mla_backends.backends.flashinfer_mla import host_lengths
-from mla_backends.benchmark import decode_setup
+from mla_backends.bench.fixtures import decode_setup
 from mla_backends.kernels.fi_schedule import PageGather
 from mla_backends.kernels.index import flat_page_indices
 

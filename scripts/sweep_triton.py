@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from mla_backends.benchmark import DecodeSetup, bench_us, decode_setup, time_flashmla, traffic
+from mla_backends.bench.fixtures import DecodeSetup, decode_setup, traffic
+from mla_backends.bench.peers import time_flashmla
+from mla_backends.bench.timing import bench_us
 from mla_backends.kernels.mha_prefill import mha_prefill
 from mla_backends.kernels.mla_attention import mla_attention
 

@@ -53,7 +53,7 @@ def test_tiny_bench_run_with_torch(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_bench_table_calls_gpu_rates_ceilings() -> None:
-    from mla_backends.bench import format_table
+    from mla_backends.bench.report import format_table
 
     result = {
         "device": "NVIDIA H100 (SM90)",
