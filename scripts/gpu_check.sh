@@ -57,7 +57,8 @@ elif [ "$mode" = triton ]; then
 elif [ "$mode" = models ]; then
   bench_step plan 60 python3 scripts/profile_fi_plan.py 256
   bench_step linear 120 python3 scripts/bench_linear.py --out "$out/linear"
-  bench_step stack ${STACK_TIMEOUT:-240} python3 scripts/dsv3_stack.py --out "$out/stack"
+  bench_step stack ${STACK_TIMEOUT:-240} python3 -m mla_backends bench --suite stack \
+    --backends triton,flashinfer_mla,flashmla --out "$out/stack"
   bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"

@@ -15,6 +15,7 @@ from mla_backends.bench.options import (
     peer_list,
     shape_list,
 )
+from mla_backends.bench.stack import SIZES
 from mla_backends.cli import add_config_argument, int_at_least, int_list
 from mla_backends.config import load_config
 
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int_list(1),
         help=f"batch sizes, comma list (grid default: {DEFAULT_GRID['cuda'][0]} on a GPU, "
-        f"{DEFAULT_GRID['cpu'][0]} on a CPU)",
+        f"{DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64)",
     )
     p.add_argument(
         "--kv-len",
@@ -60,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--layers",
         type=int_at_least(1),
         help="grid: attention layers per decode step for --graphs (default 8; eager step: "
-        "metadata + L calls; graph step: input staging + metadata refill + one replay)",
+        "metadata + L calls; graph step: input staging + metadata refill + one replay); "
+        "stack: model layers (default 4)",
     )
     p.add_argument(
         "--raw", action="store_true", default=None, help="add raw FlashMLA / FlashInfer rows"
@@ -88,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="anchors: the first 3 shapes and a 2048-token prefill",
+    )
+    p.add_argument("--prompt", type=int_at_least(1), help="stack: mean prompt length (1024)")
+    p.add_argument("--steps", type=int_at_least(2), help="stack: timed decode steps (20)")
+    p.add_argument(
+        "--stack-size",
+        choices=list(SIZES),
+        help="stack: real-size DeepSeek-V3 layers (default) or a small random model",
     )
     p.add_argument("--out", default="bench-out", help="folder for the JSON, tables and plot")
 

@@ -25,6 +25,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     ),
     "anchors": ("backends", "peers", "shapes", "quick", "prefill_tokens"),
     "prefill": ("backends", "heads", "prefill_tokens"),
+    "stack": ("backends", "batch", "layers", "prompt", "steps", "stack_size"),
 }  # fmt: skip
 
 
@@ -45,6 +46,9 @@ class Options:
     peers: list[str] | None = None
     shapes: list[Shape] | None = None
     quick: bool | None = None
+    prompt: int | None = None
+    steps: int | None = None
+    stack_size: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
