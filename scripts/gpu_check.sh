@@ -56,7 +56,7 @@ elif [ "$mode" = triton ]; then
     --backends triton,flashmla --peers raw_flashmla --out "$out/decode"
 elif [ "$mode" = models ]; then
   bench_step plan 60 python3 scripts/profile_fi_plan.py 256
-  bench_step linear 120 python3 scripts/bench_linear.py --out "$out/linear"
+  bench_step linear 120 python3 -m mla_backends bench --suite linear --out "$out/linear"
   bench_step stack ${STACK_TIMEOUT:-240} python3 -m mla_backends bench --suite stack \
     --backends triton,flashinfer_mla,flashmla --out "$out/stack"
   bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int_list(1),
         help=f"batch sizes, comma list (grid default: {DEFAULT_GRID['cuda'][0]} on a GPU, "
-        f"{DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64)",
+        f"{DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64; linear: 1,16,64,256)",
     )
     p.add_argument(
         "--kv-len",
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heads",
         type=int_list(1),
-        help="query heads (grid default: the config's; prefill: 128, one value)",
+        help="query heads (grid default: the config's; prefill: 128, one value; linear: 32)",
     )
     p.add_argument("--q-len", type=int_list(1), help="1 = decode (default), >1 = target-verify")
     p.add_argument(
@@ -98,6 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(SIZES),
         help="stack: real-size DeepSeek-V3 layers (default) or a small random model",
     )
+    p.add_argument("--head-dim", type=int_at_least(1), help="linear: K = V per head (128)")
     p.add_argument("--out", default="bench-out", help="folder for the JSON, tables and plot")
 
 

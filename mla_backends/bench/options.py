@@ -26,6 +26,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "anchors": ("backends", "peers", "shapes", "quick", "prefill_tokens"),
     "prefill": ("backends", "heads", "prefill_tokens"),
     "stack": ("backends", "batch", "layers", "prompt", "steps", "stack_size"),
+    "linear": ("batch", "heads", "head_dim"),
 }  # fmt: skip
 
 
@@ -49,6 +50,7 @@ class Options:
     prompt: int | None = None
     steps: int | None = None
     stack_size: str | None = None
+    head_dim: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
