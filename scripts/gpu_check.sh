@@ -44,7 +44,7 @@ bench_step() {  # name, timeout, command...: one benchmark step, its log at $out
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
 if [ "$mode" = fi ]; then
-  bench_step plan 60 python3 scripts/profile_fi_plan.py 256
+  bench_step plan 60 python3 -m mla_backends bench --suite fi-plan --batch 256 --out "$out/plan"
   bench_step decode 200 python3 -m mla_backends bench --suite anchors \
     --backends flashinfer_mla --peers raw_flashinfer_fa3 --prefill-tokens 0 --out "$out/decode"
   bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
@@ -55,7 +55,7 @@ elif [ "$mode" = triton ]; then
   bench_step decode 240 python3 -m mla_backends bench --suite anchors \
     --backends triton,flashmla --peers raw_flashmla --out "$out/decode"
 elif [ "$mode" = models ]; then
-  bench_step plan 60 python3 scripts/profile_fi_plan.py 256
+  bench_step plan 60 python3 -m mla_backends bench --suite fi-plan --batch 256 --out "$out/plan"
   bench_step linear 120 python3 -m mla_backends bench --suite linear --out "$out/linear"
   bench_step stack ${STACK_TIMEOUT:-240} python3 -m mla_backends bench --suite stack \
     --backends triton,flashinfer_mla,flashmla --out "$out/stack"

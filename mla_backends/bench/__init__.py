@@ -9,7 +9,8 @@ ceilings measured at the start of the same run (CUDA-event medians, random data)
 - prefill: MHA-mode prefill of one causal request vs torch SDPA and raw FlashInfer;
 - stack: real-size DeepSeek-V3 layers decoding through each backend, eager vs whole-model
   CUDA graphs; stack.json, stack.md;
-- linear: one KDA / GDN layer's decode vs the raw fla kernels; linear.json, linear.md.
+- linear: one KDA / GDN layer's decode vs the raw fla kernels; linear.json, linear.md;
+- fi-plan: where the host time of flashinfer_mla's decode metadata goes (GPU); fi-plan.json.
 
 Everything runs on a CPU too (rates there are references, not ceilings), except what needs a
 GPU kernel package: raw peers and CUDA graphs are left out there, with one line saying so.

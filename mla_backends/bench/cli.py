@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int_list(1),
         help=f"batch sizes, comma list (grid default: {DEFAULT_GRID['cuda'][0]} on a GPU, "
-        f"{DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64; linear: 1,16,64,256)",
+        f"{DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64; linear: 1,16,64,256; "
+        "fi-plan: 256)",
     )
     p.add_argument(
         "--kv-len",
@@ -99,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stack: real-size DeepSeek-V3 layers (default) or a small random model",
     )
     p.add_argument("--head-dim", type=int_at_least(1), help="linear: K = V per head (128)")
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        default=None,
+        help="fi-plan: also print where the host time of the whole call goes",
+    )
     p.add_argument("--out", default="bench-out", help="folder for the JSON, tables and plot")
 
 

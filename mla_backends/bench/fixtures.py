@@ -29,11 +29,14 @@ class DecodeSetup:
     kv_len: int
 
 
-def require_runs(name: str, config: Config, cap: Capability, role: str = "decode") -> None:
-    """ConfigError naming the backend and the reason unless it can serve `role` here."""
+def require_runs(
+    name: str, config: Config, cap: Capability, role: str = "decode", option: str = "--backends"
+) -> None:
+    """ConfigError naming the option, the backend and the reason unless it can serve `role`
+    for `config` here."""
     reason = get_backend_class(name).supports(config, cap, role)
     if reason is not None:
-        raise ConfigError(f"--backends: {name!r} cannot run here: {reason}")
+        raise ConfigError(f"{option}: {name!r} cannot run here: {reason}")
 
 
 def backend_config(config: Config, name: str, cap: Capability, heads: list[int]) -> Config:

@@ -27,6 +27,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "prefill": ("backends", "heads", "prefill_tokens"),
     "stack": ("backends", "batch", "layers", "prompt", "steps", "stack_size"),
     "linear": ("batch", "heads", "head_dim"),
+    "fi-plan": ("batch", "cprofile"),
 }  # fmt: skip
 
 
@@ -51,6 +52,7 @@ class Options:
     steps: int | None = None
     stack_size: str | None = None
     head_dim: int | None = None
+    cprofile: bool | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
