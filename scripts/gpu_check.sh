@@ -37,7 +37,7 @@ if [ "$mode" != models ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
-# Benchmark steps: only `python3 -m mla_backends bench ...` and `python3 scripts/...`.
+# Benchmark steps: only `python3 -m mla_backends bench ...` and `python3 scripts/tune_triton.py`.
 bench_step() {  # name, timeout, command...: one benchmark step, its log at $out/<name>.log
   local name=$1 t=$2; shift 2
   timeout "$t" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -30
@@ -51,7 +51,7 @@ if [ "$mode" = fi ]; then
     --backends flashinfer_mla --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
 elif [ "$mode" = triton ]; then
-  bench_step probe 150 python3 scripts/probe_gluon.py "$out"
+  bench_step probe 150 python3 scripts/tune_triton.py probe "$out"
   bench_step decode 240 python3 -m mla_backends bench --suite anchors \
     --backends triton,flashmla --peers raw_flashmla --out "$out/decode"
 elif [ "$mode" = models ]; then
