@@ -19,6 +19,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -169,13 +170,9 @@ def prefill_sweep(tokens: int = 8192, heads: int = 128) -> list[dict]:
     sdpa, scale = bench_us(sdpa_prefill(x)), x.dims.softmax_scale
     rows = []
     for bm, bn, w, st in PREFILL_CFGS:
-        cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        call = partial(mha_prefill, x.q, x.k, x.v, ind, ind, tokens, scale, True, out, lse)
         try:
-            us = bench_us(
-                lambda: mha_prefill(x.q, x.k, x.v, ind, ind, tokens, scale, True, out, lse, **cfg),
-                10,
-                50,
-            )
+            us = bench_us(partial(call, block_m=bm, block_n=bn, num_warps=w, num_stages=st), 10, 50)
         except Exception as e:
             us = float("nan")
             print("fail prefill", bm, bn, w, st, type(e).__name__, str(e)[:80])

@@ -4,22 +4,23 @@ chosen suite's `run(options, config)`."""
 from __future__ import annotations
 
 import argparse
-import importlib
+from collections.abc import Callable
 
-from mla_backends.bench.anchors import ANCHOR_SHAPES
-from mla_backends.bench.grid import DEFAULT_GRID
-from mla_backends.bench.options import (
-    SUITES,
-    Options,
-    backend_list,
-    peer_list,
-    shape_list,
-)
-from mla_backends.bench.stack import SIZES
+from mla_backends.bench import anchors, fi_plan, grid, linear, prefill, stack
+from mla_backends.bench.options import SUITES, Options, backend_list, peer_list, shape_list
 from mla_backends.cli import add_config_argument, int_at_least, int_list
-from mla_backends.config import load_config
+from mla_backends.config import Config, load_config
 
-MODULES = {s: "mla_backends.bench." + s.replace("-", "_") for s in SUITES}
+# Kernel packages, triton and matplotlib are imported inside the suites' calls, never here.
+RUN: dict[str, Callable[[Options, Config], None]] = {
+    "grid": grid.run,
+    "anchors": anchors.run,
+    "prefill": prefill.run,
+    "stack": stack.run,
+    "linear": linear.run,
+    "fi-plan": fi_plan.run,
+}
+assert set(RUN) == set(SUITES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,15 +37,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
         type=int_list(1),
-        help=f"batch sizes, comma list (grid default: {DEFAULT_GRID['cuda'][0]} on a GPU, "
-        f"{DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64; linear: 1,16,64,256; "
+        help=f"batch sizes, comma list (grid default: {grid.DEFAULT_GRID['cuda'][0]} on a GPU, "
+        f"{grid.DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64; linear: 1,16,64,256; "
         "fi-plan: 256)",
     )
     p.add_argument(
         "--kv-len",
         type=int_list(1),
-        help=f"KV lengths, comma list (default: {DEFAULT_GRID['cuda'][1]} on a GPU, "
-        f"{DEFAULT_GRID['cpu'][1]} on a CPU)",
+        help=f"KV lengths, comma list (default: {grid.DEFAULT_GRID['cuda'][1]} on a GPU, "
+        f"{grid.DEFAULT_GRID['cpu'][1]} on a CPU)",
     )
     p.add_argument(
         "--heads",
@@ -83,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shapes",
         type=shape_list,
-        help=f"anchors: H:q:B:kv comma list (default: the {len(ANCHOR_SHAPES)} shapes of "
+        help=f"anchors: H:q:B:kv comma list (default: the {len(anchors.ANCHOR_SHAPES)} shapes of "
         "ANCHORS.md)",
     )
     p.add_argument(
@@ -96,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int_at_least(2), help="stack: timed decode steps (20)")
     p.add_argument(
         "--stack-size",
-        choices=list(SIZES),
+        choices=list(stack.SIZES),
         help="stack: real-size DeepSeek-V3 layers (default) or a small random model",
     )
     p.add_argument("--head-dim", type=int_at_least(1), help="linear: K = V per head (128)")
@@ -113,5 +114,5 @@ def run(args: argparse.Namespace) -> int:
     opts = Options.from_args(args)
     opts.check_applies()
     config = load_config(opts.config)
-    importlib.import_module(MODULES[opts.suite]).run(opts, config)
+    RUN[opts.suite](opts, config)
     return 0

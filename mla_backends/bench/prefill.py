@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,11 +36,16 @@ def _triton_kernel(
     from mla_backends.kernels.mha_prefill import mha_prefill
 
     # Under the Triton interpreter (CPU): small tiles and fp32 dots, as the backend runs it.
-    cfg = {} if x.q.is_cuda else {**tuning.INTERP_MHA, "dot_f32": True}
+    cfg: dict[str, Any] = {} if x.q.is_cuda else {**tuning.INTERP_MHA, "dot_f32": True}
     t, scale = x.q.shape[0], x.dims.softmax_scale
     return lambda: mha_prefill(
         x.q, x.k, x.v, layout.qo_indptr, layout.kv_indptr, t, scale, True, out, lse, **cfg
     )
+
+
+def _out_of(forward_mha: Callable[..., tuple[torch.Tensor, torch.Tensor]], *args: Any) -> Any:
+    """The out of a `forward_mha(..., return_lse=True)` call (the LSE path, timed)."""
+    return forward_mha(*args, return_lse=True)[0]
 
 
 def check_prefill_backends(backends: list[str], heads: int, device: torch.device) -> None:
@@ -62,7 +69,8 @@ def prefill_table(
     out = torch.empty(tokens, heads, 128, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(tokens, heads, device=dev, dtype=torch.float32)
     res: dict = {"tokens": tokens, "heads": heads, "flops": x.flops}
-    fns: dict[str, Callable[[], object]] = {"sdpa": sdpa_prefill(x)}
+    sdpa = sdpa_prefill(x)
+    fns: dict[str, Callable[[], object]] = {"sdpa": sdpa}
     if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         fns["triton_kernel_lse"] = _triton_kernel(x, layout, out, lse)
     try:
@@ -71,11 +79,9 @@ def prefill_table(
         res["flashinfer_raw_error"] = f"{type(e).__name__}: {e}"[:200]
     for name in backends:
         be = Runtime.build(prefill_config(name, x.dims, dev)).backend
-        fns[f"{name}_backend"] = lambda be=be: be.forward_mha(x.q, x.k, x.v, layout)
-        fns[f"{name}_backend_lse"] = lambda be=be: be.forward_mha(
-            x.q, x.k, x.v, layout, return_lse=True
-        )[0]
-    ref = fns["sdpa"]().float()  # type: ignore[attr-defined]
+        fns[f"{name}_backend"] = partial(be.forward_mha, x.q, x.k, x.v, layout)
+        fns[f"{name}_backend_lse"] = partial(_out_of, be.forward_mha, x.q, x.k, x.v, layout)
+    ref = sdpa().float()
     for name, fn in fns.items():
         try:
             o = fn()

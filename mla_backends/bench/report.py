@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from mla_backends.bench.peers import RAW_PEER
@@ -34,7 +34,7 @@ def progress(total: int) -> Callable[[str], None]:
     return step
 
 
-def write(out: Path, files: dict[str, object]) -> list[Path]:
+def write(out: Path, files: Mapping[str, object]) -> list[Path]:
     """Write each file under `out` (dicts and lists as JSON, text as is); the paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []

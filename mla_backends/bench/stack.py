@@ -22,7 +22,7 @@ from mla_backends.bench.fixtures import require_runs
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.config import Config
-from mla_backends.models.deepseek_v3 import DeepseekV3Config
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from mla_backends.models.engine import Engine
 from mla_backends.models.run import RANDOM_SIZES, random_model
 from mla_backends.runtime import Runtime
@@ -102,8 +102,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_steps(eng: Engine, rows: list[int], steps: int, gen: torch.Generator) -> float:
-    vocab = eng.model.cfg.vocab_size
+def _timed_steps(
+    eng: Engine, rows: list[int], steps: int, gen: torch.Generator, vocab: int
+) -> float:
     toks = torch.randint(0, vocab, (steps, len(rows)), generator=gen).tolist()
     eng.decode(rows, toks[0])  # warm
     _sync(eng.device)
@@ -114,7 +115,10 @@ def _timed_steps(eng: Engine, rows: list[int], steps: int, gen: torch.Generator)
     return (time.perf_counter() - t0) / (steps - 1)
 
 
-def run_backend(model, cfg: Config, batches: list[int], prompt: int, steps: int) -> list[dict]:  # type: ignore[no-untyped-def]
+def run_backend(
+    model: DeepseekV3ForCausalLM, cfg: Config, batches: list[int], prompt: int, steps: int
+) -> list[dict]:
+    vocab = model.cfg.vocab_size
     eng = Engine(model, Runtime.build(cfg))
     graphs = eng.device.type == "cuda"
     if graphs:
@@ -124,13 +128,11 @@ def run_backend(model, cfg: Config, batches: list[int], prompt: int, steps: int)
     for b in batches:
         gen = torch.Generator().manual_seed(b)
         lens = [prompt * 3 // 4 + (i * prompt // 2) // max(b - 1, 1) for i in range(b)]
-        prompts = [
-            torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in lens
-        ]
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
         rows = eng.new_requests(b)
         for i in range(0, b, 16):  # prefill in chunks of 16 requests
             eng.extend(rows[i : i + 16], prompts[i : i + 16])
-        first = torch.randint(0, model.cfg.vocab_size, (b,), generator=gen).tolist()
+        first = torch.randint(0, vocab, (b,), generator=gen).tolist()
         eng.runner = None
         eager_logits = eng.decode(rows, first)
         row: dict = dict(backend=cfg.decode_backend, batch=b, prompt_lens=[min(lens), max(lens)])
@@ -144,10 +146,10 @@ def run_backend(model, cfg: Config, batches: list[int], prompt: int, steps: int)
             eng.runner = None
             row["graph_vs_eager"] = _rel(graph_logits, eager_logits)
             row["graph_vs_eager_tokens"] = _per_token(graph_logits, eager_logits)
-        row["eager_ms"] = _timed_steps(eng, rows, steps, gen) * 1e3
+        row["eager_ms"] = _timed_steps(eng, rows, steps, gen, vocab) * 1e3
         if graphs:
             eng.runner = runner
-            graph_s = _timed_steps(eng, rows, steps, gen)
+            graph_s = _timed_steps(eng, rows, steps, gen, vocab)
             row["graph_ms"], row["graph_tokens_per_s"] = graph_s * 1e3, b / graph_s
         out.append({**row, "first_logits": eager_logits.float().cpu()})
         print(

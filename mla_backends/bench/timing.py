@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -25,7 +26,7 @@ def bench_us(
             fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"
         )
     fn()
-    times = []
+    times: list[float] = []
     deadline = time.perf_counter() + rep_ms / 1000.0
     while time.perf_counter() < deadline or len(times) < 3:
         t0 = time.perf_counter()
@@ -86,7 +87,7 @@ def ceilings(device: torch.device) -> dict:
     ):
         x = torch.randn(m, m, device=device, dtype=dtype)
         y = torch.randn(m, m, device=device, dtype=dtype)
-        rates[dtype] = 2 * m**3 / bench_us(lambda x=x, y=y: x @ y, device=device) / 1e6
+        rates[dtype] = 2 * m**3 / bench_us(partial(torch.matmul, x, y), device=device) / 1e6
     best = max(rates, key=rates.__getitem__)
     mib = n * 2 >> 20
     return {
