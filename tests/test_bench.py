@@ -80,9 +80,11 @@ def test_bench_without_matplotlib_writes_table_and_json(
     from mla_backends.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, find_spec: None
-    argv = [*_tiny_args(tmp_path)[:3], "--batch", "2", "--kv-len", "40"]
+    argv = [*_tiny_args(tmp_path)[:3], "--batch", "2", "--kv-len", "40", "--graphs", "--raw"]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
+    if not GPU:  # what a CPU cannot run is one line
+        assert "--graphs / --raw not run: they need a CUDA GPU (this run is on cpu)" in out
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
     assert not (tmp_path / "out" / "roofline.png").exists()
     skipped = [line for line in out.splitlines() if "plot skipped" in line]

@@ -44,6 +44,8 @@ def measure(opts: Options, config: Config) -> dict:
     grid = list(itertools.product(heads, q_lens, batch_sizes, kv_sizes))
     graphs = bool(opts.graphs) and dev.type == "cuda"
     raws = [r for r in DECODE_PEERS if opts.raw and dev.type == "cuda"]
+    if dev.type != "cuda" and (opts.graphs or opts.raw):
+        print(f"--graphs / --raw not run: they need a CUDA GPU (this run is on {dev})")
     result: dict = {
         "device": cap.describe(),
         "torch": torch.__version__,
