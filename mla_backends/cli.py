@@ -109,6 +109,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mla_backends import bench
+    from mla_backends.bench import cli as bench_cli
     from mla_backends.models import run as run_model
 
     parser = OneLineParser(prog="mla-backends", description=__doc__)
@@ -125,11 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify)
     b = sub.add_parser(
         "bench",
-        help="time the config's backends over a grid; table, JSON, roofline plot",
+        help="time the backends against raw peers and ceilings (suites: --suite)",
         description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_arguments(b)
-    b.set_defaults(func=lambda a: bench.run(a) and 0)
+    bench_cli.add_arguments(b)
+    b.set_defaults(func=bench_cli.run)
     r = sub.add_parser(
         "run",
         help="serve a batch through a DeepSeek-V3 model on the backends",

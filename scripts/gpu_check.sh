@@ -37,37 +37,37 @@ if [ "$mode" != models ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
-step() {  # name, timeout, command...
+# Benchmark steps: only `python3 -m mla_backends bench ...` and `python3 scripts/tune_triton.py`.
+bench_step() {  # name, timeout, command...: one benchmark step, its log at $out/<name>.log
   local name=$1 t=$2; shift 2
   timeout "$t" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
 if [ "$mode" = fi ]; then
-  step plan 60 python3 scripts/profile_fi_plan.py 256
-  step decode 200 python3 -c "
-from mla_backends.benchmark import main
-main('$out/decode', ['flashinfer_mla'], ['raw_flashinfer_fa3'], quick=False, prefill=False)"
-  step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
+  bench_step plan 60 python3 -m mla_backends bench --suite fi-plan --batch 256 --out "$out/plan"
+  bench_step decode 200 python3 -m mla_backends bench --suite anchors \
+    --backends flashinfer_mla --peers raw_flashinfer_fa3 --prefill-tokens 0 --out "$out/decode"
+  bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
 elif [ "$mode" = triton ]; then
-  step probe 150 python3 scripts/probe_gluon.py "$out"
-  step decode 240 python3 -c "
-from mla_backends.benchmark import main
-main('$out/decode', ['triton', 'flashmla'], ['raw_flashmla'], quick=False, prefill=True)"
+  bench_step probe 150 python3 scripts/tune_triton.py probe "$out"
+  bench_step decode 240 python3 -m mla_backends bench --suite anchors \
+    --backends triton,flashmla --peers raw_flashmla --out "$out/decode"
 elif [ "$mode" = models ]; then
-  step plan 60 python3 scripts/profile_fi_plan.py 256
-  step linear 120 python3 scripts/bench_linear.py --out "$out/linear"
-  step stack ${STACK_TIMEOUT:-240} python3 scripts/dsv3_stack.py --out "$out/stack"
-  step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
+  bench_step plan 60 python3 -m mla_backends bench --suite fi-plan --batch 256 --out "$out/plan"
+  bench_step linear 120 python3 -m mla_backends bench --suite linear --out "$out/linear"
+  bench_step stack ${STACK_TIMEOUT:-240} python3 -m mla_backends bench --suite stack \
+    --backends triton,flashinfer_mla,flashmla --out "$out/stack"
+  bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
 elif [ "$mode" != "tests" ]; then
-  quick=$([ "$mode" = quick ] && echo True || echo False)
-  timeout ${BENCH_TIMEOUT:-300} python3 -c "
-from mla_backends.benchmark import main
-main('$out', ['triton', 'flashinfer_mla', 'flashmla'], ['raw_flashmla', 'raw_flashinfer_fa3'], quick=$quick, prefill=${PREFILL:-True})
-" 2>&1 | grep -v Warning | tee "$out/bench.log" | tail -30
-  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  opts=()  # quick: the first 3 shapes, a 2048-token prefill; PREFILL=False: no prefill
+  [ "$mode" = quick ] && opts+=(--quick)
+  [ "${PREFILL:-True}" = False ] && opts+=(--prefill-tokens 0)
+  bench_step bench ${BENCH_TIMEOUT:-300} python3 -m mla_backends bench --suite anchors \
+    --backends triton,flashinfer_mla,flashmla --peers raw_flashmla,raw_flashinfer_fa3 \
+    ${opts[@]+"${opts[@]}"} --out "$out"
 fi
 exit $rc

@@ -1,19 +1,27 @@
 """`bench` on CPU: --help works, a tiny run with the torch backend writes its outputs, labels
-its CPU rates as references (not ceilings), and runs without matplotlib."""
+its CPU rates as references (not ceilings), and runs without matplotlib; every other suite's
+CPU path runs at tiny sizes and writes the JSON keys of the recorded GPU runs
+(benchmarks/*.json); what needs a GPU is one line; the tuning script's kernel call is the
+backend's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import Cli
+import torch
+from conftest import GPU, PACKAGE_ROOT, Cli
 
 
 def test_bench_help(cli: Cli) -> None:
     proc = cli("bench", "--help")
     assert proc.returncode == 0 and "--graphs" in proc.stdout and "--kv-len" in proc.stdout
+    assert "--suite {grid,anchors,prefill,stack,linear,fi-plan}" in proc.stdout
 
 
 def _tiny_args(tmp_path: Path) -> list[str]:
@@ -53,7 +61,7 @@ def test_tiny_bench_run_with_torch(cli: Cli, tmp_path: Path) -> None:
 
 
 def test_bench_table_calls_gpu_rates_ceilings() -> None:
-    from mla_backends.bench import format_table
+    from mla_backends.bench.report import format_table
 
     result = {
         "device": "NVIDIA H100 (SM90)",
@@ -72,11 +80,172 @@ def test_bench_without_matplotlib_writes_table_and_json(
     from mla_backends.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, find_spec: None
-    argv = [*_tiny_args(tmp_path)[:3], "--batch", "2", "--kv-len", "40"]
+    argv = [*_tiny_args(tmp_path)[:3], "--batch", "2", "--kv-len", "40", "--graphs", "--raw"]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
+    if not GPU:  # what a CPU cannot run is one line
+        assert "--graphs / --raw not run: they need a CUDA GPU (this run is on cpu)" in out
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
     assert not (tmp_path / "out" / "roofline.png").exists()
     skipped = [line for line in out.splitlines() if "plot skipped" in line]
     assert len(skipped) == 1 and "pip install 'mla-backends[plot]'" in skipped[0], out
     assert "torch" in out  # the table
+
+
+# ---------------------------------------------------------------- the other suites, on a CPU
+RECORDED = PACKAGE_ROOT / "benchmarks"
+
+
+def _bench(tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """`bench ARGS` in this process with the tiny torch config: (status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from mla_backends.cli import main
+
+    cfg = _tiny_args(tmp_path)[2]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["bench", "--config", cfg, *args, "--out", str(tmp_path / "out")])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _recorded(name: str) -> dict:
+    """A JSON file of a recorded GPU run (benchmarks/)."""
+    return json.loads((RECORDED / name).read_text())
+
+
+def test_anchors_suite_on_cpu_keeps_the_recorded_keys(tmp_path: Path) -> None:
+    """The ANCHORS decode table at DeepSeek dims with tiny shapes; a peer that cannot run
+    here is one line, not a failure."""
+    rc, out, err = _bench(
+        tmp_path, "--suite", "anchors", "--backends", "torch", "--shapes", "16:1:1:64,16:2:2:96",
+        "--peers", "raw_flashmla", "--prefill-tokens", "0",
+    )  # fmt: skip
+    assert rc == 0, err
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    recorded = _recorded("decode-h200-gluon-final.json")
+    assert set(result) == set(recorded) - {"prefill"}
+    rows = result["decode"]
+    assert [(r["heads"], r["q_len"], r["batch"], r["kv_len"]) for r in rows] == [
+        (16, 1, 1, 64),
+        (16, 2, 2, 96),
+    ]
+    shared = {"heads", "q_len", "batch", "kv_len", "bytes", "flops"}
+    assert shared <= set(recorded["decode"][0]) and all(shared <= set(r) for r in rows)
+    assert all(r["torch_us"] > 0 and "RuntimeError" in r["raw_flashmla_error"] for r in rows)
+    assert rows[0]["bytes"] == 1152 * 64 + 16 * 1088 * 2  # ANCHORS.md's count at B1, kv 64
+    lines = out.splitlines()
+    assert "NOT ceilings" in lines[0] and "torch us" in lines[1] and "raw_flashmla us" in lines[1]
+    assert [ln for ln in lines if "not run" in ln] == [
+        "raw_flashmla not run: RuntimeError: needs a CUDA GPU (this run is on cpu)"
+    ]
+
+
+def test_prefill_suite_on_cpu_checks_every_path_against_sdpa(tmp_path: Path) -> None:
+    rc, out, err = _bench(
+        tmp_path, "--suite", "prefill", "--backends", "torch", "--heads", "2",
+        "--prefill-tokens", "24",
+    )  # fmt: skip
+    assert rc == 0, err
+    p = json.loads((tmp_path / "out" / "bench.json").read_text())["prefill"]
+    recorded = _recorded("decode-h100-gluon-final.json")["prefill"]
+    paths = ["sdpa", "torch_backend", "torch_backend_lse"]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        paths.append("triton_kernel_lse")  # our kernel, interpreted
+    for path in paths:
+        assert p[f"{path}_us"] > 0 and p[f"{path}_tflops"] > 0, p
+        assert p[f"{path}_max_abs_diff_vs_sdpa"] < 3e-2, (path, p)
+        assert f"{path}_max_abs_diff_vs_sdpa" in recorded or path.startswith("torch")
+    assert "CUDA GPU" in p["flashinfer_raw_error"]
+    assert (p["tokens"], p["heads"], p["flops"]) == (24, 2, 24 * 24 * 2 * 320)
+    assert {"tokens", "heads", "flops"} <= set(recorded)
+    assert sum("causal" in ln for ln in out.splitlines()) == len(paths)
+
+
+def test_stack_suite_on_cpu_eager_half_with_the_recorded_keys(tmp_path: Path) -> None:
+    rc, out, err = _bench(
+        tmp_path, "--suite", "stack", "--backends", "torch", "--stack-size", "tiny",
+        "--batch", "1,2", "--prompt", "8", "--steps", "2", "--layers", "1",
+    )  # fmt: skip
+    assert rc == 0, err
+    result = json.loads((tmp_path / "out" / "stack.json").read_text())
+    recorded = _recorded("dsv3-stack-h200.json")
+    assert set(result["meta"]) == set(recorded["meta"]) and result["meta"]["layers"] == 1
+    assert [set(r) for r in result["rows"]] == [set(recorded["rows"][0])] * 2
+    assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in result["rows"])
+    assert result["rows"][0]["vs_first_backend"] == 0.0  # the first backend against itself
+    md = (tmp_path / "out" / "stack.md").read_text().splitlines()
+    assert len(md) == 4 and md[2].startswith("| torch | 1 | ") and md[2].endswith(" 0/1 |")
+
+
+def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_path: Path) -> None:
+    rc, out, err = _bench(
+        tmp_path, "--suite", "linear", "--batch", "1,3", "--heads", "2", "--head-dim", "16"
+    )
+    assert rc == 0, err
+    result = json.loads((tmp_path / "out" / "linear.json").read_text())
+    recorded = _recorded("linear-decode-h200.json")["rows"][0]
+    rows = result["rows"]
+    assert [(r["kind"], r["batch"]) for r in rows] == [
+        ("kda", 1), ("kda", 3), ("gdn", 1), ("gdn", 3)
+    ]  # fmt: skip
+    assert all(set(r) <= set(recorded) and r["ours_us"] > 0 for r in rows)
+    assert "raw fla and CUDA graphs not run: they need a CUDA GPU" in out.splitlines()[0]
+    assert "reference (CPU: not a ceiling)" in out
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--suite", "fi-plan"], r"config error: --suite fi-plan: 'flashinfer_mla' cannot run "),
+        (["--suite", "linear", "--graphs"], r"error: --graphs does not apply to --suite linear"),
+        (["--suite", "prefill", "--heads", "2,4"], r"--heads takes one value with --suite prefill"),
+        (["--suite", "stack", "--backends", "flashmla"], r"--backends: 'flashmla' cannot run"),
+    ],
+    ids=["fi-plan-needs-flashinfer", "option-of-another-suite", "prefill-one-heads", "stack"],
+)
+def test_bench_suite_refusals_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
+    if GPU and args[1] in ("fi-plan", "stack"):
+        pytest.skip("a GPU machine may run these")
+    rc, out, err = _bench(tmp_path, *args)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    assert re.search(pattern, err), err
+
+
+def _tune_triton():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "tune_triton", PACKAGE_ROOT / "scripts" / "tune_triton.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(GPU, reason="on a GPU the script would run its sweeps")
+def test_tune_triton_refuses_a_cpu_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _tune_triton().main(["probe", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == "tune_triton.py probe: cannot run: no CUDA GPU here\n"
+
+
+@pytest.mark.skipif(
+    GPU or os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreted CPU check"
+)
+def test_tune_triton_decode_call_is_the_backend_kernel() -> None:
+    """The call every tuning command times is the backend's decode kernel: same out (here
+    with 2 KV splits, so the merge runs too), launched with an explicit config."""
+    from mla_backends.bench.fixtures import decode_setup
+
+    s = decode_setup(
+        "triton", 16, 2, 2, 80, page_size=16, kv_dtype="float32", device="cpu", dtype="float32"
+    )
+    s.rt.backend.init_forward_metadata(s.batch)
+    ref = s.rt.backend.forward_absorbed(0, s.q_nope, s.q_rope, None, None, s.batch)
+    call, out, lse = _tune_triton().decode_call(s, 16, 16, 4, 1, 2, tma=False)
+    call()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(lse).all()

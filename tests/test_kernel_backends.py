@@ -144,7 +144,7 @@ def test_gpu_flashinfer_mha_prefill(causal: bool) -> None:
 @gpu_only
 @pytest.mark.parametrize("page", [1, 64])
 def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
-    from mla_backends.benchmark import decode_setup
+    from mla_backends.bench.fixtures import decode_setup
 
     s = decode_setup("flashinfer_mla", 16, 1, 8, 300, page_size=page)
     be = s.rt.backend
@@ -175,7 +175,7 @@ def _metadata_host_times(name: str, sleep_first: bool, debug: bool = True) -> li
     (`debug`: any device-to-host sync raises). sleep_first queues ~25 ms of GPU work before
     each call: a hidden sync would wait for it. A synchronize every third call keeps at
     most 3 batches in flight, as in serving."""
-    from mla_backends.benchmark import decode_setup
+    from mla_backends.bench.fixtures import decode_setup
 
     s = decode_setup(name, 16, 1, 256, 1024)
     be = s.rt.backend

@@ -13,6 +13,7 @@ INSTALL = {
     "flashinfer": "pip install flashinfer-python==0.7.2.post1 (or mla-backends[gpu])",
     "sgl_kernel": "pip install sglang-kernel==0.4.3 (or mla-backends[gpu])",
     "flash_mla": "build deepseek-ai/FlashMLA, or pip install sglang-kernel==0.4.3",
+    "fla": "pip install fla-core==0.6.0 (or mla-backends[gpu])",
 }
 
 

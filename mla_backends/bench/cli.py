@@ -1,0 +1,118 @@
+"""`python -m mla_backends bench`: the options, checked at the boundary, and one call of the
+chosen suite's `run(options, config)`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from mla_backends.bench import anchors, fi_plan, grid, linear, prefill, stack
+from mla_backends.bench.options import SUITES, Options, backend_list, peer_list, shape_list
+from mla_backends.cli import add_config_argument, int_at_least, int_list
+from mla_backends.config import Config, load_config
+
+# Kernel packages, triton and matplotlib are imported inside the suites' calls, never here.
+RUN: dict[str, Callable[[Options, Config], None]] = {
+    "grid": grid.run,
+    "anchors": anchors.run,
+    "prefill": prefill.run,
+    "stack": stack.run,
+    "linear": linear.run,
+    "fi-plan": fi_plan.run,
+}
+assert set(RUN) == set(SUITES)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--suite", choices=list(SUITES), default="grid", help="what to time (default: grid)"
+    )
+    add_config_argument(p, "; it gives the device and the default backends")
+    p.add_argument(
+        "--backends",
+        type=backend_list,
+        help="comma list (default: the config's decode backend; prefill: its prefill "
+        "backend); each must be able to run here",
+    )
+    p.add_argument(
+        "--batch",
+        type=int_list(1),
+        help=f"batch sizes, comma list (grid default: {grid.DEFAULT_GRID['cuda'][0]} on a GPU, "
+        f"{grid.DEFAULT_GRID['cpu'][0]} on a CPU; stack: 1,8,32,64; linear: 1,16,64,256; "
+        "fi-plan: 256)",
+    )
+    p.add_argument(
+        "--kv-len",
+        type=int_list(1),
+        help=f"KV lengths, comma list (default: {grid.DEFAULT_GRID['cuda'][1]} on a GPU, "
+        f"{grid.DEFAULT_GRID['cpu'][1]} on a CPU)",
+    )
+    p.add_argument(
+        "--heads",
+        type=int_list(1),
+        help="query heads (grid default: the config's; prefill: 128, one value; linear: 32)",
+    )
+    p.add_argument("--q-len", type=int_list(1), help="1 = decode (default), >1 = target-verify")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        default=None,
+        help="also time whole decode steps, eager vs one CUDA graph (see --layers)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int_at_least(1),
+        help="grid: attention layers per decode step for --graphs (default 8; eager step: "
+        "metadata + L calls; graph step: input staging + metadata refill + one replay); "
+        "stack: model layers (default 4)",
+    )
+    p.add_argument(
+        "--raw", action="store_true", default=None, help="add raw FlashMLA / FlashInfer rows"
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int_at_least(0),
+        help="also time one causal MHA-mode prefill of this many tokens (grid default 0 = "
+        "none; anchors: 8192, 2048 with --quick, 0 = none; prefill: 8192)",
+    )
+    p.add_argument(
+        "--peers",
+        type=peer_list,
+        help="anchors: raw peer kernels, comma list or none (default on a GPU: the peers of "
+        "--backends; on a CPU: none)",
+    )
+    p.add_argument(
+        "--shapes",
+        type=shape_list,
+        help=f"anchors: H:q:B:kv comma list (default: the {len(anchors.ANCHOR_SHAPES)} shapes of "
+        "ANCHORS.md)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        default=None,
+        help="anchors: the first 3 shapes and a 2048-token prefill",
+    )
+    p.add_argument("--prompt", type=int_at_least(1), help="stack: mean prompt length (1024)")
+    p.add_argument("--steps", type=int_at_least(2), help="stack: timed decode steps (20)")
+    p.add_argument(
+        "--stack-size",
+        choices=list(stack.SIZES),
+        help="stack: real-size DeepSeek-V3 layers (default) or a small random model",
+    )
+    p.add_argument("--head-dim", type=int_at_least(1), help="linear: K = V per head (128)")
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        default=None,
+        help="fi-plan: also print where the host time of the whole call goes",
+    )
+    p.add_argument("--out", default="bench-out", help="folder for the JSON, tables and plot")
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = Options.from_args(args)
+    opts.check_applies()
+    config = load_config(opts.config)
+    RUN[opts.suite](opts, config)
+    return 0
