@@ -115,7 +115,7 @@ def test_gpu_port_equals_flashinfer_planner(case: str) -> None:
     """The port's work items and merges equal the C++ planner's, read back from its bytes;
     our device planner's equal both, at the GPU's real SM count."""
     pytest.importorskip("flashinfer")
-    from mla_backends.backends.flashinfer_mla import _FaMLAKernel
+    from mla_backends.backends.flashinfer_kernel import FaMLAKernel
     from mla_backends.kernels.common import num_sms
 
     gen = np.random.default_rng(1)
@@ -128,7 +128,7 @@ def test_gpu_port_equals_flashinfer_planner(case: str) -> None:
     kv = (q + gen.integers(0, 6000, q.size)).astype(np.int32)
     page, dev = 64, torch.device("cuda")
     sms = num_sms(dev)
-    k = _FaMLAKernel(dev, "fa3", torch.bfloat16, torch.bfloat16, 512, 64)
+    k = FaMLAKernel(dev, "fa3", torch.bfloat16, torch.bfloat16, 512, 64)
     qo_indptr = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
     kv_indptr = np.concatenate([[0], np.cumsum(-(-kv // page))]).astype(np.int32)
     info = k.plan(

@@ -153,10 +153,12 @@ def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
     assert not ckv.is_contiguous()
     out = torch.empty_like(s.q_nope)
     lse = torch.empty(s.q_nope.shape[:2], device="cuda")
-    be.kernel.run(be.metadata, s.q_nope, s.q_rope, ckv, kpe, out, lse, page, be.scale, 1.0)
+    md = be.metadata
+    plan = (md.plan_info, md.kv_indices, md.causal)
+    be.kernel.run(*plan, s.q_nope, s.q_rope, ckv, kpe, out, lse, page, be.scale, 1.0)
     out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
     be.kernel.run(
-        be.metadata,
+        *plan,
         s.q_nope,
         s.q_rope,
         ckv.contiguous(),
@@ -229,7 +231,7 @@ def test_flashinfer_host_lengths_equal_the_torch_indptrs() -> None:
     """The planner's host inputs (numpy, from the batch's CPU copies) equal the shared torch
     builders' indptrs, including an empty request and a page-boundary length."""
     from mla_backends.arith import cumsum_indptr
-    from mla_backends.backends.flashinfer_mla import host_lengths
+    from mla_backends.backends.flashinfer_kernel import host_lengths
     from mla_backends.batch import ForwardBatch, ForwardMode
 
     for mode, prefix, ext in (
