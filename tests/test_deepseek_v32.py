@@ -4,7 +4,6 @@ matters; the indexer's top-k sets against HF's indexer; engine paths; checkpoint
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from mla_backends.sparse.indexer import (
     select_topk,
 )
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 TOPK = 6
 TINY_HF = dict(
     vocab_size=96,
@@ -162,7 +160,7 @@ def test_logits_equal_hf_prefill_and_every_decode_step(hf_checkpoint) -> None:  
     _parity(hf, load_model(path), "torch", "torch", 5)
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_logits_equal_hf_with_triton_indexer_and_sparse_kernels(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     path, hf = hf_checkpoint
     _parity(hf, load_model(path), "triton", "triton", 2)
@@ -187,12 +185,10 @@ def test_short_batches_run_dense_then_sparse_and_equal_hf(hf_checkpoint) -> None
             assert _rel(out[i], _hf_last(hf, s)[-1]) <= 1e-4
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.interp)])
 def test_indexer_topk_sets_equal_hf_indexer(kernels: str) -> None:
     """Random inputs, no ties: our unquantised indexer selects exactly HF's top-k sets."""
     transformers = pytest.importorskip("transformers")
-    if kernels == "triton" and not INTERP:
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
 
     raw = dict(TINY_HF, index_topk=16)
@@ -284,7 +280,7 @@ def test_graph_runner_path_equals_eager(hf_checkpoint) -> None:  # type: ignore[
         assert _rel(got, want) <= 1e-5, f"step {step}"
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_quantized_indexer_triton_equals_torch(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The deployed indexer (Hadamard + e4m3): fused Triton store and logits kernels select
     what the torch maths selects, and so give the same logits."""
@@ -311,7 +307,7 @@ def _fp8_row_model(tmp: Path):  # type: ignore[no-untyped-def]
     return load_model(tmp), hf
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_fp8_row_pool_model_torch_equals_triton(tmp_path: Path) -> None:
     """Latent rows in the 656-style FP8 row format (L = 128 here): dense batches run the
     sparse backend over every key, long ones the indexer's selection; the torch and Triton

@@ -9,7 +9,6 @@ padded rows never writing a real slot.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import pytest
@@ -22,8 +21,6 @@ from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GPU = torch.cuda.is_available() and not INTERP
 SMALL = MLADims(
     num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
 )
@@ -130,7 +127,7 @@ def test_padding_contract_without_capture(emulated: None, case: Case) -> None:
     _run(case, "cpu", steps=12, use_graphs=False, ref_every=3)
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_padding_contract_triton_interpreted() -> None:
     case = Case(
         "triton", page_size=16, num_heads=4, kv_dtype="float16", dtype="float16", dims=SMALL
@@ -169,7 +166,7 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=lambda c: f"gpu-{c.backend}-h{c.num_heads}-{c.kv_dtype}-q{c.q_len}"
 )

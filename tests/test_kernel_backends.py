@@ -4,11 +4,11 @@ the core parity matrix, no-sync metadata within its host-time budget, strided vi
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import pytest
 import torch
+from conftest import GPU
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
@@ -21,8 +21,6 @@ from mla_backends.testing import (
     with_batch,
 )
 
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
 A100 = Capability("cuda", (8, 0), "NVIDIA A100")
 
@@ -111,7 +109,7 @@ FM_MATRIX = parity_cases(
 )
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case",
     FI_MATRIX + FM_MATRIX + FM_JOINED,
@@ -122,7 +120,7 @@ def test_gpu_parity_matrix(case) -> None:  # type: ignore[no-untyped-def]
     assert r.ok, f"{case.id}: {r.detail}"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 @pytest.mark.parametrize("batch", [1, 7, 130])
 def test_gpu_batch_sizes(name: str, batch: int) -> None:
@@ -132,7 +130,7 @@ def test_gpu_batch_sizes(name: str, batch: int) -> None:
         assert r.ok, f"{c.id}: {r.detail}"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_flashinfer_mha_prefill(causal: bool) -> None:
     q_lens, kv_lens = ragged_prefill_lens(causal)
@@ -141,7 +139,7 @@ def test_gpu_flashinfer_mha_prefill(causal: bool) -> None:
         assert r.ok, r.detail
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("page", [1, 64])
 def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
     from mla_backends.benchmark import decode_setup
@@ -202,14 +200,14 @@ def _metadata_host_times(name: str, sleep_first: bool, debug: bool = True) -> li
     return times
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 def test_gpu_decode_metadata_does_not_wait_for_the_gpu(name: str) -> None:
     times = _metadata_host_times(name, sleep_first=True)
     assert max(times) < 5e-3, f"{name}: a metadata call waited for the GPU ({max(times):.4f} s)"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 def test_gpu_decode_metadata_host_time_under_100us(name: str) -> None:
     """Timed with sync debug off, as a server runs; the no-sync check (debug "error") is the

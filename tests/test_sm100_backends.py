@@ -25,7 +25,6 @@ from mla_backends.testing import Case, build_case, parity_cases, run_case, with_
 CPU = torch.device("cpu")
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
 B200 = Capability("cuda", (10, 0), "NVIDIA B200")
-SM100 = torch.cuda.is_available() and torch.cuda.get_device_capability() in ((10, 0), (10, 3))
 
 
 @pytest.fixture
@@ -205,7 +204,7 @@ def test_refused_on_hopper_with_a_clear_reason(
 
 
 # ---------------------------------------------------------------------------- real SM100
-@pytest.mark.skipif(not SM100, reason="needs an SM100/SM103 GPU (B200/GB200/B300)")
+@pytest.mark.sm100
 @pytest.mark.parametrize(
     "case",
     _cases("cutlass_mla", (128,), ("bfloat16",))

@@ -29,10 +29,6 @@ from mla_backends.testing import (
     with_batch,
 )
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GPU = torch.cuda.is_available()
-interp_only = pytest.mark.skipif(not INTERP, reason="CPU path: needs TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not GPU or INTERP, reason="needs a CUDA GPU (not the interpreter)")
 # Smallest shapes the kernels take (tl.dot needs dims >= 16); distinct so swapped axes show.
 SMALL = MLADims(
     num_heads=4,
@@ -60,14 +56,14 @@ def _small_cases() -> list[Case]:
     return cases
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("case", _small_cases(), ids=lambda c: c.id)
 def test_interpreter_parity(case: Case) -> None:
     r = run_case(case)
     assert r.ok, f"{case.id}: {r.detail}"
 
 
-@interp_only
+@pytest.mark.interp
 def test_interpreter_strided_query_views() -> None:
     """q_nope / q_rope as column ranges of one buffer (non-contiguous): strides honoured."""
     for mode, q in [(ForwardMode.DECODE, 1), (ForwardMode.EXTEND, 0)]:
@@ -87,7 +83,7 @@ def test_interpreter_strided_query_views() -> None:
         assert r.ok, r.detail
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("splits", [2, 4])
 def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""
@@ -111,7 +107,7 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
         assert r.ok, r.detail
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_interpreter_mha_prefill(causal: bool, dtype: str) -> None:
@@ -120,7 +116,7 @@ def test_interpreter_mha_prefill(causal: bool, dtype: str) -> None:
     assert r.ok, r.detail
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_triton_index_builder_equals_torch(page: int) -> None:
     from mla_backends.kernels import index
@@ -157,7 +153,7 @@ def test_triton_index_builder_equals_torch(page: int) -> None:
     assert torch.equal(flat[: sum(n_pages)], want[1]) and (flat[sum(n_pages) :] == -7).all()
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
     from mla_backends.kernels.store import store_latent_rows
@@ -240,7 +236,7 @@ def test_mha_route_keeps_fp32_off_cudnn() -> None:
         assert mha_route(dt, False, True, True, True) == "triton"  # no GPU
 
 
-@interp_only
+@pytest.mark.interp
 def test_gluon_build_failure_routes_to_tl_dot_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -289,7 +285,7 @@ def test_gluon_build_failure_routes_to_tl_dot_once(
     assert reason in (ma.gluon_error() or "")
 
 
-@interp_only
+@pytest.mark.interp
 def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """32 query rows go to the Gluon kernel as half of a 64-row block; once it failed here,
     the tl.dot kernel's 32-row block takes them."""
@@ -307,7 +303,7 @@ def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch
     assert be._block_m(64, torch.float32) == 16  # fp32 never takes Gluon or 64-row blocks
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
 def test_interpreter_fp32_mha_prefill_nine_ragged_requests(prefix: bool) -> None:
     """The shape of the H100 fp32 report (9 ragged causal requests, 15 to 2725 tokens) at
@@ -329,14 +325,14 @@ GPU_MATRIX = parity_cases(
 )
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_MATRIX, ids=lambda c: c.id)
 def test_gpu_parity_matrix(case: Case) -> None:
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 7, 130])
 def test_gpu_batch_sizes(batch: int) -> None:
     # batch 130 at 16 heads and page 64 runs the TMA tiles of block_m 16 (batch >= 32)
@@ -345,7 +341,7 @@ def test_gpu_batch_sizes(batch: int) -> None:
         assert r.ok, f"{c.id}: {r.detail}"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_mha_prefill(causal: bool) -> None:
     q_lens, kv_lens = ragged_prefill_lens(causal)
@@ -354,7 +350,7 @@ def test_gpu_mha_prefill(causal: bool) -> None:
         assert r.ok, r.detail
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
     """No LSE asked and q_len == kv_len: the SDPA route; it must equal the Triton kernel."""
     from mla_backends.batch import RaggedLayout
@@ -382,7 +378,7 @@ def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
     torch.testing.assert_close(plain, with_lse, atol=2e-2, rtol=2e-2)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_mha_prefill_with_lse_through_cudnn(
     causal: bool, monkeypatch: pytest.MonkeyPatch
@@ -406,7 +402,7 @@ def test_gpu_mha_prefill_with_lse_through_cudnn(
     assert calls == [True, True], "the LSE route did not go through cuDNN"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case",
     parity_cases("triton", (1, 16, 64, 128), (16, 128), ("float32",), long=1100),
@@ -422,7 +418,7 @@ def test_gpu_fp32_pool_parity(case: Case) -> None:
 FP32_PREFILL_LENS = [15, 96, 255, 513, 1000, 1024, 1537, 2048, 2725]
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
 def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
     """The H100 report: fp32, H16, 9 ragged causal requests of 15 to 2725 tokens gave NaN in
