@@ -428,7 +428,7 @@ def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
     from mla_backends.config import Config
     from mla_backends.reference import mha
     from mla_backends.runtime import Runtime
-    from mla_backends.testing import TOLERANCES, _compare
+    from mla_backends.testing import TOLERANCES, compare
 
     q_lens = FP32_PREFILL_LENS
     kv_lens = [n + (37 * i if prefix else 0) for i, n in enumerate(q_lens)]
@@ -459,5 +459,5 @@ def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
         [mha(q[a:e], k[a:e], v[a:e], dims.softmax_scale, True)[0] for a, e in zip(qo[:-1], qo[1:])]
     )
     atol, rtol, _ = TOLERANCES["float32"]
-    err, detail = _compare("out (no LSE)", out, want, atol, rtol)
+    err, detail = compare("out (no LSE)", out, want, atol, rtol)
     assert not detail, detail
