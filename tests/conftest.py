@@ -66,6 +66,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUTLASS MLA and TRT-LLM MLA (SM100 kernels) with each kernel call swapped for a
+    plain-PyTorch emulation of its documented contract (mla_backends/backends/emulation.py),
+    which rejects what the real call rejects: the backends run on any machine."""
+    import mla_backends.backends.cutlass_mla as cutlass_mod
+    import mla_backends.backends.trtllm_mla as trtllm_mod
+    from mla_backends.backends import emulation
+
+    monkeypatch.setattr(
+        cutlass_mod, "load_kernel", lambda: (emulation.cutlass_mla_decode, lambda *a: 1 << 20)
+    )
+    monkeypatch.setattr(
+        trtllm_mod, "load_kernel", lambda: emulation.trtllm_batch_decode_with_kv_cache_mla
+    )
+
+
+@pytest.fixture
 def cli(tmp_path: Path) -> Cli:
     """`python -m mla_backends ARGS` in an empty folder (or `cwd=`), importing the package
     under test: what a user runs from anywhere."""

@@ -1,5 +1,6 @@
 """FlashInfer-MLA and FlashMLA: clear refusals where they cannot run (CPU, CI), and on a GPU
-the core parity matrix, no-sync metadata within its host-time budget, strided views."""
+no-sync metadata within its host-time budget and strided views (their parity matrix, batch
+sizes and MHA prefill are rows of tests/parity.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,6 @@ from conftest import GPU
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.config import DEEPSEEK_V3, Config, ConfigError, config_from_dict
-from mla_backends.testing import (
-    parity_cases,
-    ragged_prefill_lens,
-    run_case,
-    run_mha_case,
-    with_batch,
-)
 
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
 A100 = Capability("cuda", (8, 0), "NVIDIA A100")
@@ -95,50 +89,6 @@ def test_flashmla_has_no_prefill_path() -> None:
 
 
 # ---------------------------------------------------------------------------- GPU
-FI_MATRIX = parity_cases(
-    "flashinfer_mla", (1, 16, 64, 128), (16, 128), ("bfloat16", "float16", "fp8"), long=1100
-)
-FM_JOINED = [
-    dataclasses.replace(c, joined_query=True)
-    for c in parity_cases(
-        "flashmla", (64,), (16, 128), ("bfloat16",), ("decode", "verify"), long=300
-    )
-]
-FM_MATRIX = parity_cases(
-    "flashmla", (64,), (16, 128), ("bfloat16", "float16"), ("decode", "verify"), long=1100
-)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case",
-    FI_MATRIX + FM_MATRIX + FM_JOINED,
-    ids=lambda c: c.id + ("-joined" if c.joined_query else ""),
-)
-def test_gpu_parity_matrix(case) -> None:  # type: ignore[no-untyped-def]
-    r = run_case(case, "cuda")
-    assert r.ok, f"{case.id}: {r.detail}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
-@pytest.mark.parametrize("batch", [1, 7, 130])
-def test_gpu_batch_sizes(name: str, batch: int) -> None:
-    dtypes = ("bfloat16", "fp8") if name == "flashinfer_mla" else ("bfloat16",)
-    for c in parity_cases(name, (64,), (128,), dtypes, ("decode", "verify")):
-        r = run_case(with_batch(c, batch), "cuda")
-        assert r.ok, f"{c.id}: {r.detail}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gpu_flashinfer_mha_prefill(causal: bool) -> None:
-    q_lens, kv_lens = ragged_prefill_lens(causal)
-    for dtype in ("bfloat16", "float16"):
-        r = run_mha_case("flashinfer_mla", q_lens, kv_lens, causal, dtype, 16, device="cuda")
-        assert r.ok, r.detail
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [1, 64])
 def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:

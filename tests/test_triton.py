@@ -1,4 +1,6 @@
-"""The triton backend: interpreter parity at tiny shapes on CPU, the full matrix on a GPU."""
+"""The triton backend beyond its rows of the parity table (tests/parity.py: interpreter
+parity at tiny shapes on CPU, the full matrix on a GPU): strided queries, split-KV merges, the
+index builder and fused store, offline SM90 compiles, the MHA-prefill routes, Gluon fallbacks."""
 
 from __future__ import annotations
 
@@ -11,56 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import SMALL
 
 from mla_backends.batch import ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.indices import build_page_indices, build_page_table, build_token_indices
 from mla_backends.pool import MLATokenToKVPool
 from mla_backends.testing import (
-    DTYPE_PAIRS,
-    MODES,
     Case,
     build_case,
     edge_kv_lens,
-    parity_cases,
-    ragged_prefill_lens,
     run_case,
     run_mha_case,
-    with_batch,
 )
 
-# Smallest shapes the kernels take (tl.dot needs dims >= 16); distinct so swapped axes show.
-SMALL = MLADims(
-    num_heads=4,
-    kv_lora_rank=32,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    rope_scaling_factor=4.0,
-    mscale_all_dim=0.7,
-)
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 block may opt into
-
-
-def _small_cases() -> list[Case]:
-    cases = []
-    for page in (1, 16, 64):
-        for dt in DTYPE_PAIRS:
-            for m, (mode, q) in MODES.items():
-                act, kv = DTYPE_PAIRS[dt]
-                heads = 16 if m == "verify" else 4
-                lens = edge_kv_lens(page, max(q, 1), long=70)
-                cases.append(Case("triton", mode, page, heads, kv, act, q, lens, dims=SMALL))
-    return cases
-
-
-@pytest.mark.interp
-@pytest.mark.parametrize("case", _small_cases(), ids=lambda c: c.id)
-def test_interpreter_parity(case: Case) -> None:
-    r = run_case(case)
-    assert r.ok, f"{case.id}: {r.detail}"
 
 
 @pytest.mark.interp
@@ -105,15 +74,6 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
         )
         r = run_case(case)
         assert r.ok, r.detail
-
-
-@pytest.mark.interp
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_interpreter_mha_prefill(causal: bool, dtype: str) -> None:
-    q_lens, kv_lens = ragged_prefill_lens(causal, long=False)
-    r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 4, SMALL)
-    assert r.ok, r.detail
 
 
 @pytest.mark.interp
@@ -316,40 +276,6 @@ def test_interpreter_fp32_mha_prefill_nine_ragged_requests(prefix: bool) -> None
 
 
 # ---------------------------------------------------------------------------- GPU
-GPU_MATRIX = parity_cases(
-    "triton",
-    page_sizes=(1, 16, 64, 128),
-    heads=(16, 128),
-    dtypes=("bfloat16", "float16", "fp8"),
-    long=1100,
-)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_MATRIX, ids=lambda c: c.id)
-def test_gpu_parity_matrix(case: Case) -> None:
-    r = run_case(case, "cuda")
-    assert r.ok, f"{case.id}: {r.detail}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 7, 130])
-def test_gpu_batch_sizes(batch: int) -> None:
-    # batch 130 at 16 heads and page 64 runs the TMA tiles of block_m 16 (batch >= 32)
-    for c in parity_cases("triton", (64,), (16, 128), ("bfloat16", "fp8"), ("decode", "verify")):
-        r = run_case(with_batch(c, batch), "cuda")
-        assert r.ok, f"{c.id}: {r.detail}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gpu_mha_prefill(causal: bool) -> None:
-    q_lens, kv_lens = ragged_prefill_lens(causal)
-    for dtype in ("bfloat16", "float16"):
-        r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 16, device="cuda")
-        assert r.ok, r.detail
-
-
 @pytest.mark.gpu
 def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
     """No LSE asked and q_len == kv_len: the SDPA route; it must equal the Triton kernel."""
@@ -400,19 +326,6 @@ def test_gpu_mha_prefill_with_lse_through_cudnn(
         r = run_mha_case("triton", lens, lens, causal, dtype, 16, device="cuda")
         assert r.ok, r.detail
     assert calls == [True, True], "the LSE route did not go through cuDNN"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case",
-    parity_cases("triton", (1, 16, 64, 128), (16, 128), ("float32",), long=1100),
-    ids=lambda c: c.id,
-)
-def test_gpu_fp32_pool_parity(case: Case) -> None:
-    """The backend declares fp32 KV: decode, verify and extend at every page size. H128 page
-    64 raised OutOfResources (442376 bytes of shared memory asked, 232448 allowed)."""
-    r = run_case(case, "cuda")
-    assert r.ok, f"{case.id}: {r.detail}"
 
 
 FP32_PREFILL_LENS = [15, 96, 255, 513, 1000, 1024, 1537, 2048, 2725]

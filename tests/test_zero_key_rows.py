@@ -4,6 +4,7 @@ without LSE, for every backend that has an MHA path (FlashInfer leaves such rows
 from __future__ import annotations
 
 import pytest
+from parity import WHERE, mha_backends
 
 from mla_backends.config import MLADims
 from mla_backends.testing import run_mha_case
@@ -22,14 +23,17 @@ LAYOUTS = {
 
 
 def _cases(device: str) -> list[object]:
-    names = ["torch", "triton"] if device == "cpu" else ["torch", "triton", "flashinfer_mla"]
-    # On a CPU the triton backend runs under the interpreter.
-    interp = [pytest.mark.interp] if device == "cpu" else []
+    """Every backend with an MHA-prefill path on `device` (tests/parity.py), marked by where
+    it runs there (the triton backend on a CPU: the interpreter)."""
     return [
         pytest.param(
-            n, lay, lse, id=f"{n}-{lay}-{'lse' if lse else 'nolse'}", marks=interp * (n == "triton")
+            r.backend,
+            lay,
+            lse,
+            id=f"{r.backend}-{lay}-{'lse' if lse else 'nolse'}",
+            marks=WHERE[r.where].marks,
         )
-        for n in names
+        for r in mha_backends(device)
         for lay in LAYOUTS
         for lse in (True, False)
     ]

@@ -24,7 +24,7 @@ from mla_backends.testing.compare import (
     effective_query,
     run_case,
 )
-from mla_backends.testing.mha import ragged_prefill_lens, run_mha_case
+from mla_backends.testing.mha import RAGGED_PREFILL, ragged_prefill_lens, run_mha_case
 from mla_backends.testing.pools import FP8_SCALE, build_case
 from mla_backends.testing.streams import DecodeStream, absorbed_forward
 
@@ -32,6 +32,7 @@ __all__ = [
     "DTYPE_PAIRS",
     "FP8_SCALE",
     "MODES",
+    "RAGGED_PREFILL",
     "TOLERANCES",
     "Case",
     "DecodeStream",

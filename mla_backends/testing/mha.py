@@ -86,14 +86,18 @@ def run_mha_case(
     return Result(case, out_err, lse_err, out_err, not detail, detail)
 
 
-def ragged_prefill_lens(causal: bool, long: bool = True) -> tuple[list[int], list[int]]:
-    """Ragged MHA-prefill requests: one with no keys, one with no queries, one long. Causal
-    (bottom-right) needs kv_len >= q_len, so kv lengths are raised to the query lengths."""
-    q_lens, kv_lens = (
-        ([1, 300, 0, 77, 128], [1, 1000, 30, 0, 128])
-        if long
-        else ([1, 19, 0, 5, 6], [1, 40, 3, 0, 6])
-    )
+# Ragged MHA-prefill batches (q_lens, kv_lens): a request with no keys, one with no queries.
+RAGGED_PREFILL: dict[str, tuple[list[int], list[int]]] = {
+    "short": ([1, 19, 0, 5, 6], [1, 40, 3, 0, 6]),  # interpreter size
+    "mid": ([1, 17, 0, 5, 33], [1, 40, 6, 0, 33]),  # around 16- and 32-row tiles
+    "long": ([1, 300, 0, 77, 128], [1, 1000, 30, 0, 128]),
+}
+
+
+def ragged_prefill_lens(causal: bool, size: str = "long") -> tuple[list[int], list[int]]:
+    """A `RAGGED_PREFILL` batch. Causal (bottom-right) needs kv_len >= q_len, so kv lengths
+    are raised to the query lengths."""
+    q_lens, kv_lens = RAGGED_PREFILL[size]
     if causal:
         kv_lens = [max(q, k) for q, k in zip(q_lens, kv_lens)]
-    return q_lens, kv_lens
+    return list(q_lens), list(kv_lens)
