@@ -12,6 +12,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not __import__("shutil").which
 
 import pytest
 import torch
+from gpu_slices import SLICES, estimate, rule_of
 
 import mla_backends
 
@@ -53,8 +54,16 @@ REASONS = _machine_reasons()
 IMPLY_GPU = ("sm90", "sm100", "multigpu")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu-slice",
+        metavar="NAME",
+        help=f"one slice of the GPU suite (tests/gpu_slices.py): {', '.join(SLICES)} or tests-all",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects: sm90 / sm100 / multigpu tests are gpu tests
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         names = {m.name for m in item.iter_markers()}
         if names & set(IMPLY_GPU) and "gpu" not in names:
@@ -63,6 +72,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         reason = next((REASONS[n] for n in REASONS if n in names and REASONS[n]), None)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+    name = config.getoption("--gpu-slice")
+    if name:
+        if name not in (*SLICES, "tests-all"):
+            raise pytest.UsageError(f"--gpu-slice {name}: one of {', '.join(SLICES)}, tests-all")
+        keep, drop = [], []
+        for item in items:
+            rule = rule_of(item)
+            ok = rule is not None and name in ("tests-all", rule.slice)
+            (keep if ok else drop).append(item)
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    if not config.getoption("--gpu-slice"):
+        return []
+    return [
+        f"{name}: {n} tests, about {s:.0f} s on a fresh H100 ({SLICES[name]})"
+        for name, (n, s) in estimate(items).items()
+        if n
+    ]
 
 
 @pytest.fixture
