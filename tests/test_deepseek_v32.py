@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_deepseek_v3 import TINY_HF as V3_TINY_HF
 
 from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import rope_tables
@@ -26,42 +27,8 @@ from mla_backends.sparse.indexer import (
 )
 
 TOPK = 6
-TINY_HF = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    qk_nope_head_dim=16,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    index_n_heads=8,
-    index_head_dim=32,
-    index_topk=TOPK,
-    rope_scaling={
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-)
+# The tiny DeepSeek-V3 of tests/test_deepseek_v3.py with the lightning indexer.
+TINY_HF = dict(V3_TINY_HF, index_n_heads=8, index_head_dim=32, index_topk=TOPK)
 
 
 def _randomize(model) -> None:  # type: ignore[no-untyped-def]
