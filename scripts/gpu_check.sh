@@ -5,7 +5,8 @@
 #     its estimate), each sized for one 10-minute device call on a fresh H100; on a warm
 #     machine a slice reuses the compile caches of the ones before (Triton, FlashInfer JIT,
 #     autotuning under /tmp); tests-all or tests: every slice in one run (no time limit);
-#   quick / full: tests-all, then the kernel benchmarks (quick: fewer shapes);
+#   quick / full: tests-all, then the kernel benchmarks (quick: fewer shapes); in one
+#   10-minute call: TESTS=none (benchmarks only) after the slices, or TESTS=tests-N;
 #   models: the model-level benchmarks only (DeepSeek-V3 layer stack through each Hopper
 #   backend with graphs, linear-layer decode vs raw fla, FlashInfer plan host-time
 #   breakdown, decode steps eager vs graphs at batch 1-8);
@@ -44,12 +45,14 @@ run_tests() {  # slice (tests-1 .. tests-N, tests-all), extra pytest args
     2>&1 | tee "$out/pytest-$slice.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
+tests=${TESTS:-}  # the slice a benchmark mode runs first; "none": benchmarks only
 case $mode in
-  tests-[0-9]*|tests-all) run_tests "$mode" "$@" ;;
-  tests|quick|full) run_tests tests-all "$@" ;;
-  fi) run_tests tests-4 "$@" ;;
-  triton) run_tests tests-2 "$@" ;;
+  tests-[0-9]*|tests-all) tests=$mode ;;
+  tests|quick|full) tests=${tests:-tests-all} ;;
+  fi) tests=${tests:-tests-4} ;;
+  triton) tests=${tests:-tests-2} ;;
 esac
+[ -n "$tests" ] && [ "$tests" != none ] && run_tests "$tests" "$@"
 
 step() {  # name, timeout, command...
   local name=$1 t=$2; shift 2
