@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# The whole GPU check in one command: GPU tests, then the benchmarks, logs and JSON under $OUT.
-#   usage (device machine, repo root):  bash scripts/gpu_check.sh [quick|full|tests|models] [pytest -k expr]
-#   quick / full: GPU tests, then the kernel benchmarks (quick: fewer shapes);
-#   tests: GPU tests only; models: the model-level benchmarks only (DeepSeek-V3 layer stack
-#   through each Hopper backend with graphs, linear-layer decode vs raw fla, FlashInfer plan
-#   host-time breakdown, decode steps eager vs graphs at batch 1-8);
-#   fi: the flashinfer_mla slice of all that (its GPU tests, plan host time, decode table vs
-#   raw fa3, graph steps), for checking a change to that backend in one short run.
-#   triton: the triton slice (its GPU tests, Gluon kernel included; the Gluon probe; decode
-#   table of triton and flashmla vs raw FlashMLA; MHA prefill table).
+# The whole GPU check: GPU tests, then the benchmarks; logs, JUnit XML and JSON under $OUT.
+#   usage (device machine, repo root):  bash scripts/gpu_check.sh MODE [pytest args]
+#   tests-1 .. tests-7: one slice of the GPU tests (tests/gpu_slices.py says which tests and
+#     its estimate), each sized for one 10-minute device call on a fresh H100; on a warm
+#     machine a slice reuses the compile caches of the ones before (Triton, FlashInfer JIT,
+#     autotuning under /tmp); tests-all or tests: every slice in one run (no time limit);
+#   quick / full: tests-all, then the kernel benchmarks (quick: fewer shapes); in one
+#   10-minute call: TESTS=none (benchmarks only) after the slices, or TESTS=tests-N;
+#   models: the model-level benchmarks only (DeepSeek-V3 layer stack through each Hopper
+#   backend with graphs, linear-layer decode vs raw fla, FlashInfer plan host-time
+#   breakdown, decode steps eager vs graphs at batch 1-8);
+#   fi: the flashinfer_mla slice of all that (its tests, tests-4; plan host time, decode table
+#   vs raw fa3, graph steps), for checking a change to that backend in one short run;
+#   triton: the triton slice (its bf16 / fp16 tests, tests-2; the Gluon probe; decode table of
+#   triton and flashmla vs raw FlashMLA; MHA prefill table).
+# Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
 mode=${1:-full}
-kexpr=${2:-gpu}
+shift $(($# > 0 ? 1 : 0))
 out=${OUT:-/tmp/mla-gpu-check}
 mkdir -p "$out"
 [ -f .gpu/activate.sh ] && source .gpu/activate.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+# Compile caches outside the checkout, kept between calls on a warm machine.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mla-triton-cache}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/mla-flashinfer}
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -26,16 +35,24 @@ unset TRITON_INTERPRET
 } | tee "$out/env.txt"
 
 rc=0
-if [ "$mode" = fi ]; then
-  kexpr="gpu and (fi_schedule or flashinfer or metadata or graph_replay)"
-elif [ "$mode" = triton ]; then
-  kexpr="(gpu and triton and not kimi and not linear and not fi_schedule) or gluon"
-fi
-if [ "$mode" != models ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfEx --durations=15 -k "$kexpr" tests/ \
-    -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -40
+run_tests() {  # slice (tests-1 .. tests-N, tests-all), extra pytest args
+  local slice=$1 limit=${TEST_TIMEOUT:-560}
+  shift
+  [ "$slice" = tests-all ] && limit=${TEST_TIMEOUT:-7200}
+  # Autotuning results cached too (fla's autotuning alone can fill a device call).
+  TRITON_CACHE_AUTOTUNING=1 timeout "$limit" python3 -m pytest -q -rfEsx --durations=15 \
+    -p no:cacheprovider --gpu-slice "$slice" --junitxml "$out/pytest-$slice.xml" "$@" tests/ \
+    2>&1 | tee "$out/pytest-$slice.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-fi
+}
+tests=${TESTS:-}  # the slice a benchmark mode runs first; "none": benchmarks only
+case $mode in
+  tests-[0-9]*|tests-all) tests=$mode ;;
+  tests|quick|full) tests=${tests:-tests-all} ;;
+  fi) tests=${tests:-tests-4} ;;
+  triton) tests=${tests:-tests-2} ;;
+esac
+[ -n "$tests" ] && [ "$tests" != none ] && run_tests "$tests" "$@"
 
 # Benchmark steps: only `python3 -m mla_backends bench ...` and `python3 scripts/tune_triton.py`.
 bench_step() {  # name, timeout, command...: one benchmark step, its log at $out/<name>.log
@@ -62,12 +79,15 @@ elif [ "$mode" = models ]; then
   bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
-elif [ "$mode" != "tests" ]; then
+elif [ "$mode" = quick ] || [ "$mode" = full ]; then
   opts=()  # quick: the first 3 shapes, a 2048-token prefill; PREFILL=False: no prefill
   [ "$mode" = quick ] && opts+=(--quick)
   [ "${PREFILL:-True}" = False ] && opts+=(--prefill-tokens 0)
   bench_step bench ${BENCH_TIMEOUT:-300} python3 -m mla_backends bench --suite anchors \
     --backends triton,flashinfer_mla,flashmla --peers raw_flashmla,raw_flashinfer_fa3 \
     ${opts[@]+"${opts[@]}"} --out "$out"
+elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
+  echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton)" >&2
+  exit 2
 fi
 exit $rc

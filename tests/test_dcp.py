@@ -11,12 +11,12 @@ GPU (>= 2 CUDA devices): the same equality over NCCL with captured CUDA graphs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import INTERP
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
 from mla_backends.batch import ForwardMode
@@ -27,8 +27,6 @@ from mla_backends.dcp.layout import DCPLayout, DCPTokenAllocator
 from mla_backends.dcp.parity import DCPCase, edge_lens, gpu_cases, parity_worker
 from mla_backends.pool import ReqToTokenPool
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GPUS = 0 if INTERP or not torch.cuda.is_available() else torch.cuda.device_count()
 DECODE, VERIFY, EXTEND = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
 
@@ -171,7 +169,7 @@ def _undefined_empty_cases(size: int, page: int) -> list[DCPCase]:
 
 
 ALL_PAGES = (1, 16, 32, 64, 128)
-BACKENDS = ("torch", "triton") if INTERP else ("torch",)
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interp)]
 CASES_2 = (
     _cases(2, ("torch",), ALL_PAGES)
     + _undefined_empty_cases(2, 16)
@@ -319,7 +317,7 @@ def test_deepseek_v3_logits_with_dcp2_equal_single_process(backend: str) -> None
 
 
 # ---------------------------------------------------------------------------- NCCL
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.multigpu
 def test_nccl_dcp2_equals_single_process_with_graphs() -> None:
     """triton, flashinfer_mla and flashmla over NCCL, DeepSeek-V3 dims: decode, verify,
     extend, H 16 / 128, replicated and TP heads, FP8 pools, and captured CUDA graphs with

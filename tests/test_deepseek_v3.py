@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from mla_backends.models.engine import Engine
 from mla_backends.models.loader import CheckpointError, load_model
 from mla_backends.runtime import Runtime
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 TINY_HF = dict(
     vocab_size=96,
     hidden_size=64,
@@ -193,7 +191,7 @@ def test_dense_moe_equals_routed_moe(hf_checkpoint) -> None:  # type: ignore[no-
 GPU_BACKENDS = [("triton", "triton"), ("flashinfer_mla", "flashinfer_mla"), ("flashmla", "triton")]
 
 
-@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("decode, prefill", GPU_BACKENDS, ids=[d for d, _ in GPU_BACKENDS])
 def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: str) -> None:
     """Real MLA dims (512 + 64, 16 heads), bf16, page 64: prefill, prefix extend, decode steps
@@ -232,18 +230,16 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
     assert _rel(got_all, want) <= 2e-2
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_incremental_decode_equals_full_forward_triton_interpreted(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     _incremental_equals_full(load_model(hf_checkpoint[0]), "triton", 16, 1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interp)])
 def test_chunked_prefix_mha_equals_absorbed_and_full(hf_checkpoint, backend: str) -> None:  # type: ignore[no-untyped-def]
     """Long-prefix EXTEND through MHA (prefix part + causal new part, merged by LSE) gives the
     logits of the absorbed path and of one full prefill; a request without a prefix in the
     same batch contributes an empty prefix part (lse -inf)."""
-    if backend == "triton" and not INTERP:
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(5)
     a_seq = torch.randint(0, 96, (30,), generator=gen).tolist()
     b_seq = torch.randint(0, 96, (6,), generator=gen).tolist()
@@ -347,10 +343,8 @@ def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
     assert json.dumps(old.rope_scaling)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interp)])
 def test_run_command_serves_a_batch(cli: Cli, tmp_path: Path, backend: str) -> None:
-    if backend == "triton" and not INTERP:
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
         f"decode_backend: {backend}\nprefill_backend: {backend}\ndevice: cpu\n"

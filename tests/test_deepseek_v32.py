@@ -4,11 +4,11 @@ matters; the indexer's top-k sets against HF's indexer; engine paths; checkpoint
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from test_deepseek_v3 import TINY_HF as V3_TINY_HF
 
 from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import rope_tables
@@ -26,44 +26,9 @@ from mla_backends.sparse.indexer import (
     select_topk,
 )
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 TOPK = 6
-TINY_HF = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    qk_nope_head_dim=16,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    index_n_heads=8,
-    index_head_dim=32,
-    index_topk=TOPK,
-    rope_scaling={
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-)
+# The tiny DeepSeek-V3 of tests/test_deepseek_v3.py with the lightning indexer.
+TINY_HF = dict(V3_TINY_HF, index_n_heads=8, index_head_dim=32, index_topk=TOPK)
 
 
 def _randomize(model) -> None:  # type: ignore[no-untyped-def]
@@ -162,7 +127,7 @@ def test_logits_equal_hf_prefill_and_every_decode_step(hf_checkpoint) -> None:  
     _parity(hf, load_model(path), "torch", "torch", 5)
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_logits_equal_hf_with_triton_indexer_and_sparse_kernels(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     path, hf = hf_checkpoint
     _parity(hf, load_model(path), "triton", "triton", 2)
@@ -187,12 +152,10 @@ def test_short_batches_run_dense_then_sparse_and_equal_hf(hf_checkpoint) -> None
             assert _rel(out[i], _hf_last(hf, s)[-1]) <= 1e-4
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.interp)])
 def test_indexer_topk_sets_equal_hf_indexer(kernels: str) -> None:
     """Random inputs, no ties: our unquantised indexer selects exactly HF's top-k sets."""
     transformers = pytest.importorskip("transformers")
-    if kernels == "triton" and not INTERP:
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
 
     raw = dict(TINY_HF, index_topk=16)
@@ -284,7 +247,7 @@ def test_graph_runner_path_equals_eager(hf_checkpoint) -> None:  # type: ignore[
         assert _rel(got, want) <= 1e-5, f"step {step}"
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_quantized_indexer_triton_equals_torch(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The deployed indexer (Hadamard + e4m3): fused Triton store and logits kernels select
     what the torch maths selects, and so give the same logits."""
@@ -311,7 +274,7 @@ def _fp8_row_model(tmp: Path):  # type: ignore[no-untyped-def]
     return load_model(tmp), hf
 
 
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.interp
 def test_fp8_row_pool_model_torch_equals_triton(tmp_path: Path) -> None:
     """Latent rows in the 656-style FP8 row format (L = 128 here): dense batches run the
     sparse backend over every key, long ones the indexer's selection; the torch and Triton

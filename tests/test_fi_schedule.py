@@ -109,7 +109,7 @@ def test_schedule_refuses_batches_beyond_flashinfer_arrays() -> None:
         write_schedule(ws, 1, 16, 64, 8, lens, lens, max_q_len=2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and flashinfer")
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["h16-decode", "h128-decode", "h128-verify-q2", "h16-mixed"])
 def test_gpu_port_equals_flashinfer_planner(case: str) -> None:
     """The port's work items and merges equal the C++ planner's, read back from its bytes;

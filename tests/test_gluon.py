@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from mla_backends.testing import Case, parity_cases, run_case
 
@@ -24,8 +23,6 @@ gluon_mod = pytest.importorskip(
     "mla_backends.kernels.mla_attention_gluon", reason="this Triton has no Gluon"
 )
 ROOT = Path(__file__).resolve().parents[1]
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-SM90 = torch.cuda.is_available() and not INTERP and torch.cuda.get_device_capability() == (9, 0)
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 
 
@@ -61,7 +58,7 @@ def _gluon_cases() -> list[Case]:
     return cases + verify + [replace(c, q_len=2) for c in verify if c.num_heads == 16]
 
 
-@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.sm90
 @pytest.mark.parametrize("case", _gluon_cases(), ids=lambda c: c.id)
 def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
@@ -72,7 +69,7 @@ def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch)
     assert calls, f"{case.id}: the triton backend did not take the Gluon kernel"
 
 
-@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.sm90
 def test_fp8_pool_and_small_pages_keep_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gluon_mod, "launch", lambda *a, **k: pytest.fail("Gluon took it"))
     for c in parity_cases("triton", (16,), (128,), ("bfloat16",), ("decode",)) + parity_cases(

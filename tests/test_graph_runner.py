@@ -1,4 +1,5 @@
-"""The CUDA-graph runner and its padding contract, for every graph-capable backend.
+"""The CUDA-graph runner and its padding contract, for every graph-capable backend (the
+`graphs` of each row of tests/parity.py).
 
 CPU (CI): the runner's padded static-buffer path without capture (`use_graphs=False`): the
 backends' capture / replay hooks, padding, slicing and dummy-page writes are all exercised.
@@ -9,24 +10,14 @@ padded rows never writing a real slot.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import pytest
 import torch
+from parity import graph_params
 
-import mla_backends.backends.cutlass_mla as cutlass_mod
-import mla_backends.backends.trtllm_mla as trtllm_mod
-from mla_backends.backends import emulation
-from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward
-
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GPU = torch.cuda.is_available() and not INTERP
-SMALL = MLADims(
-    num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
-)
 
 
 def _specs(case: Case) -> dict[str, InputSpec]:
@@ -107,39 +98,22 @@ def _run(
             _close(got.double().cpu(), ref.cpu(), atol, rtol, f"step {i} vs reference")
 
 
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        cutlass_mod, "load_kernel", lambda: (emulation.cutlass_mla_decode, lambda *a: 1 << 20)
-    )
-    monkeypatch.setattr(
-        trtllm_mod, "load_kernel", lambda: emulation.trtllm_batch_decode_with_kv_cache_mla
-    )
+# (steps, reference every n steps) per place: the interpreter is slow, a GPU replays 1,000.
+STEPS = {"cpu": (12, 3), "sm100-emulation": (12, 3), "interp": (6, 2)}
 
 
-CPU_CASES = [
-    Case("torch", page_size=16, num_heads=16, kv_dtype="float32", dtype="float32"),
-    Case("torch", page_size=1, num_heads=16, kv_dtype="float8_e4m3fn", dtype="bfloat16", q_len=2),
-    Case("cutlass_mla", page_size=128, num_heads=16, kv_dtype="bfloat16", dtype="bfloat16"),
-    Case("trtllm_mla", page_size=32, num_heads=16, kv_dtype="bfloat16", dtype="bfloat16", q_len=2),
-]
+@pytest.mark.parametrize("where, case", graph_params(gpu=False))
+def test_padding_contract_without_capture(
+    where: str, case: Case, request: pytest.FixtureRequest
+) -> None:
+    if where == "sm100-emulation":
+        request.getfixturevalue("emulated")
+    steps, ref_every = STEPS[where]
+    _run(case, "cpu", steps=steps, use_graphs=False, ref_every=ref_every)
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.backend}-p{c.page_size}-q{c.q_len}")
-def test_padding_contract_without_capture(emulated: None, case: Case) -> None:
-    _run(case, "cpu", steps=12, use_graphs=False, ref_every=3)
-
-
-@pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
-def test_padding_contract_triton_interpreted() -> None:
-    case = Case(
-        "triton", page_size=16, num_heads=4, kv_dtype="float16", dtype="float16", dims=SMALL
-    )
-    _run(case, "cpu", steps=6, use_graphs=False, ref_every=2, sizes=(1, 2, 4, 8))
-
-
-def test_runner_refuses_oversized_and_mismatched_batches(emulated: None) -> None:
-    case = CPU_CASES[0]
+def test_runner_refuses_oversized_and_mismatched_batches() -> None:
+    case = Case("torch", page_size=16, num_heads=16, kv_dtype="float32", dtype="float32")
     stream = DecodeStream(case, "cpu", num_requests=12)
     be = stream.rt.backend
     runner = CudaGraphRunner(
@@ -151,27 +125,6 @@ def test_runner_refuses_oversized_and_mismatched_batches(emulated: None) -> None
         runner.replay(batch, inputs)
 
 
-GPU_CASES = [
-    Case("torch", page_size=64, num_heads=16, kv_dtype="bfloat16", dtype="bfloat16"),
-    Case("triton", page_size=64, num_heads=128, kv_dtype="bfloat16", dtype="bfloat16"),
-    Case("triton", page_size=16, num_heads=16, kv_dtype="float8_e4m3fn", dtype="bfloat16", q_len=2),
-    Case("flashmla", page_size=64, num_heads=128, kv_dtype="bfloat16", dtype="bfloat16"),
-    Case("flashmla", page_size=64, num_heads=16, kv_dtype="bfloat16", dtype="bfloat16", q_len=2),
-    Case("flashinfer_mla", page_size=1, num_heads=128, kv_dtype="bfloat16", dtype="bfloat16"),
-    Case(
-        "flashinfer_mla",
-        page_size=16,
-        num_heads=16,
-        kv_dtype="float8_e4m3fn",
-        dtype="bfloat16",
-        q_len=2,
-    ),
-]
-
-
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize(
-    "case", GPU_CASES, ids=lambda c: f"gpu-{c.backend}-h{c.num_heads}-{c.kv_dtype}-q{c.q_len}"
-)
-def test_gpu_graph_replay_1000(case: Case) -> None:
+@pytest.mark.parametrize("where, case", graph_params(gpu=True))
+def test_gpu_graph_replay_1000(where: str, case: Case) -> None:
     _run(case, "cuda", steps=1000, use_graphs=True, ref_every=50)

@@ -1,28 +1,20 @@
 """FlashInfer-MLA and FlashMLA: clear refusals where they cannot run (CPU, CI), and on a GPU
-the core parity matrix, no-sync metadata within its host-time budget, strided views."""
+no-sync metadata within its host-time budget and strided views (their parity matrix, batch
+sizes and MHA prefill are rows of tests/parity.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import pytest
 import torch
+from conftest import GPU
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.config import DEEPSEEK_V3, Config, ConfigError, config_from_dict
-from mla_backends.testing import (
-    parity_cases,
-    ragged_prefill_lens,
-    run_case,
-    run_mha_case,
-    with_batch,
-)
 
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
 A100 = Capability("cuda", (8, 0), "NVIDIA A100")
 
@@ -97,51 +89,7 @@ def test_flashmla_has_no_prefill_path() -> None:
 
 
 # ---------------------------------------------------------------------------- GPU
-FI_MATRIX = parity_cases(
-    "flashinfer_mla", (1, 16, 64, 128), (16, 128), ("bfloat16", "float16", "fp8"), long=1100
-)
-FM_JOINED = [
-    dataclasses.replace(c, joined_query=True)
-    for c in parity_cases(
-        "flashmla", (64,), (16, 128), ("bfloat16",), ("decode", "verify"), long=300
-    )
-]
-FM_MATRIX = parity_cases(
-    "flashmla", (64,), (16, 128), ("bfloat16", "float16"), ("decode", "verify"), long=1100
-)
-
-
-@gpu_only
-@pytest.mark.parametrize(
-    "case",
-    FI_MATRIX + FM_MATRIX + FM_JOINED,
-    ids=lambda c: c.id + ("-joined" if c.joined_query else ""),
-)
-def test_gpu_parity_matrix(case) -> None:  # type: ignore[no-untyped-def]
-    r = run_case(case, "cuda")
-    assert r.ok, f"{case.id}: {r.detail}"
-
-
-@gpu_only
-@pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
-@pytest.mark.parametrize("batch", [1, 7, 130])
-def test_gpu_batch_sizes(name: str, batch: int) -> None:
-    dtypes = ("bfloat16", "fp8") if name == "flashinfer_mla" else ("bfloat16",)
-    for c in parity_cases(name, (64,), (128,), dtypes, ("decode", "verify")):
-        r = run_case(with_batch(c, batch), "cuda")
-        assert r.ok, f"{c.id}: {r.detail}"
-
-
-@gpu_only
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gpu_flashinfer_mha_prefill(causal: bool) -> None:
-    q_lens, kv_lens = ragged_prefill_lens(causal)
-    for dtype in ("bfloat16", "float16"):
-        r = run_mha_case("flashinfer_mla", q_lens, kv_lens, causal, dtype, 16, device="cuda")
-        assert r.ok, r.detail
-
-
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("page", [1, 64])
 def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
     from mla_backends.bench.fixtures import decode_setup
@@ -204,14 +152,14 @@ def _metadata_host_times(name: str, sleep_first: bool, debug: bool = True) -> li
     return times
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 def test_gpu_decode_metadata_does_not_wait_for_the_gpu(name: str) -> None:
     times = _metadata_host_times(name, sleep_first=True)
     assert max(times) < 5e-3, f"{name}: a metadata call waited for the GPU ({max(times):.4f} s)"
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 def test_gpu_decode_metadata_host_time_under_100us(name: str) -> None:
     """Timed with sync debug off, as a server runs; the no-sync check (debug "error") is the

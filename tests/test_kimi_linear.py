@@ -4,8 +4,6 @@ padded decode rows never touch a real request's state."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -23,7 +21,6 @@ from mla_backends.models.kimi_linear import (
 )
 from mla_backends.runtime import Runtime
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 CFG = KimiLinearConfig()
 
 
@@ -138,10 +135,8 @@ def _incremental_equals_full(
         assert err <= tol, (k, err)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interp)])
 def test_incremental_equals_full_with_requests_joining_and_leaving(backend: str) -> None:
-    if backend == "triton" and not INTERP:
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     model = _model()
     _incremental_equals_full(model, lambda: _engine(model, backend), False, 1e-4)
 
@@ -186,7 +181,7 @@ GPU_CFG = KimiLinearConfig(
 )
 
 
-@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "backend, dtype, tol",
     [
@@ -216,7 +211,7 @@ def test_gpu_hybrid_fla_incremental_equals_full_with_graphs(
     _incremental_equals_full(model, engine, True, tol)
 
 
-@pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_padded_graph_rows_never_change_a_real_state() -> None:
     """Graph decode of 3 requests (padded to 4) next to an idle request whose states and KV
     are poisoned with NaN: nothing of it changes, and the three equal eager decode."""
@@ -283,12 +278,7 @@ def test_padded_decode_rows_leave_real_states_and_kv_alone() -> None:
     "device",
     [
         "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                INTERP or not torch.cuda.is_available(), reason="needs a CUDA GPU"
-            ),
-        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
 def test_verify_then_accept_equals_decoding_the_accepted_tokens(

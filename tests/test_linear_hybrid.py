@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import GPU
 
 from mla_backends.backends.hybrid import HybridBackend, layer_map, ratio_kinds
 from mla_backends.batch import ForwardBatch, ForwardMode
@@ -161,7 +162,6 @@ def test_hybrid_routes_by_layer_kind_without_mutating_layers() -> None:
         HybridBackend(rt.backend, lin, ratio_kinds(4, 3))
 
 
-GPU = torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1"
 # Relative to the largest value. fp32: fla's dots run in IEEE fp32 here (TRITON_F32_DEFAULT,
 # set by the test; Triton's default would be tf32), so only the summation order differs from
 # the exact recurrence. bf16: fla's chunked prefill multiplies bf16 operands on tensor cores.
@@ -172,7 +172,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the fla package")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_gpu_fla_equals_recurrence_prefill_then_decode(
@@ -180,6 +180,7 @@ def test_gpu_fla_equals_recurrence_prefill_then_decode(
 ) -> None:
     """Three requests (varlen prefill from non-zero stored states, then 6 decode steps of the
     batch plus a padded row) through fla and through the recurrence: outputs and states."""
+    pytest.importorskip("fla", reason="needs the fla package (pip install fla-core)")
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # fp32 dots in fp32 (part of the key)
     h, dk, dv, slots = 4, 128, 128, 6
     gen = torch.Generator().manual_seed(11)

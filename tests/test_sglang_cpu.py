@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,10 +54,7 @@ NAMES = (
     "mlab_triton",
     "mlab_torch",
 )
-TRITON_CPU = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="triton on CPU needs TRITON_INTERPRET=1"
-)
-BACKENDS = ["mlab_torch", pytest.param("mlab_triton", marks=TRITON_CPU)]
+BACKENDS = ["mlab_torch", pytest.param("mlab_triton", marks=pytest.mark.interp)]
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
 CPU = {"device": "cpu"}
 DSV3_KIT = {**CPU, **ks.DSV3, "hidden_size": 256, "dtype": torch.bfloat16}
@@ -506,17 +502,13 @@ def test_graph_replay_view_padding(q_len: int) -> None:
 # ---------------------------------------------------------------------------------- both shapes
 SMALL = (4, 32, 16, 16, 16)  # H, L, R, P, V: every kernel's power-of-two limits hold
 DSV3_DIMS = (16, 512, 64, 128, 128)
-GPU_ONLY = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs a CUDA GPU",
-)
 # (backend, device, page, dims): CPU in CI; the gpu-* ones run our GPU backends through the
 # adapter at DeepSeek-V3 shapes (mlab_flashmla's extend and MHA run on its triton partner).
 SHAPE_SETUPS = [
     pytest.param("mlab_torch", "cpu", 16, SMALL, id="mlab_torch"),
-    pytest.param("mlab_triton", "cpu", 16, SMALL, marks=TRITON_CPU, id="mlab_triton"),
+    pytest.param("mlab_triton", "cpu", 16, SMALL, marks=pytest.mark.interp, id="mlab_triton"),
     *(
-        pytest.param(be, "cuda", 64, DSV3_DIMS, marks=GPU_ONLY, id=f"gpu-{be}")
+        pytest.param(be, "cuda", 64, DSV3_DIMS, marks=pytest.mark.gpu, id=f"gpu-{be}")
         for be in ("mlab_triton", "mlab_flashinfer", "mlab_flashmla", "mlab_torch")
     ),
 ]
@@ -706,7 +698,7 @@ DSV3_CASES = [
         p,
         c,
         fp8,
-        marks=TRITON_CPU if be == "mlab_triton" else (),
+        marks=pytest.mark.interp if be == "mlab_triton" else (),
         id=(f"{c.name}-{be}-{'fp8' if fp8 else 'bf16'}"),
     )
     for be, pages in (("mlab_torch", (16, 64)), ("mlab_triton", (64,)))

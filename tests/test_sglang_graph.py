@@ -18,7 +18,6 @@ harness without capture (the kit's approach), mlab_torch and mlab_triton (interp
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import GPU
 from sglang_cpu.env import load_sglang
 
 try:
@@ -48,8 +48,6 @@ from mla_backends.integrations.sglang.binding import SettingsError  # noqa: E402
 from mla_backends.reference import absorb_q, batch_reference, project_v  # noqa: E402
 from mla_backends.testing import TOLERANCES  # noqa: E402
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GPU = torch.cuda.is_available() and not INTERP
 SMALL = MLADims(
     num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
 )
@@ -424,10 +422,14 @@ CPU_CASES = [
 
 
 @pytest.mark.skipif(GPU, reason="the CPU variant of the GPU graph test")
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.id, marks=pytest.mark.interp if c.backend == "mlab_triton" else ())
+        for c in CPU_CASES
+    ],
+)
 def test_graph_path_without_capture(case: GraphCase) -> None:
-    if case.backend == "mlab_triton" and not INTERP:
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     run_steps(case, "cpu", steps=8, use_graphs=False, ref_every=2)
 
 
@@ -443,7 +445,7 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (real torch.cuda.CUDAGraph)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
 def test_gpu_cuda_graph_through_sglang_batches(case: GraphCase) -> None:
     assert case.backend in ATTENTION_BACKENDS, "not registered through the entry point"

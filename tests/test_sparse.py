@@ -5,7 +5,6 @@ TRITON_INTERPRET=1) against the fp64 sparse reference."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -27,9 +26,6 @@ from mla_backends.sparse.indexer import (
 from mla_backends.sparse.quant import block_quant, hadamard, hadamard_matrix, ue8m0_scale
 from mla_backends.sparse.reference import sparse_attention, sparse_reference
 from mla_backends.sparse.testing import SparseCase, build, run
-
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interp = pytest.mark.skipif(not INTERP, reason="triton on CPU needs TRITON_INTERPRET=1")
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -113,7 +109,7 @@ def _indexer_inputs(dims: IndexerDims, t: int, seed: int) -> tuple[torch.Tensor,
     return k, q, w, ang.cos(), ang.sin()
 
 
-@needs_interp
+@pytest.mark.interp
 @pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "fp32"])
 def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
     """Fused store (RoPE, rotation, e4m3) and the paged logits kernel against the torch
@@ -236,14 +232,14 @@ def test_torch_sparse_backend_matches_reference(case: SparseCase) -> None:
     assert not detail, detail
 
 
-@needs_interp
+@pytest.mark.interp
 @pytest.mark.parametrize("case", _cases("triton", (16,)), ids=lambda c: c.id)
 def test_triton_sparse_backend_matches_reference(case: SparseCase) -> None:
     _, _, detail = run(case)
     assert not detail, detail
 
 
-@needs_interp
+@pytest.mark.interp
 def test_triton_sparse_exact_counts_and_contexts_shorter_than_topk() -> None:
     """Indexer-shaped rows (exactly min(topk, visible) valid) at every context around topk."""
     case = SparseCase("triton", "bfloat16", "bfloat16", kv_lens=(1, 31, 32, 33, 64), topk=32)

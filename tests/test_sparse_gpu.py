@@ -9,7 +9,6 @@ captured decode graphs. Run on an H100 / H200:
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 from types import SimpleNamespace
 
@@ -22,9 +21,8 @@ from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.sparse.indexer import IndexerDims
 from mla_backends.sparse.testing import SparseCase, run
 
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (and no TRITON_INTERPRET)")
+pytestmark = pytest.mark.gpu
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _has(pkg: str) -> bool:

@@ -1,4 +1,6 @@
-"""The triton backend: interpreter parity at tiny shapes on CPU, the full matrix on a GPU."""
+"""The triton backend beyond its rows of the parity table (tests/parity.py: interpreter
+parity at tiny shapes on CPU, the full matrix on a GPU): strided queries, split-KV merges, the
+index builder and fused store, offline SM90 compiles, the MHA-prefill routes, Gluon fallbacks."""
 
 from __future__ import annotations
 
@@ -11,63 +13,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import SMALL
 
 from mla_backends.batch import ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.indices import build_page_indices, build_page_table, build_token_indices
 from mla_backends.pool import MLATokenToKVPool
 from mla_backends.testing import (
-    DTYPE_PAIRS,
-    MODES,
     Case,
     build_case,
     edge_kv_lens,
-    parity_cases,
-    ragged_prefill_lens,
     run_case,
     run_mha_case,
-    with_batch,
 )
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GPU = torch.cuda.is_available()
-interp_only = pytest.mark.skipif(not INTERP, reason="CPU path: needs TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not GPU or INTERP, reason="needs a CUDA GPU (not the interpreter)")
-# Smallest shapes the kernels take (tl.dot needs dims >= 16); distinct so swapped axes show.
-SMALL = MLADims(
-    num_heads=4,
-    kv_lora_rank=32,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    rope_scaling_factor=4.0,
-    mscale_all_dim=0.7,
-)
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 block may opt into
 
 
-def _small_cases() -> list[Case]:
-    cases = []
-    for page in (1, 16, 64):
-        for dt in DTYPE_PAIRS:
-            for m, (mode, q) in MODES.items():
-                act, kv = DTYPE_PAIRS[dt]
-                heads = 16 if m == "verify" else 4
-                lens = edge_kv_lens(page, max(q, 1), long=70)
-                cases.append(Case("triton", mode, page, heads, kv, act, q, lens, dims=SMALL))
-    return cases
-
-
-@interp_only
-@pytest.mark.parametrize("case", _small_cases(), ids=lambda c: c.id)
-def test_interpreter_parity(case: Case) -> None:
-    r = run_case(case)
-    assert r.ok, f"{case.id}: {r.detail}"
-
-
-@interp_only
+@pytest.mark.interp
 def test_interpreter_strided_query_views() -> None:
     """q_nope / q_rope as column ranges of one buffer (non-contiguous): strides honoured."""
     for mode, q in [(ForwardMode.DECODE, 1), (ForwardMode.EXTEND, 0)]:
@@ -87,7 +52,7 @@ def test_interpreter_strided_query_views() -> None:
         assert r.ok, r.detail
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("splits", [2, 4])
 def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""
@@ -111,16 +76,7 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
         assert r.ok, r.detail
 
 
-@interp_only
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_interpreter_mha_prefill(causal: bool, dtype: str) -> None:
-    q_lens, kv_lens = ragged_prefill_lens(causal, long=False)
-    r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 4, SMALL)
-    assert r.ok, r.detail
-
-
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_triton_index_builder_equals_torch(page: int) -> None:
     from mla_backends.kernels import index
@@ -157,7 +113,7 @@ def test_triton_index_builder_equals_torch(page: int) -> None:
     assert torch.equal(flat[: sum(n_pages)], want[1]) and (flat[sum(n_pages) :] == -7).all()
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
     from mla_backends.kernels.store import store_latent_rows
@@ -240,7 +196,7 @@ def test_mha_route_keeps_fp32_off_cudnn() -> None:
         assert mha_route(dt, False, True, True, True) == "triton"  # no GPU
 
 
-@interp_only
+@pytest.mark.interp
 def test_gluon_build_failure_routes_to_tl_dot_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -289,7 +245,7 @@ def test_gluon_build_failure_routes_to_tl_dot_once(
     assert reason in (ma.gluon_error() or "")
 
 
-@interp_only
+@pytest.mark.interp
 def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """32 query rows go to the Gluon kernel as half of a 64-row block; once it failed here,
     the tl.dot kernel's 32-row block takes them."""
@@ -307,7 +263,7 @@ def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch
     assert be._block_m(64, torch.float32) == 16  # fp32 never takes Gluon or 64-row blocks
 
 
-@interp_only
+@pytest.mark.interp
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
 def test_interpreter_fp32_mha_prefill_nine_ragged_requests(prefix: bool) -> None:
     """The shape of the H100 fp32 report (9 ragged causal requests, 15 to 2725 tokens) at
@@ -320,41 +276,7 @@ def test_interpreter_fp32_mha_prefill_nine_ragged_requests(prefix: bool) -> None
 
 
 # ---------------------------------------------------------------------------- GPU
-GPU_MATRIX = parity_cases(
-    "triton",
-    page_sizes=(1, 16, 64, 128),
-    heads=(16, 128),
-    dtypes=("bfloat16", "float16", "fp8"),
-    long=1100,
-)
-
-
-@gpu_only
-@pytest.mark.parametrize("case", GPU_MATRIX, ids=lambda c: c.id)
-def test_gpu_parity_matrix(case: Case) -> None:
-    r = run_case(case, "cuda")
-    assert r.ok, f"{case.id}: {r.detail}"
-
-
-@gpu_only
-@pytest.mark.parametrize("batch", [1, 7, 130])
-def test_gpu_batch_sizes(batch: int) -> None:
-    # batch 130 at 16 heads and page 64 runs the TMA tiles of block_m 16 (batch >= 32)
-    for c in parity_cases("triton", (64,), (16, 128), ("bfloat16", "fp8"), ("decode", "verify")):
-        r = run_case(with_batch(c, batch), "cuda")
-        assert r.ok, f"{c.id}: {r.detail}"
-
-
-@gpu_only
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gpu_mha_prefill(causal: bool) -> None:
-    q_lens, kv_lens = ragged_prefill_lens(causal)
-    for dtype in ("bfloat16", "float16"):
-        r = run_mha_case("triton", q_lens, kv_lens, causal, dtype, 16, device="cuda")
-        assert r.ok, r.detail
-
-
-@gpu_only
+@pytest.mark.gpu
 def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
     """No LSE asked and q_len == kv_len: the SDPA route; it must equal the Triton kernel."""
     from mla_backends.batch import RaggedLayout
@@ -382,7 +304,7 @@ def test_gpu_mha_prefill_without_lse_uses_sdpa_and_agrees() -> None:
     torch.testing.assert_close(plain, with_lse, atol=2e-2, rtol=2e-2)
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_mha_prefill_with_lse_through_cudnn(
     causal: bool, monkeypatch: pytest.MonkeyPatch
@@ -406,23 +328,10 @@ def test_gpu_mha_prefill_with_lse_through_cudnn(
     assert calls == [True, True], "the LSE route did not go through cuDNN"
 
 
-@gpu_only
-@pytest.mark.parametrize(
-    "case",
-    parity_cases("triton", (1, 16, 64, 128), (16, 128), ("float32",), long=1100),
-    ids=lambda c: c.id,
-)
-def test_gpu_fp32_pool_parity(case: Case) -> None:
-    """The backend declares fp32 KV: decode, verify and extend at every page size. H128 page
-    64 raised OutOfResources (442376 bytes of shared memory asked, 232448 allowed)."""
-    r = run_case(case, "cuda")
-    assert r.ok, f"{case.id}: {r.detail}"
-
-
 FP32_PREFILL_LENS = [15, 96, 255, 513, 1000, 1024, 1537, 2048, 2725]
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
 def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
     """The H100 report: fp32, H16, 9 ragged causal requests of 15 to 2725 tokens gave NaN in
@@ -432,7 +341,7 @@ def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
     from mla_backends.config import Config
     from mla_backends.reference import mha
     from mla_backends.runtime import Runtime
-    from mla_backends.testing import TOLERANCES, _compare
+    from mla_backends.testing import TOLERANCES, compare
 
     q_lens = FP32_PREFILL_LENS
     kv_lens = [n + (37 * i if prefix else 0) for i, n in enumerate(q_lens)]
@@ -463,5 +372,5 @@ def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
         [mha(q[a:e], k[a:e], v[a:e], dims.softmax_scale, True)[0] for a, e in zip(qo[:-1], qo[1:])]
     )
     atol, rtol, _ = TOLERANCES["float32"]
-    err, detail = _compare("out (no LSE)", out, want, atol, rtol)
+    err, detail = compare("out (no LSE)", out, want, atol, rtol)
     assert not detail, detail

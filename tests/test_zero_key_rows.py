@@ -3,16 +3,12 @@ without LSE, for every backend that has an MHA path (FlashInfer leaves such rows
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
+from parity import WHERE, mha_backends
 
 from mla_backends.config import MLADims
 from mla_backends.testing import run_mha_case
 
-GPU = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 # Kernel-legal and small enough for the interpreter; every dimension distinct.
 SMALL = MLADims(
     num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
@@ -27,10 +23,17 @@ LAYOUTS = {
 
 
 def _cases(device: str) -> list[object]:
-    names = ["torch", "triton"] if device == "cpu" else ["torch", "triton", "flashinfer_mla"]
+    """Every backend with an MHA-prefill path on `device` (tests/parity.py), marked by where
+    it runs there (the triton backend on a CPU: the interpreter)."""
     return [
-        pytest.param(n, lay, lse, id=f"{n}-{lay}-{'lse' if lse else 'nolse'}")
-        for n in names
+        pytest.param(
+            r.backend,
+            lay,
+            lse,
+            id=f"{r.backend}-{lay}-{'lse' if lse else 'nolse'}",
+            marks=WHERE[r.where].marks,
+        )
+        for r in mha_backends(device)
         for lay in LAYOUTS
         for lse in (True, False)
     ]
@@ -38,14 +41,12 @@ def _cases(device: str) -> list[object]:
 
 @pytest.mark.parametrize("name,layout,lse", _cases("cpu"))
 def test_zero_key_rows_cpu(name: str, layout: str, lse: bool) -> None:
-    if name == "triton" and not INTERP:
-        pytest.skip("the triton backend on CPU needs TRITON_INTERPRET=1")
     q_lens, kv_lens, causal = LAYOUTS[layout]
     r = run_mha_case(name, q_lens, kv_lens, causal, "float32", 4, SMALL, "cpu", return_lse=lse)
     assert r.ok, r.detail
 
 
-@pytest.mark.skipif(not GPU or INTERP, reason="needs a CUDA GPU (not the interpreter)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,layout,lse", _cases("cuda"))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_zero_key_rows(name: str, layout: str, lse: bool, dtype: str) -> None:

@@ -28,7 +28,7 @@ from mla_backends.dcp.runtime import DCPRuntime, build_dcp_runtime
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.reference import batch_reference
 from mla_backends.runtime import Runtime
-from mla_backends.testing import FP8_SCALE, TOLERANCES, _compare, effective_query
+from mla_backends.testing import FP8_SCALE, TOLERANCES, compare, effective_query
 
 # Kernel-legal tiny dims for the triton interpreter: powers of two, distinct.
 SMALL = MLADims(
@@ -389,10 +389,10 @@ def run_dcp_case(case: DCPCase, group: dist.ProcessGroup, device: torch.device) 
     atol, rtol, lse_tol = TOLERANCES[case.dtype]
     vis = dcp.metadata.vis if dcp.metadata is not None else torch.zeros(0)
     checks = [
-        ("out vs single", *_compare("out", got, want[:, hs], atol, rtol)),
-        ("lse vs single", *_compare("lse", got_lse, want_lse[:, hs], lse_tol, 0.0)),
-        ("out vs reference", *_compare("out", got, ref[:, hs], atol, rtol)),
-        ("lse vs reference", *_compare("lse", got_lse, ref_lse[:, hs], lse_tol, 0.0)),
+        ("out vs single", *compare("out", got, want[:, hs], atol, rtol)),
+        ("lse vs single", *compare("lse", got_lse, want_lse[:, hs], lse_tol, 0.0)),
+        ("out vs reference", *compare("out", got, ref[:, hs], atol, rtol)),
+        ("lse vs reference", *compare("lse", got_lse, ref_lse[:, hs], lse_tol, 0.0)),
         ("empty rows", 0.0, _empty_rows_exact(got, got_lse, vis)),
         ("layout", 0.0, pair.check_layout()),
     ]
@@ -503,8 +503,8 @@ def run_dcp_stream(case: DCPCase, group: dist.ProcessGroup, device: torch.device
             else ("a padded or non-owned row wrote a real slot")
         )
         checks += [
-            (f"{tag} out", *_compare("out", got[..., :lat], want[:, hs].float(), atol, rtol)),
-            (f"{tag} lse", *_compare("lse", got[..., lat], want_lse[:, hs], lse_tol, 0.0)),
+            (f"{tag} out", *compare("out", got[..., :lat], want[:, hs].float(), atol, rtol)),
+            (f"{tag} lse", *compare("lse", got[..., lat], want_lse[:, hs], lse_tol, 0.0)),
             (f"{tag} stores", 0.0, stray),
         ]
     checks.append(("layout", 0.0, pair.check_layout()))

@@ -9,7 +9,6 @@ from types import ModuleType
 
 HERE = Path(__file__).parent
 STUBS = HERE / "stubs"
-PINNED = "0.5.17"
 INSTALL = "python -m pip install --no-deps -r tests/sglang_cpu/requirements.txt"
 
 

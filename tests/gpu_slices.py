@@ -1,0 +1,138 @@
+"""The GPU suite in slices that each fit one 10-minute device call on a fresh H100:
+`pytest --gpu-slice tests-N` (scripts/gpu_check.sh runs them; `tests-all` is their union,
+for a machine without the limit).
+
+Every test with the gpu marker (sm90 / sm100 / multigpu imply it) falls in exactly one slice:
+the first rule below that matches it, else the last slice. A few tests without the marker
+join a slice too (`cpu=True`: the offline SM90 compiles, which check the GPU toolchain).
+
+Costs are estimates for a fresh H100 with empty compile caches: seconds per test, from the
+distinct kernel configurations a test compiles (a Triton parity case: one absorbed-attention
+configuration of its own, about 3.5 s; a FlashInfer parity case: about 1 s, its JIT builds
+shared by the row) and the last measured runs (87 Triton GPU tests in 280 s on an H100;
+the FlashInfer selection of 97 tests and a decode table in one call; fla's autotuning alone
+ran a fresh machine's 10 minutes out). tests/test_gpu_slices.py keeps each slice under
+`BUDGET_S`. On a warm machine the later slices reuse the caches (gpu_check.sh keeps them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+
+BUDGET_S = 420  # of the device call's 600 s: bundle set-up, collection and slack beside it
+START_S = 30  # each slice: interpreter start, imports (torch, sglang), collection
+
+
+@dataclass(frozen=True)
+class Rule:
+    slice: str
+    file: str
+    tests: tuple[str, ...] = ()  # test function names; () = every test of the file
+    backend: str | None = None  # the parametrised backend (tests/parity.py tables)
+    kv_dtypes: tuple[str, ...] = ()  # ... and the case's KV dtypes; () = any
+    seconds: float = 5.0  # per test
+    cpu: bool = False  # the file's tests without any marker (instead of gpu-marked ones)
+
+
+SLICES: dict[str, str] = {
+    "tests-1": "regressions (issue 15): zero-key MHA rows, fp32 Triton, Gluon compiles, routes",
+    "tests-2": "triton bf16 / fp16: parity, batch sizes, MHA prefill, graph replays",
+    "tests-3": "triton FP8 parity; DeepSeek-V3 models; SGLang plug-in",
+    "tests-4": "flashinfer_mla: parity, batch sizes, MHA prefill, graphs, metadata, schedule",
+    "tests-5": "flashmla; DeepSeek-V3.2 sparse attention (DSA)",
+    "tests-6": "linear attention through fla (its autotuning is slow)",
+    "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; any test no rule names",
+}
+
+PARITY = "test_parity.py"
+GRAPHS = "test_graph_runner.py"
+RULES: list[Rule] = [
+    # tests-1
+    Rule("tests-1", "test_zero_key_rows.py", seconds=3.0),
+    Rule("tests-1", "test_triton.py", seconds=6.0),
+    Rule("tests-1", "test_triton.py", cpu=True, seconds=8.0),
+    Rule("tests-1", "test_gluon.py", seconds=12.0),
+    Rule("tests-1", "test_gluon.py", cpu=True, seconds=8.0),
+    Rule("tests-1", PARITY, ("test_parity",), "triton", ("float32",), seconds=3.5),
+    # tests-2
+    Rule("tests-2", PARITY, ("test_parity",), "triton", ("bfloat16", "float16"), seconds=3.5),
+    Rule("tests-2", PARITY, ("test_batch_sizes",), "triton", seconds=2.0),
+    Rule("tests-2", PARITY, ("test_mha_prefill",), "triton", seconds=4.0),
+    Rule("tests-2", GRAPHS, backend="triton", seconds=30.0),
+    Rule("tests-2", GRAPHS, backend="torch", seconds=20.0),
+    # tests-3
+    Rule("tests-3", PARITY, ("test_parity",), "triton", ("float8_e4m3fn",), seconds=3.5),
+    Rule("tests-3", "test_deepseek_v3.py", seconds=40.0),
+    Rule("tests-3", "test_sglang_cpu.py", seconds=5.0),
+    Rule("tests-3", "test_sglang_graph.py", seconds=12.0),
+    # tests-4
+    Rule("tests-4", PARITY, ("test_parity",), "flashinfer_mla", seconds=2.5),
+    Rule("tests-4", PARITY, backend="flashinfer_mla", seconds=4.0),
+    Rule("tests-4", GRAPHS, backend="flashinfer_mla", seconds=25.0),
+    Rule("tests-4", "test_kernel_backends.py", seconds=5.0),
+    Rule("tests-4", "test_fi_schedule.py", seconds=5.0),
+    # tests-5
+    Rule("tests-5", PARITY, backend="flashmla", seconds=1.5),
+    Rule("tests-5", GRAPHS, backend="flashmla", seconds=25.0),
+    Rule("tests-5", "test_sparse_gpu.py", seconds=3.5),
+    # tests-6
+    Rule("tests-6", "test_linear_hybrid.py", seconds=70.0),
+    Rule(
+        "tests-6",
+        "test_kimi_linear.py",
+        ("test_verify_then_accept_equals_decoding_the_accepted_tokens",),
+        seconds=70.0,
+    ),
+    # tests-7: the rest
+    Rule("tests-7", "test_kimi_linear.py", seconds=50.0),
+    Rule("tests-7", "test_dcp.py", seconds=120.0),
+]
+REST = Rule("tests-7", "", seconds=30.0)  # a GPU test no rule names
+
+
+def _backend(item: pytest.Item) -> tuple[str | None, str | None]:
+    """(backend, KV dtype) of a parametrised test: a `case` (Case) or a `backend` name."""
+    params = getattr(item, "callspec", None)
+    p = params.params if params else {}
+    case = p.get("case")
+    if hasattr(case, "backend"):
+        return case.backend, getattr(case, "kv_dtype", None)
+    return p.get("backend"), p.get("dtype")
+
+
+def _matches(rule: Rule, item: pytest.Item, gpu: bool) -> bool:
+    if item.path.name != rule.file or gpu == rule.cpu:
+        return False
+    if rule.tests and getattr(item, "originalname", item.name) not in rule.tests:
+        return False
+    backend, kv = _backend(item)
+    if rule.backend is not None and backend != rule.backend:
+        return False
+    return not rule.kv_dtypes or kv in rule.kv_dtypes
+
+
+def rule_of(item: pytest.Item) -> Rule | None:
+    """The rule that puts `item` in a slice; None for a CPU test in no slice."""
+    names = {m.name for m in item.iter_markers()}
+    gpu = "gpu" in names
+    if "interp" in names:
+        return None
+    rule = next((r for r in RULES if _matches(r, item, gpu)), None)
+    return REST if rule is None and gpu else rule
+
+
+def estimate(items: Iterable[pytest.Item]) -> dict[str, tuple[int, float]]:
+    """(tests, estimated seconds on a fresh H100) per slice. Tests an H100 skips (SM100, two
+    GPUs) cost nothing there."""
+    total = {name: (0, float(START_S)) for name in SLICES}
+    for item in items:
+        rule = rule_of(item)
+        if rule is None:
+            continue
+        n, s = total[rule.slice]
+        skips = any(item.iter_markers("sm100")) or any(item.iter_markers("multigpu"))
+        total[rule.slice] = (n + 1, s + (0.0 if skips else rule.seconds))
+    return total
