@@ -57,6 +57,7 @@ RULES: list[Rule] = [
     Rule("tests-1", "test_gluon.py", seconds=12.0),
     Rule("tests-1", "test_gluon.py", cpu=True, seconds=8.0),
     Rule("tests-1", PARITY, ("test_parity",), "triton", ("float32",), seconds=3.5),
+    Rule("tests-1", "test_layouts_once.py", seconds=20.0),
     # tests-2
     Rule("tests-2", PARITY, ("test_parity",), "triton", ("bfloat16", "float16"), seconds=3.5),
     Rule("tests-2", PARITY, ("test_batch_sizes",), "triton", seconds=2.0),

@@ -70,10 +70,7 @@ def test_prefill_step_builds_each_layout_once(
     assert len(built) == 1, f"{len(built)} layouts for {LAYERS} layers"
 
 
-GPU = torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_flashinfer_prefill_plans_ragged_wrapper_once_per_batch() -> None:
     pytest.importorskip("flashinfer")
     eng = _engine("cuda", "flashinfer_mla", "bfloat16", None)
