@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.benchmark import bench_us
+from mla_backends.bench.timing import bench_us
 from mla_backends.config import Config, MLADims
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 from mla_backends.sparse.base import SparseContext, create_sparse_backend
@@ -98,6 +98,8 @@ def build_pools(max_b: int, max_ctx: int, fp8_rows: bool, seed: int = 0):  # typ
         blk.copy_(torch.randn(blk.shape, device=dev).mul_(64).to(torch.float8_e4m3fn))
     scale.copy_(torch.exp2(-torch.randint(4, 9, scale.shape, device=dev).float()))
     req = ReqToTokenPool(max_b, max_ctx + 1, dev)
+    req.alloc(max_b)  # rows 1..max_b, every position filled below
+    req.filled[1:] = max_ctx + 1
     order = torch.randperm(pages, device=dev) + 1
     pos = torch.arange(max_ctx, device=dev)
     for i in range(max_b):

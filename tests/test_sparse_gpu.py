@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -208,7 +207,10 @@ class _Step:
     def metadata(self) -> object:
         """The device buffers a captured graph reads (the runner checks they never move)."""
         ix, sp = self.indexer.metadata, self.sparse.metadata
-        return SimpleNamespace(rows=ix.rows, visible=ix.visible, valid=sp.valid)
+        return {"rows": ix.rows, "visible": ix.visible, "sparse": sp}
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        self.sparse.ctx.req_to_token_pool.check_batch(batch)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.indexer.init_forward_metadata(batch)
