@@ -721,3 +721,32 @@ def test_kit_cuda_graph_decode_mode_dsv3(backend: str) -> None:
 
     case = ks.decode_case("cg_dsv3", backend, 4, 64, (63, 64, 65))
     cg.run_mla_cuda_graph_decode_case(ks.KitTestCase(), case, max_context_len=192, **DSV3_KIT)
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["in-graph", "out-graph"])
+def test_graph_refill_recorded_in_graph(on_device: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend whose refill is device-only (`graph_refill_on_device`) is refilled by
+    init_forward_metadata_in_graph, so SGLang records it in its graph and the replay-side
+    out_graph enqueues nothing; a backend that plans on the host is refilled by out_graph."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16), batch=4)
+    if not on_device:
+        monkeypatch.setattr(adapter.backend, "graph_refill_on_device", lambda bs: False)
+    assert adapter.backend.graph_refill_on_device(4) is on_device
+    fb = _extend_batch(runner, 16, (9, 20), (1, 1), seed=1)
+    fb.forward_mode = ForwardMode.DECODE
+    with torch.no_grad():
+        adapter.init_cuda_graph_state(4, 4)
+        cap = _graph_view(fb, 4, 2, ForwardMode.DECODE)
+        cap.num_padding, cap.out_cache_loc = 0, torch.zeros(4, dtype=torch.int64)
+        adapter.init_forward_metadata_out_graph(cap, in_capture=True)
+        seq = adapter.forward_metadata.batch.seq_lens
+        seq.fill_(-7)  # stale contents a replay must overwrite
+        adapter.init_forward_metadata_out_graph(_graph_view(fb, 4, 2, ForwardMode.DECODE))
+        assert adapter.forward_metadata.batch.seq_lens.data_ptr() == seq.data_ptr()
+        after_out = seq.tolist()
+        adapter.init_forward_metadata_in_graph(_graph_view(fb, 4, 2, ForwardMode.DECODE))
+    assert after_out == ([-7] * 4 if on_device else [10, 21, 1, 1])
+    assert seq.tolist() == [10, 21, 1, 1]
+    if on_device:  # replay of a size never captured: a clear error, not stale metadata
+        with pytest.raises(RuntimeError, match="no graph captured for batch size 3"):
+            adapter.init_forward_metadata_out_graph(_graph_view(fb, 3, 1, ForwardMode.DECODE))

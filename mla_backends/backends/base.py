@@ -271,6 +271,14 @@ class MLABackend(ABC, Generic[M]):
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        """True where `init_forward_metadata_replay` for this captured size is device work
+        only (no host lengths, no host-to-device copy of host values): an engine may then
+        record the refill inside its decode graph (SGLang's `init_forward_metadata_in_graph`)
+        instead of paying its launches on the host before every replay. Hazard: a refill that
+        reads `seq_lens_cpu` would bake the capture batch's lengths into the graph."""
+        return False
+
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len written into padded graph rows (request row 0, dummy page)."""

@@ -87,6 +87,9 @@ class DispatchBackend:
         self._active = self.decode
         self.decode.init_forward_metadata_replay(batch)
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        return self.decode.graph_refill_on_device(batch_size)
+
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode.cuda_graph_seq_len_fill_value

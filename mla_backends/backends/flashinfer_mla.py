@@ -40,6 +40,7 @@ class FlashInferMetadata:
     plan_info: Any  # host: opaque plan object (grid, workspace offsets)
     kv_indices: torch.Tensor  # [total pages] int32, device
     causal: bool  # host
+    on_device: bool = False  # host: the schedule was written on the device (no host plan)
     # (layout, causal) -> FlashInfer ragged-prefill wrapper planned for this batch (host
     # plan, device workspace); keyed by the layout's id, the layout kept alive beside it.
     ragged: dict[tuple[int, bool], tuple[RaggedLayout, Any]] = field(default_factory=dict)
@@ -48,7 +49,9 @@ class FlashInferMetadata:
 @dataclass
 class FlashInferGraphState:
     indices: torch.Tensor  # [max_bs * pages per request] int32, device: static page ids
+    max_pages: int  # host: pages of the longest context a graph may see
     plans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # batch size -> plan key
+    on_device: dict[int, bool] = field(default_factory=dict)  # batch size -> device-planned
 
 
 @register_backend("flashinfer_mla")
@@ -105,16 +108,22 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
             self._ragged_wrapper(md, batch.extend_layout, True)
         return md
 
-    def _plan(self, batch: ForwardBatch, indices_out: torch.Tensor | None) -> FlashInferMetadata:
+    def _plan(
+        self, batch: ForwardBatch, indices_out: torch.Tensor | None, max_pages: int | None = None
+    ) -> FlashInferMetadata:
+        """`max_pages` (graphs): the gather's page bound fixed at the graph's longest context,
+        so a device-written plan reads no host length and may be recorded in a graph."""
         ps, d = self.pool.page_size, self.dims
         h = host_lengths(batch, ps)
         total_pages = int(h.kv_indptr[-1])
-        max_pages = int(h.pages.max()) if h.pages.size else 0
+        if max_pages is None:
+            max_pages = int(h.pages.max()) if h.pages.size else 0
         out = indices_out
         if out is None:
             out = torch.empty(max(total_pages, 1), dtype=torch.int32, device=self.device)
         gather = self._k_sched.PageGather(self.req_to_token, batch.req_pool_indices, out, max_pages)
         info = self.kernel.plan_on_device(batch, d.num_heads, d.kv_lora_rank, ps, gather)
+        on_device = info is not None
         if info is None:  # one launch for the page ids; the indptr stays on the host
             self._k_index.flat_page_indices(
                 self.req_to_token,
@@ -133,13 +142,19 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
                 d.kv_lora_rank,
                 True,
             )
-        return FlashInferMetadata(info, out if indices_out is not None else out[:total_pages], True)
+        kv_indices = out if indices_out is not None else out[:total_pages]
+        return FlashInferMetadata(info, kv_indices, True, on_device=on_device)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> FlashInferGraphState:
         pages_per_req = cdiv(self.req_to_token.shape[1], self.pool.page_size)
         indices = torch.zeros(max_bs * pages_per_req, dtype=torch.int32, device=self.device)
-        return FlashInferGraphState(indices)
+        return FlashInferGraphState(indices, pages_per_req)
+
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        # Only a device-written plan: the host planner's plan is a host-to-device copy of
+        # host values, which a graph would replay with the capture batch's lengths.
+        return self._graph is not None and self._graph.on_device.get(batch_size, False)
 
     def _bind_graph(
         self, batch: ForwardBatch, state: FlashInferGraphState, capture: bool
@@ -147,10 +162,11 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
         """Plan into the same workspaces: the captured kernels read the new schedule from the
         int workspace (copied in stream order before the replay) and the new page ids from
         the static index buffer."""
-        md = self._plan(batch, state.indices)
+        md = self._plan(batch, state.indices, state.max_pages)
         key = plan_key(md.plan_info)
         if capture:
             state.plans[batch.batch_size] = key
+            state.on_device[batch.batch_size] = md.on_device
             return md
         captured = state.plans.get(batch.batch_size)
         if captured is None:

@@ -123,6 +123,9 @@ class HybridBackend:
         self.full.init_forward_metadata_replay(batch)
         self.linear.init_forward_metadata_replay(batch)
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        return False  # the linear layers' state refill is not audited for it
+
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
         return self.full.cuda_graph_seq_len_fill_value

@@ -79,6 +79,9 @@ class PageTableBackend(GraphCapable[PageTableMetadata, PageTableGraphState]):
         table = torch.full((max_bs, width), self.table_fill, dtype=torch.int32, device=self.device)
         return PageTableGraphState(table, width)
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        return True  # the page table (and FlashMLA's tile schedule) come from device lengths
+
     def _bind_graph(
         self, batch: ForwardBatch, state: PageTableGraphState, capture: bool
     ) -> PageTableMetadata:

@@ -92,6 +92,11 @@ class AttentionBackend(Protocol):
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None: ...
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        """Whether the replay refill for this captured size reads only device tensors and
+        capture-time constants, so a caller may record it inside its own graph."""
+        ...
+
     @property
     def cuda_graph_seq_len_fill_value(self) -> int: ...
 

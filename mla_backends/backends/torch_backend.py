@@ -69,6 +69,9 @@ class TorchBackend(GraphCapable[TorchMetadata, TorchGraphState]):
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> TorchGraphState:
         return TorchGraphState(kv_max=self.req_to_token.shape[1])
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        return True  # build_torch_metadata: device lengths and two capture-time maxima
+
     def _bind_graph(
         self, batch: ForwardBatch, state: TorchGraphState, capture: bool
     ) -> TorchMetadata:

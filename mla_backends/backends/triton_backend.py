@@ -163,6 +163,9 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             self._workspace(max_num_tokens * self.dims.num_heads * GRAPH_SPLITS),
         )
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        return True  # indptr and page table from device lengths; splits fixed at capture
+
     def _bind_graph(
         self, batch: ForwardBatch, state: TritonGraphState, capture: bool
     ) -> TritonMetadata:

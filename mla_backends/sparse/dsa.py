@@ -126,6 +126,9 @@ class DSABackend:
         self.indexer.init_forward_metadata_replay(batch)
         self.sparse.init_forward_metadata_replay(batch)
 
+    def graph_refill_on_device(self, batch_size: int) -> bool:
+        return False  # not audited: the indexer's metadata may read host lengths
+
     def check_batch(self, batch: ForwardBatch) -> None:
         self.sparse.ctx.req_to_token_pool.check_batch(batch)
 

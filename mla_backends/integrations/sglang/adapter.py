@@ -7,10 +7,14 @@ the RadixAttention layer: head_dim L + R with one KV head is absorbed attention
 (`forward_absorbed`), head_dim P + R with H KV heads is MHA-mode prefill (`forward_mha`).
 
 CUDA graphs: `init_cuda_graph_state` allocates our static batch buffers and our backend's
-state; `init_forward_metadata_out_graph` (capture and replay, outside the graph) refills
-those buffers with device copies and calls our backend's capture / replay hook, which refills
-its own static buffers the same way, all enqueued on the stream before `graph.replay()`.
-Nothing is left for `init_forward_metadata_in_graph`. No step reads a device value back.
+state. Capture (`init_forward_metadata_out_graph(in_capture=True)`) binds our backend's static
+metadata to those buffers. The per-replay refill (SGLang's batch copied into our buffers, then
+our backend's page table / schedule) is device work; where our backend says its refill reads
+no host value (`graph_refill_on_device`), `init_forward_metadata_in_graph` records it inside
+SGLang's graph and the replay-side `init_forward_metadata_out_graph` only checks the batch, so
+a decode step pays no metadata launches on the host. Otherwise (a FlashInfer plan made on the
+host) `init_forward_metadata_out_graph` enqueues the refill before `graph.replay()`. No step
+reads a device value back.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ class MLABackendAdapter(AttentionBackend):
         self.kv_cache_dtype = runner.kv_cache_dtype
         self._source = list(self.token_to_kv_pool.kv_buffer)
         self._graph: GraphBuffers | None = None
+        # captured batch size -> our metadata over the static buffers (replay re-points to it)
+        self._captured: dict[int, AdapterMetadata] = {}
         self._checked: set[tuple[int, int]] = set()
         self.forward_metadata: AdapterMetadata | None = None
 
@@ -126,23 +132,47 @@ class MLABackendAdapter(AttentionBackend):
         self.backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-        """Capture (`in_capture`) and replay, outside the graph: refill our static batch and
-        our backend's static metadata in place. Replay passes SGLang's SimpleNamespace view."""
+        """Outside the graph, before capture (`in_capture`) and before every replay (SGLang's
+        SimpleNamespace view). Replay of a size whose refill is recorded in the graph: host
+        checks only."""
         if forward_batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
-        if self._graph is None:
-            raise RuntimeError("init_forward_metadata_out_graph before init_cuda_graph_state")
+        graph = self._graph_buffers()
         self._check_buffers()
-        batch = self._graph.load(forward_batch)
+        bs = int(forward_batch.batch_size)
         if in_capture:
+            batch = graph.load(forward_batch)
             self.backend.init_forward_metadata_capture(batch)
-        else:
-            self.backend.init_forward_metadata_replay(batch)
-        self.forward_metadata = AdapterMetadata(batch, batch.seq_lens)
+            self.forward_metadata = self._captured[bs] = AdapterMetadata(batch, batch.seq_lens)
+            return
+        if self.backend.graph_refill_on_device(bs):
+            graph.check(forward_batch)
+            md = self._captured.get(bs)
+            if md is None:
+                raise RuntimeError(f"no graph captured for batch size {bs}")
+            self.forward_metadata = md
+            return
+        self._refill(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
-        """Nothing to record: out_graph's device copies are enqueued before the replay."""
+        """Inside SGLang's capture (recorded; replayed with every `graph.replay()`), or called
+        eagerly after out_graph by a runner without a real graph (SGLang's kit): the device
+        refill, from the capture batch's tensors, which are SGLang's static graph buffers."""
+        if forward_batch.forward_mode.is_idle() or self._graph is None:
+            return
+        if self.backend.graph_refill_on_device(int(forward_batch.batch_size)):
+            self._refill(forward_batch)
+
+    def _refill(self, forward_batch: Any) -> None:
+        batch = self._graph_buffers().load(forward_batch)
+        self.backend.init_forward_metadata_replay(batch)
+        self.forward_metadata = AdapterMetadata(batch, batch.seq_lens)
+
+    def _graph_buffers(self) -> GraphBuffers:
+        if self._graph is None:
+            raise RuntimeError("graph metadata before init_cuda_graph_state")
+        return self._graph
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.backend.cuda_graph_seq_len_fill_value

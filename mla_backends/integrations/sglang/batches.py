@@ -144,23 +144,28 @@ class GraphBuffers:
             pos=torch.zeros(max_tokens, **i64),
         )
 
-    def load(self, fb: Any) -> ForwardBatch:
-        """Our batch over the static buffers for SGLang's capture batch or replay view."""
+    def check(self, fb: Any) -> tuple[ForwardMode, int, int, torch.Tensor]:
+        """Host checks of a capture batch or replay view (shapes only): (mode, batch size,
+        query tokens per request, the live write slots)."""
         mode = _mode(fb)
         if mode is ForwardMode.EXTEND:
             raise BatchError("CUDA graphs serve DECODE and TARGET_VERIFY batches only")
         bs, q = int(fb.batch_size), _q_len(fb, mode)
-        t = bs * q
-        if bs > self.rows.numel() or t > self.loc.numel():
+        if bs > self.rows.numel() or bs * q > self.loc.numel():
             raise BatchError(
                 f"graph batch of {bs} x {q} tokens exceeds init_cuda_graph_state's "
                 f"{self.rows.numel()} requests / {self.loc.numel()} tokens"
             )
         live = write_loc(fb)
-        n_live = live.numel()
         pad = int(getattr(fb, "num_padding", 0) or 0)
-        if n_live != (bs - pad) * q:
-            raise BatchError(f"{n_live} live slots for {bs - pad} requests x {q} tokens")
+        if live.numel() != (bs - pad) * q:
+            raise BatchError(f"{live.numel()} live slots for {bs - pad} requests x {q} tokens")
+        return mode, bs, q, live
+
+    def load(self, fb: Any) -> ForwardBatch:
+        """Our batch over the static buffers for SGLang's capture batch or replay view."""
+        mode, bs, q, live = self.check(fb)
+        t, n_live = bs * q, live.numel()
         self.rows[:bs].copy_(fb.req_pool_indices[:bs])
         self.seq[:bs].copy_(fb.seq_lens[:bs])
         seq_cpu = _cpu_i32(fb.seq_lens_cpu, "seq_lens_cpu")[:bs]
