@@ -45,7 +45,7 @@ from mla_backends.sparse.indexer import (
     prepare_q,
     select_topk,
 )
-from mla_backends.sparse.indexer_kernels import index_logits
+from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
 
 PAGE = 64
 CHUNK = 1 << 19  # rows per fill chunk
@@ -136,11 +136,21 @@ def run_one(
     logits = index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width)
     indexer = {
         "total": timed(lambda: ix.select(0, q_idx, w, cos, sin), graphs),
-        "q_prep": timed(lambda: prepare_q(idims, q_idx, w, cos, sin), graphs),
+        "q_prep": timed(lambda: prepare_q_fused(idims, q_idx, w, cos, sin), graphs),
+        "q_prep_torch": timed(lambda: prepare_q(idims, q_idx, w, cos, sin), graphs),
         "logits": timed(
             lambda: index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width),
             graphs,
         ),
+        **{
+            f"logits[{bn}]": timed(
+                lambda bn=bn: index_logits(
+                    cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width, bn
+                ),
+                graphs,
+            )
+            for bn in (32, 128, 256)
+        },
         "topk_slots": timed(
             lambda: positions_to_slots(select_topk(logits, topk), req.req_to_token, md.rows),
             graphs,
@@ -273,7 +283,7 @@ def markdown(rows: list[dict], mode: str) -> str:
     cols = ["triton_bf16", "triton_fp8row", "flashmla_bf16", "flashmla_fp8row"]
     cols += ["flashinfer_mla_bf16", "raw_flashmla_bf16", "raw_flashmla_fp8", "dense_triton"]
     cols = [c for c in cols if any(c in r["attention"] for r in rows)]
-    head = ["context", "B", "H", "indexer", "(logits", "topk)"] + cols
+    head = ["context", "B", "H", "indexer", "(q prep", "logits", "topk)"] + cols
     head += ["raw fp8 / triton fp8row", "dense / (indexer + best)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -285,6 +295,7 @@ def markdown(rows: list[dict], mode: str) -> str:
         cells = [str(r["context"]), str(r["batch"]), str(r["heads"])]
         cells += [
             f(ix["total"].get(mode)),
+            f(ix["q_prep"].get(mode)),
             f(ix["logits"].get(mode)),
             f(ix["topk_slots"].get(mode)),
         ]
@@ -313,6 +324,9 @@ def main() -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     contexts, batches, heads = ints(a.contexts), ints(a.batch), ints(a.heads)
     pools = build_pools(max(batches), max(contexts), not a.no_fp8_rows)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     rows = []
     for ctx in contexts:
         for b in batches:
@@ -320,10 +334,9 @@ def main() -> None:
                 ctx, b, heads, a.topk, pools, a.backends.split(","), not a.no_graphs,
                 a.triton_configs,
             )  # fmt: skip
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / "bench_sparse.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            # rewritten after each point: a run cut short by a time limit keeps its rows
+            doc = {"meta": meta, "rows": rows}
+            (out / "bench_sparse.json").write_text(json.dumps(doc, indent=1))
     text = f"# DSA sparse decode, one layer, ms ({meta['device']})\n\n## eager\n\n"
     text += markdown(rows, "eager")
     if not a.no_graphs:

@@ -145,6 +145,25 @@ def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
     torch.testing.assert_close(tri[finite], want_logits[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "fp32"])
+@pytest.mark.parametrize("act", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch.dtype) -> None:
+    """The one-launch q preparation (RoPE, rotation, e4m3 codes, head weights with the scales
+    folded in) against `prepare_q`, on a strided q and more rows than one program."""
+    from mla_backends.sparse.indexer_kernels import prepare_q_fused
+
+    dims = IndexerDims(4, 32, 16, 8, quantized)
+    _, q, w, cos, sin = _indexer_inputs(dims, 9, 3)
+    q = torch.cat([q, q], dim=-1).to(act)[..., : dims.head_dim]  # row stride 2 * D
+    assert q.stride(1) == 2 * dims.head_dim
+    got_q, got_w = prepare_q_fused(dims, q, w, cos.to(act), sin.to(act))
+    want_q, want_w = prepare_q(dims, q, w, cos.to(act), sin.to(act))
+    assert got_q.dtype == want_q.dtype and got_q.shape == want_q.shape
+    assert torch.equal(got_q.float(), want_q.float())
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
 def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
     vis = torch.tensor([1, 3, 8, 20])
     logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)
@@ -288,3 +307,27 @@ def test_verify_sparse_reports_every_runnable_backend_and_pool() -> None:
         ("sparse:torch", "fp8_row"),
     ]  # flashmla cannot run on a CPU: left out, not failed
     assert all(r.ok for r in rows), format_table(rows)
+
+
+@pytest.mark.interp
+def test_fix_empty_rows_equals_the_torch_contract() -> None:
+    """One-launch empty-row fix (out 0, lse -inf where every index is < 0) against
+    `SparseMLABackend.mask_empty`, on a head-sliced output view like the padded-head kernels'."""
+    from mla_backends.kernels.empty_rows import fix_empty_rows
+    from mla_backends.sparse.base import SparseMLABackend
+
+    g = torch.Generator().manual_seed(5)
+    t, hp, h, lat, k = 6, 8, 5, 16, 24
+    idx = torch.randint(-1, 50, (t, k), generator=g, dtype=torch.int32)
+    idx[1] = -1
+    idx[4] = -(torch.arange(k, dtype=torch.int32) % 3 + 1)  # any negative is unused
+    idx[2, :-1] = -1  # one valid entry: not empty
+    full = torch.randn(t, hp, lat, generator=g).to(torch.float16)
+    full[1] = float("nan")  # whatever a kernel wrote into an empty row
+    lse_full = torch.randn(t, hp, generator=g)
+    out, lse = full[:, :h], lse_full[:, :h]
+    want_out, want_lse = SparseMLABackend.mask_empty(out.clone(), lse.clone(), idx)
+    fix_empty_rows(out, lse, idx)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert out[[1, 4]].eq(0).all() and lse[[1, 4]].eq(float("-inf")).all()
+    assert full[1, h:].isnan().all()  # padded heads past H untouched

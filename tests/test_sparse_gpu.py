@@ -93,7 +93,7 @@ def test_indexer_kernels_match_torch_maths_bf16() -> None:
         prepare_q,
         select_topk,
     )
-    from mla_backends.sparse.indexer_kernels import index_logits, store_index_k
+    from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused, store_index_k
 
     dims = IndexerDims()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -119,6 +119,13 @@ def test_indexer_kernels_match_torch_maths_bf16() -> None:
     q = torch.randn(8, 64, 128, generator=g, device="cuda").bfloat16()
     w = torch.randn(8, 64, generator=g, device="cuda")
     qp, wp = prepare_q(dims, q, w, cos[:8], sin[:8])
+    # the one-launch q preparation: codes within one e4m3 step (fp32 sums in another order)
+    fq, fw = prepare_q_fused(dims, q, w, cos[:8], sin[:8])
+    q_scale, f_scale = wp / (w * dims.weight_scale), fw / (w * dims.weight_scale)
+    assert (torch.isclose(q_scale, f_scale, rtol=1e-6)).float().mean() >= 0.99
+    want_q = qp.float() * q_scale[..., None]
+    diff = (fq.float() * f_scale[..., None] - want_q).abs()
+    assert (diff <= 2**-3 * want_q.abs() + 2**-9 * q_scale[..., None]).all()
     tri = index_logits(cache, 0, qp, wp, r2t, rows, vis, t)
     ref = Indexer(dims, cache, r2t, "torch")
     ref.metadata = IndexerMetadata(rows, vis, t, [(0, 8)])

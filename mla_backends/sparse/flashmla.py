@@ -27,6 +27,7 @@ import torch
 from mla_backends.arith import round_up
 from mla_backends.backends.base import Capability
 from mla_backends.backends.kernel_packages import missing, need_sm, require
+from mla_backends.backends.util import joined_query
 from mla_backends.batch import ForwardBatch
 from mla_backends.indices import build_token_indices
 from mla_backends.sparse.base import (
@@ -90,6 +91,9 @@ class FlashMLASparseBackend(SparseMLABackend):
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
         self._fm = load_kernels()
+        from mla_backends.kernels import empty_rows  # triton: only once built
+
+        self._k_empty = empty_rows
         self._hp = padded_heads(self.dims.num_heads)
         self._k = round_up(self.topk, 128)  # the prefill kernel wants topk % 128 == 0
         self._fp8 = isinstance(ctx.pool, Fp8RowPool)
@@ -178,6 +182,8 @@ class FlashMLASparseBackend(SparseMLABackend):
     # ------------------------------------------------------------------ attention
     def _query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         t, h, lat = q_nope.shape
+        if h == self._hp:  # no head padding: one copy, or none for a joined buffer
+            return joined_query(q_nope, q_rope)
         q = q_nope.new_zeros(t, self._hp, lat + q_rope.shape[-1])
         q[:, :h, :lat] = q_nope
         q[:, :h, lat:] = q_rope
@@ -232,4 +238,5 @@ class FlashMLASparseBackend(SparseMLABackend):
             )
             out, lse = out.view(t, self._hp, lat), lse.reshape(t, self._hp)
         out, lse = out[:, :h].to(q_nope.dtype), lse[:, :h].float()
-        return self.mask_empty(out, lse, indices)
+        self._k_empty.fix_empty_rows(out, lse, indices)  # one launch, writes only empty rows
+        return out, lse

@@ -322,7 +322,12 @@ class Indexer:
         md = self.metadata
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
-        qp, wp = prepare_q(self.dims, q, w, cos, sin)
+        if self.kernels == "triton":
+            from mla_backends.sparse.indexer_kernels import prepare_q_fused
+
+            qp, wp = prepare_q_fused(self.dims, q, w, cos, sin)
+        else:
+            qp, wp = prepare_q(self.dims, q, w, cos, sin)
         out = []
         for start, end in md.chunks:
             pos = select_topk(self.logits(layer, qp, wp, start, end), self.dims.topk)

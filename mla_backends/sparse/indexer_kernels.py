@@ -12,7 +12,7 @@ import triton.language as tl
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import dot_precision, interpreting
 from mla_backends.kernels.store import _round_e4m3
-from mla_backends.sparse.indexer import PAGE, IndexKCache
+from mla_backends.sparse.indexer import PAGE, IndexerDims, IndexKCache
 
 PAGE_C = tl.constexpr(PAGE)
 
@@ -24,6 +24,55 @@ def _pow2_ceil(x):
     e = (bits >> 23) & 0xFF
     e = tl.where((bits & 0x7FFFFF) == 0, e, e + 1)
     return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_rows(rows, r_ok, cs_row, Cos, Sin, D: tl.constexpr, HALF: tl.constexpr):
+    """Rows [BLOCK, D] at pointers `rows` (activation dtype), half-split RoPE on the first
+    2 * HALF dims with cos / sin of row offsets `cs_row` -> fp32 values rounded to the
+    activation dtype (the reference rotates in that dtype), and that dtype's zero."""
+    d = tl.arange(0, D)
+    in_rope = d < 2 * HALF
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    freq = tl.where(first, d, d - HALF)
+    x = tl.load(rows[:, None] + d[None, :], mask=r_ok[:, None], other=0.0)
+    zero = tl.zeros([1], x.dtype)
+    xf = x.to(tl.float32)
+    rope_ok = r_ok[:, None] & in_rope[None, :]
+    xp = tl.load(rows[:, None] + partner[None, :], mask=rope_ok, other=0.0).to(tl.float32)
+    cs = cs_row[:, None] + freq[None, :]
+    c = tl.load(Cos + cs, mask=rope_ok, other=1.0).to(tl.float32)
+    s = tl.load(Sin + cs, mask=rope_ok, other=0.0).to(tl.float32)
+    y = tl.where(first[None, :], xf * c - xp * s, xf * c + xp * s)
+    return tl.where(in_rope[None, :], y, xf).to(x.dtype).to(tl.float32), zero
+
+
+@triton.jit
+def _rotate_quant(y, zero, D: tl.constexpr, LOWP_DOT: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr):
+    """fp32 rows [BLOCK, D] (values of the activation dtype of `zero`) -> (e4m3 values as
+    fp32, power-of-two scale per row): Hadamard rotation rounded to the activation dtype,
+    then one block of D per row, as `quant.block_quant(hadamard(x).to(act), D)`."""
+    d = tl.arange(0, D)
+    # Hadamard as a dot with the +-1 Sylvester matrix: H[i, j] = (-1) ** popcount(i & j).
+    bits = d[:, None] & d[None, :]
+    bits = bits ^ (bits >> 8)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    h = tl.where((bits & 1) == 1, -1.0, 1.0)
+    act = zero.dtype
+    if LOWP_DOT:  # +-1 and the activations are exact in their dtype: exact products
+        y = tl.dot(y.to(act), h.to(act), out_dtype=tl.float32)
+    else:
+        y = tl.dot(y, h, input_precision="ieee")
+    y = (y * (1.0 / tl.sqrt(D * 1.0))).to(act).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(y), 1), 1e-4)
+    scale = _pow2_ceil(tl.math.div_rn(amax, 448.0))
+    y = tl.clamp(y * (1.0 / scale)[:, None], -448.0, 448.0)
+    if EXACT_FP8_ROUND:
+        y = _round_e4m3(y)
+    return y, scale
 
 
 @triton.jit
@@ -49,48 +98,98 @@ def _store_kernel(
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < n_tokens
-    d = tl.arange(0, D)
-    in_rope = d < 2 * HALF
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    freq = tl.where(first, d, d - HALF)
-    rows = K + t.to(tl.int64)[:, None] * stride_k
-    x = tl.load(rows + d[None, :], mask=t_ok[:, None], other=0.0)
-    act = x.dtype
-    x = x.to(tl.float32)
-    rope_ok = t_ok[:, None] & in_rope[None, :]
-    xp = tl.load(rows + partner[None, :], mask=rope_ok, other=0.0).to(tl.float32)
-    cs = t.to(tl.int64)[:, None] * stride_cs + freq[None, :]
-    c = tl.load(Cos + cs, mask=rope_ok, other=1.0).to(tl.float32)
-    s = tl.load(Sin + cs, mask=rope_ok, other=0.0).to(tl.float32)
-    y = tl.where(first[None, :], x * c - xp * s, x * c + xp * s)
-    y = tl.where(in_rope[None, :], y, x).to(act).to(tl.float32)
-
+    t64 = t.to(tl.int64)
+    y, zero = _rope_rows(K + t64 * stride_k, t_ok, t64 * stride_cs, Cos, Sin, D, HALF)
     slot = tl.load(Loc + t, mask=t_ok, other=0).to(tl.int64)
     blk = slot // PAGE_C
     off = slot % PAGE_C
     scale = tl.full([BLOCK_T], 1.0, tl.float32)
     if QUANT:
-        # Hadamard as a dot with the +-1 Sylvester matrix: H[i, j] = (-1) ** popcount(i & j).
-        bits = d[:, None] & d[None, :]
-        bits = bits ^ (bits >> 8)
-        bits = bits ^ (bits >> 4)
-        bits = bits ^ (bits >> 2)
-        bits = bits ^ (bits >> 1)
-        h = tl.where((bits & 1) == 1, -1.0, 1.0)
-        if LOWP_DOT:  # +-1 and the activations are exact in their dtype: exact products
-            y = tl.dot(y.to(act), h.to(act), out_dtype=tl.float32)
-        else:
-            y = tl.dot(y, h, input_precision="ieee")
-        y = (y * (1.0 / tl.sqrt(D * 1.0))).to(act).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(y), 1), 1e-4)
-        scale = _pow2_ceil(tl.math.div_rn(amax, 448.0))
-        y = tl.clamp(y * (1.0 / scale)[:, None], -448.0, 448.0)
-        if EXACT_FP8_ROUND:
-            y = _round_e4m3(y)
+        y, scale = _rotate_quant(y, zero, D, LOWP_DOT, EXACT_FP8_ROUND)
+    d = tl.arange(0, D)
     dst = Data + (blk * BLK_E + off * D)[:, None] + d[None, :]
     tl.store(dst, y.to(Data.dtype.element_ty), mask=t_ok[:, None])
     tl.store(Scale + blk * BLK_S + SCALE_OFF + off, scale, mask=t_ok)
+
+
+@triton.jit
+def _prep_q_kernel(
+    Q,
+    W,
+    Cos,
+    Sin,
+    Out,
+    WOut,
+    n_rows,
+    stride_q_t,
+    stride_q_h,
+    stride_w,
+    stride_cs,
+    weight_scale,
+    HI: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    QUANT: tl.constexpr,
+    LOWP_DOT: tl.constexpr,
+    EXACT_FP8_ROUND: tl.constexpr,
+):
+    """One program: BLOCK_R (token, head) rows of q, row r = token * HI + head."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    t = (r // HI).to(tl.int64)
+    h = r % HI
+    rows = Q + t * stride_q_t + h * stride_q_h
+    y, zero = _rope_rows(rows, r_ok, t * stride_cs, Cos, Sin, D, HALF)
+    w = tl.load(W + t * stride_w + h, mask=r_ok, other=0.0).to(tl.float32) * weight_scale
+    if QUANT:
+        y, scale = _rotate_quant(y, zero, D, LOWP_DOT, EXACT_FP8_ROUND)
+        w = w * scale
+    d = tl.arange(0, D)
+    r64 = r.to(tl.int64)
+    tl.store(Out + r64[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=r_ok[:, None])
+    tl.store(WOut + r64, w, mask=r_ok)
+
+
+def prepare_q_fused(
+    dims: IndexerDims, q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`indexer.prepare_q` in one launch (it is ~10 small torch kernels, 0.1 ms of a decode
+    step on an H100): q [T, Hi, D], w [T, Hi], cos / sin [T, R / 2] -> (q [T, Hi, D] e4m3
+    codes or fp32, head weights [T, Hi] fp32 with the scales folded in)."""
+    t, hi, d = q.shape
+    out = torch.empty(t, hi, d, dtype=torch.float8_e4m3fn if dims.quantized else torch.float32,
+                      device=q.device)  # fmt: skip
+    w_out = torch.empty(t, hi, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, w_out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_r = 16
+    _prep_q_kernel[(cdiv(t * hi, block_r),)](
+        q,
+        w,
+        cos,
+        sin,
+        out,
+        w_out,
+        t * hi,
+        q.stride(0),
+        q.stride(1),
+        w.stride(0),
+        cos.stride(0),
+        dims.weight_scale,
+        HI=hi,
+        D=d,
+        HALF=cos.shape[1],
+        BLOCK_R=block_r,
+        QUANT=dims.quantized,
+        LOWP_DOT=q.dtype in (torch.bfloat16, torch.float16) and not interpreting(),
+        EXACT_FP8_ROUND=dims.quantized and interpreting(),
+        num_warps=4,
+    )
+    return out, w_out
 
 
 def _flat_views(
@@ -169,7 +268,7 @@ def _logits_kernel(
     BLK_S: tl.constexpr,
     SCALE_OFF: tl.constexpr,
     DOT_F32: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    DOT_F16: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -197,12 +296,14 @@ def _logits_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
-    if DOT_BF16:
+    if DOT_F16:
         # Hazard: Hopper's FP8 MMA accumulates with fewer mantissa bits than fp32 (5.6e-4
-        # absolute on logits of 3.3 seen on an H100). e4m3 codes are exact in bf16, whose MMA
+        # absolute on logits of 3.3 seen on an H100). e4m3 codes are exact in fp16, whose MMA
         # accumulates in fp32: the logits are then the fp32 maths up to summation order.
-        q = q.to(tl.bfloat16)
-        k = k.to(tl.bfloat16)
+        # fp16, not bf16: Hopper converts e4m3 pairs to fp16 in one instruction (bf16 cost
+        # the logits 30-40 % on an H100).
+        q = q.to(tl.float16)
+        k = k.to(tl.float16)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
     logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * ks
     tl.store(out, tl.where(n_ok, logit, float("-inf")), mask=n < width)
@@ -227,7 +328,9 @@ def index_logits(
         return out
     interp = interpreting()
     if block_n is None:
-        block_n = 16 if interp else 64
+        # 128 keys a program: on an H100 (fp16 MMA) 0.217 ms at 128k B16 against 0.297 at 64
+        # and 0.277 at 256 (benchmarks/sparse-decode-h100-h128-v2.json, logits[N] rows)
+        block_n = 16 if interp else 128
     data, scale, consts = _flat_views(cache, layer)
     q = q if q.stride(-1) == 1 else q.contiguous()
     _logits_kernel[(t, cdiv(width, block_n))](
@@ -250,7 +353,7 @@ def index_logits(
         BLOCK_H=max(16, next_pow2(hi)),
         BLOCK_N=block_n,
         DOT_F32=interp,
-        DOT_BF16=not interp and q.dtype == torch.float8_e4m3fn,
+        DOT_F16=not interp and q.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(q.dtype),
         num_warps=4,
         **consts,
