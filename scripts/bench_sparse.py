@@ -46,6 +46,7 @@ from mla_backends.sparse.indexer import (
     select_topk,
 )
 from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
+from mla_backends.sparse.topk_kernel import topk_slots
 
 PAGE = 64
 CHUNK = 1 << 19  # rows per fill chunk
@@ -151,7 +152,8 @@ def run_one(
             )
             for bn in (32, 128, 256)
         },
-        "topk_slots": timed(
+        "topk_slots": timed(lambda: topk_slots(logits, topk, req.req_to_token, md.rows), graphs),
+        "topk_slots_torch": timed(
             lambda: positions_to_slots(select_topk(logits, topk), req.req_to_token, md.rows),
             graphs,
         ),

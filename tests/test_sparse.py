@@ -19,6 +19,7 @@ from mla_backends.sparse.indexer import (
     IndexerDims,
     IndexerMetadata,
     IndexKCache,
+    positions_to_slots,
     prepare_k,
     prepare_q,
     select_topk,
@@ -331,3 +332,55 @@ def test_fix_empty_rows_equals_the_torch_contract() -> None:
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     assert out[[1, 4]].eq(0).all() and lse[[1, 4]].eq(float("-inf")).all()
     assert full[1, h:].isnan().all()  # padded heads past H untouched
+
+
+def _slot_sets(x: torch.Tensor) -> list[set[int]]:
+    return [set(r.tolist()) - {-1} for r in x]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("width,k", [(700, 64), (300, 128), (64, 64), (37, 16)])
+def test_topk_slots_kernel_equals_torch_topk(width: int, k: int) -> None:
+    """The one-launch radix select against torch.topk + the slot mapping, on random logits
+    without ties: rows wider and narrower than k, rows with fewer visible keys than k, a row
+    with none, NaN where a key is not visible, several blocks a row (256 in the interpreter)."""
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    g = torch.Generator().manual_seed(width + k)
+    t = 5
+    logits = torch.randn(t, width, generator=g) * 10
+    vis = [width, k - 1, k + 1, 0, width // 2]
+    for i, v in enumerate(vis):
+        logits[i, v:] = float("-inf")
+    logits[4, width // 2 :: 3] = float("nan")
+    r2t = torch.randperm(8 * 1024, generator=g).to(torch.int32).view(8, 1024)
+    rows = torch.tensor([3, 1, 7, 0, 2])
+    got = topk_slots(logits, k, r2t, rows)
+    masked = torch.where(logits.isnan(), float("-inf"), logits)  # NaN: not visible
+    want = positions_to_slots(select_topk(masked, k), r2t, rows)
+    assert got.shape == (t, k) and got.dtype == torch.int32
+    assert _slot_sets(got) == _slot_sets(want)
+    for i, v in enumerate(vis):  # the -1 tail: exactly k minus the selected count
+        assert int((got[i] == -1).sum()) == k - min(k, v)
+
+
+@pytest.mark.interp
+def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
+    """Ties at the threshold: exactly k entries, every key above the k-th value, ties taken
+    by position; signed zeros and negative logits order like floats."""
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    k, width = 32, 600
+    logits = torch.full((2, width), 1.0)
+    logits[0, ::7] = 2.0  # 86 keys at 2.0: the 32 taken are all of them (ties at 2.0)
+    logits[1] = torch.linspace(-3, 3, width)
+    logits[1, 100:140] = -0.0
+    logits[1, 560:] = 0.0
+    r2t = torch.arange(width, dtype=torch.int32).view(1, width).repeat(2, 1)
+    rows = torch.tensor([0, 1])
+    got = topk_slots(logits, k, r2t, rows)
+    assert (got >= 0).all()
+    top0 = got[0].tolist()
+    assert len(set(top0)) == k and all(p % 7 == 0 for p in top0)  # 86 twos: only twos taken
+    # the 32 largest of the ramp sit just below position 560 (the zeros after it are smaller)
+    assert sorted(got[1].tolist()) == list(range(560 - k, 560))

@@ -82,6 +82,31 @@ def test_sparse_backend_matches_reference(case: SparseCase) -> None:
     assert not detail, detail
 
 
+@pytest.mark.parametrize("width", [1500, 40000, 131072])
+def test_topk_slots_kernel_matches_torch_topk(width: int) -> None:
+    """The radix-select top-k on the GPU: the same slot sets as torch.topk + the slot mapping
+    on distinct logits (no ties), rows with more and fewer visible keys than top-k."""
+    from mla_backends.sparse.indexer import positions_to_slots, select_topk
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    g = torch.Generator(device="cuda").manual_seed(width)
+    t, k = 6, 2048
+    logits = torch.stack(
+        [torch.randperm(width, generator=g, device="cuda").float() - width / 2 for _ in range(t)]
+    )
+    vis = torch.tensor([width, 1, k - 1, k, k + 1, width // 3], device="cuda")
+    logits = logits.masked_fill(
+        torch.arange(width, device="cuda")[None] >= vis[:, None], -torch.inf
+    )
+    r2t = torch.randint(0, 1 << 30, (8, width), generator=g, device="cuda", dtype=torch.int32)
+    rows = torch.tensor([5, 0, 7, 1, 2, 3], device="cuda")
+    got = topk_slots(logits, k, r2t, rows)
+    want = positions_to_slots(select_topk(logits, k), r2t, rows)
+    for i in range(t):
+        a, b = got[i].tolist(), want[i].tolist()
+        assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i
+
+
 def test_indexer_kernels_match_torch_maths_bf16() -> None:
     """bf16 activations, quantised: the fused store's codes within one e4m3 step of the torch
     maths (the Hadamard's fp32 sums differ in order), logits and top-k sets on the same cache."""

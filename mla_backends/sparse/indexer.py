@@ -330,6 +330,12 @@ class Indexer:
             qp, wp = prepare_q(self.dims, q, w, cos, sin)
         out = []
         for start, end in md.chunks:
-            pos = select_topk(self.logits(layer, qp, wp, start, end), self.dims.topk)
-            out.append(positions_to_slots(pos, self.req_to_token, md.rows[start:end]))
+            logits, rows = self.logits(layer, qp, wp, start, end), md.rows[start:end]
+            if self.kernels == "triton":
+                from mla_backends.sparse.topk_kernel import topk_slots
+
+                out.append(topk_slots(logits, self.dims.topk, self.req_to_token, rows))
+                continue
+            pos = select_topk(logits, self.dims.topk)
+            out.append(positions_to_slots(pos, self.req_to_token, rows))
         return out[0] if len(out) == 1 else torch.cat(out)
