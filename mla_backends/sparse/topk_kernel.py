@@ -1,11 +1,14 @@
 """The indexer's top-k in one launch: a radix select over each row's logits, one program a row,
 then the selected positions written as pool slots (-1 for unused entries).
 
-`torch.topk(k=2048)` over a 16k-128k row takes 0.07-0.11 ms on an H100 whatever the batch
-(one block a row, a sort-based path), more than dense attention over 16k keys at batch 1.
-Here each program reads its row five times: four 8-bit digit histograms of an order-preserving
+Each program reads its row five times: four 8-bit digit histograms of an order-preserving
 32-bit key (most significant first) find the k-th largest key and how many of its ties to
 take, then one pass writes every key above it and the first ties in position order.
+
+Not routed yet (`Indexer.select` uses `torch.topk`): on an H100 one program streams its row at
+~3.6 ns a key, 0.065 ms at 16k keys (torch.topk 0.10) but 0.48 ms at 128k (torch.topk
+0.08-0.20), whatever the batch (BENCHMARKS.md, DSA third run). The next step is splitting a
+row over many programs (global histograms), which this single-program form is the oracle for.
 
 Result contract (same as `indexer.select_topk` + `positions_to_slots`): the set of the k
 largest finite logits (ties at the threshold broken by position), in no particular order,
