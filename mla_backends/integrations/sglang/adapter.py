@@ -19,7 +19,6 @@ reads a device value back.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,8 @@ from mla_backends.integrations.sglang.batches import (
     new_token_layout,
     prefix_chunk_layout,
 )
-from mla_backends.integrations.sglang.binding import SettingsError, bind, check_kv_scales
+from mla_backends.integrations.sglang.binding import SettingsError, bind
+from mla_backends.integrations.sglang.layers import check_layer, flat_heads, split_absorbed
 
 # Keyword arguments DeepSeek passes only to other backends (TRT-LLM fused rope, DSA top-k,
 # attention sinks); refused rather than silently ignored.
@@ -50,19 +50,6 @@ class AdapterMetadata:
     cache_seqlens_int32: torch.Tensor
     new_tokens: RaggedLayout | None = None  # MHA-mode prefill over the new tokens
     chunks: dict[int, RaggedLayout] = field(default_factory=dict)  # chunked-prefix MHA
-
-
-def _flat(out: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] -> [T, H * D] where that is a view. Hazard: a backend that allocates its
-    output like a strided q (SGLang's q_nope is a transposed bmm result) returns [T, H, D]
-    with head-major memory; reshaping would copy it, so it is returned 3-D, which every
-    SGLang caller accepts (they `.view(-1, H, D)` it: DeepSeek, the kit, the piecewise op)."""
-    return out.view(out.shape[0], -1) if out.is_contiguous() else out
-
-
-def _rows(k: torch.Tensor) -> torch.Tensor:
-    """[T, 1, W] (one KV head) or [T, W] -> a [T, W] view, whatever the row stride."""
-    return k[:, 0] if k.dim() == 3 else k
 
 
 class MLABackendAdapter(AttentionBackend):
@@ -210,21 +197,9 @@ class MLABackendAdapter(AttentionBackend):
 
     def _layer_index(self, layer: Any) -> int:
         """Our pool's layer index; host checks once per layer (heads, scale, KV scale)."""
-        d, key = self.dims, (int(layer.layer_id), int(layer.qk_head_dim))
+        key = (int(layer.layer_id), int(layer.qk_head_dim))
         if key not in self._checked:
-            if layer.tp_q_head_num != d.num_heads:
-                raise SettingsError(
-                    f"layer {key[0]} has {layer.tp_q_head_num} query heads, the backend was "
-                    f"built for {d.num_heads}"
-                )
-            if not math.isclose(float(layer.scaling), d.softmax_scale, rel_tol=1e-6):
-                raise SettingsError(
-                    f"layer {key[0]} softmax scale {layer.scaling} != the model config's "
-                    f"{d.softmax_scale}"
-                )
-            if getattr(layer, "logit_cap", 0.0):
-                raise SettingsError(f"layer {key[0]}: logit capping is not supported")
-            check_kv_scales([layer])
+            check_layer(layer, self.dims)
             self._checked.add(key)
         idx = key[0] - self.binding.start_layer
         if not 0 <= idx < self.binding.kv_pool.num_layers:
@@ -277,27 +252,13 @@ class MLABackendAdapter(AttentionBackend):
         save_kv_cache: bool,
         kwargs: dict[str, Any],
     ) -> torch.Tensor:
-        """Two call shapes: split (our names are in DeepSeek's FORWARD_ABSORB list: q_nope
-        [T, H, L] strided, k [T, 1, L], q_rope / k_rope in kwargs) and joined (q [T, H*(L+R)]
-        or [T, H, L+R], k [T, 1, L+R] or None when the caller stored the rows already)."""
-        h, lat, r = self.dims.num_heads, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim
-        q_rope = kwargs.get("q_rope")
-        k_rope = kwargs.get("k_rope")
-        if q_rope is not None:
-            q_nope, q_rope = q.view(-1, h, lat), q_rope.view(-1, h, r)
-            k_nope = None if k is None else _rows(k)
-            k_rope = None if k_rope is None else _rows(k_rope)
-        else:
-            q3 = q.view(-1, h, lat + r)
-            q_nope, q_rope = q3[..., :lat], q3[..., lat:]
-            k2 = None if k is None else _rows(k)
-            k_nope = None if k2 is None else k2[:, :lat]
-            k_rope = None if k2 is None else k2[:, lat:]
+        """Absorbed attention over the pool; both call shapes (`layers.split_absorbed`)."""
+        q_nope, q_rope, k_nope, k_rope = split_absorbed(q, k, kwargs, self.dims)
         if not save_kv_cache or k_nope is None or k_rope is None:
             k_nope = k_rope = None  # the rows are in the pool already
         out = self.backend.forward_absorbed(idx, q_nope, q_rope, k_nope, k_rope, md.batch)
         assert isinstance(out, torch.Tensor)
-        return _flat(out)
+        return flat_heads(out)
 
     def _mha(
         self,
@@ -334,4 +295,4 @@ class MLABackendAdapter(AttentionBackend):
             return out, lse.contiguous()
         out = self.backend.forward_mha(q3, k, v, layout, causal)
         assert isinstance(out, torch.Tensor)
-        return _flat(out)
+        return flat_heads(out)
