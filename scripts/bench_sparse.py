@@ -189,8 +189,9 @@ def run_one(
                         except Exception as e:  # out of shared memory, say
                             print(f"  triton {fmt} {tag}: {type(e).__name__} {str(e)[:80]}")
                     be.launch = None
-        attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
-        attn["dense_triton"] = dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs)
+        if backends:  # --indexer-only: no attention rows, peers included
+            attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
+            attn["dense_triton"] = dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs)
         row = {"context": ctx, "batch": b, "heads": h, "topk": topk, "indexer": indexer}
         row["attention"] = attn
         out.append(row)
@@ -316,6 +317,7 @@ def main() -> None:
     p.add_argument("--backends", default="triton,flashmla,flashinfer_mla")
     p.add_argument("--no-fp8-rows", action="store_true", help="skip the 656-byte row pool")
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    p.add_argument("--indexer-only", action="store_true", help="time the indexer alone")
     p.add_argument(
         "--triton-configs", action="store_true", help="also time the Triton launch alternatives"
     )
@@ -333,7 +335,8 @@ def main() -> None:
     for ctx in contexts:
         for b in batches:
             rows += run_one(
-                ctx, b, heads, a.topk, pools, a.backends.split(","), not a.no_graphs,
+                ctx, b, heads, a.topk, pools,
+                [] if a.indexer_only else a.backends.split(","), not a.no_graphs,
                 a.triton_configs,
             )  # fmt: skip
             # rewritten after each point: a run cut short by a time limit keeps its rows

@@ -366,8 +366,9 @@ def test_topk_slots_kernel_equals_torch_topk(width: int, k: int) -> None:
 
 @pytest.mark.interp
 def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
-    """Ties at the threshold: exactly k entries, every key above the k-th value, ties taken
-    by position; signed zeros and negative logits order like floats."""
+    """Ties at the threshold: exactly k distinct entries, all of them at or above the k-th
+    value (which ties are taken is not defined); signed zeros and negative logits order like
+    floats."""
     from mla_backends.sparse.topk_kernel import topk_slots
 
     k, width = 32, 600

@@ -331,8 +331,11 @@ class Indexer:
         out = []
         for start, end in md.chunks:
             logits, rows = self.logits(layer, qp, wp, start, end), md.rows[start:end]
-            # torch.topk, also under "triton": sparse/topk_kernel.py (one program a row) was
-            # measured slower beyond 16k keys on an H100 (BENCHMARKS.md, DSA third run)
+            if self.kernels == "triton":
+                from mla_backends.sparse.topk_kernel import topk_slots
+
+                out.append(topk_slots(logits, self.dims.topk, self.req_to_token, rows))
+                continue
             pos = select_topk(logits, self.dims.topk)
             out.append(positions_to_slots(pos, self.req_to_token, rows))
         return out[0] if len(out) == 1 else torch.cat(out)

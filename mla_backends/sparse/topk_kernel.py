@@ -1,18 +1,20 @@
-"""The indexer's top-k in one launch: a radix select over each row's logits, one program a row,
-then the selected positions written as pool slots (-1 for unused entries).
+"""The indexer's top-k as a radix select over each row's logits, a row split over many programs,
+the selected positions written as pool slots (-1 for unused entries).
 
-Each program reads its row five times: four 8-bit digit histograms of an order-preserving
-32-bit key (most significant first) find the k-th largest key and how many of its ties to
-take, then one pass writes every key above it and the first ties in position order.
+Four histogram passes, one per 8-bit digit of an order-preserving 32-bit key (most significant
+first), accumulate per-row counts in global memory (atomics); every program of the next pass
+re-derives, from those 256 counts, the digit holding the k-th largest key. The last pass writes
+every key above that key and as many of its ties as are still needed, reserving output
+positions with atomics. Seven launches (two fills, four histograms, the write), the last
+five over T x cdiv(W, 2048) programs of one block.
 
-Not routed yet (`Indexer.select` uses `torch.topk`): on an H100 one program streams its row at
-~3.6 ns a key, 0.065 ms at 16k keys (torch.topk 0.10) but 0.48 ms at 128k (torch.topk
-0.08-0.20), whatever the batch (BENCHMARKS.md, DSA third run). The next step is splitting a
-row over many programs (global histograms), which this single-program form is the oracle for.
+History: one program a row was measured at ~3.6 ns a key on an H100 (0.48 ms at 128k keys,
+latency-bound), slower than `torch.topk` beyond 16k (BENCHMARKS.md, DSA third run).
 
-Result contract (same as `indexer.select_topk` + `positions_to_slots`): the set of the k
-largest finite logits (ties at the threshold broken by position), in no particular order,
-then -1; rows with fewer than k finite logits keep all of them. NaN counts as not visible.
+Result contract (as `indexer.select_topk` + `positions_to_slots`, up to order): the set of the
+k largest finite logits, in no particular order, then -1; rows with fewer than k finite logits
+keep all of them; ties at the threshold are taken in no defined order (exactly k entries).
+NaN counts as not visible.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_backends.arith import cdiv
 from mla_backends.kernels.common import interpreting
 
 
@@ -33,91 +36,96 @@ def _sortable(x):
 
 
 @triton.jit
-def _digit_hist(src, width, prefix, SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
-    """Counts [256] of digit (key >> SHIFT) & 255 over the visible keys whose higher digits
-    equal `prefix` (all visible keys when FIRST)."""
-    offs = tl.arange(0, BLOCK)
+def _threshold(Hist, K: tl.constexpr, PASSES: tl.constexpr):
+    """From the first PASSES digit histograms of a row: (take_all, need, prefix): whether the
+    row has at most K visible keys; else the digits so far of the K-th largest key and how
+    many keys sharing them are still to be taken."""
     bins = tl.arange(0, 256)
-    hist = tl.zeros([256], tl.int32)
-    for start in range(0, width, BLOCK):
-        x = tl.load(src + start + offs, mask=start + offs < width, other=float("-inf"))
-        key = _sortable(x)
-        match = x > float("-inf")
-        if not FIRST:
-            match = match & ((key >> (SHIFT + 8)) == prefix)
-        digit = ((key >> SHIFT) & 255).to(tl.int32)
-        # no mask argument (triton 3.6 has none): non-matching keys land in bin 0 and are
-        # taken back out of it
-        h = tl.histogram(tl.where(match, digit, 0), 256)
-        off_bin = BLOCK - tl.sum(match.to(tl.int32), 0)
-        hist += h - tl.where(bins == 0, off_bin, 0)
-    return hist
+    h0 = tl.load(Hist + bins)
+    total = tl.sum(h0, 0)
+    take_all = (total <= K).to(tl.int32)
+    need = total * 0 + K
+    prefix = (total * 0).to(tl.uint32)
+    for p in tl.static_range(PASSES):
+        hist = tl.load(Hist + p * 256 + bins)
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with digit >= bin
+        b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+        need = need - tl.sum(tl.where(bins > b, hist, 0), 0)
+        prefix = (prefix << 8) | b.to(tl.uint32)
+    return take_all, need, prefix
 
 
 @triton.jit
-def _next_digit(hist, need, prefix):
-    """The digit holding the need-th largest key of this prefix; (need within it, prefix + it)."""
-    bins = tl.arange(0, 256)
-    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with digit >= bin
-    b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-    need = need - tl.sum(tl.where(bins > b, hist, 0), 0)
-    return need, (prefix << 8) | b.to(tl.uint32)
-
-
-@triton.jit
-def _topk_slots_kernel(
+def _hist_kernel(
     Logits,
+    Hist,
+    width,
+    stride_l,
+    stride_h,
+    K: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass P: counts of digit P of the visible keys whose digits 0..P-1 match the row's
+    threshold so far, added into Hist[t, P] (rows that take all their keys count too, and
+    nobody reads those counts)."""
+    t = tl.program_id(0).to(tl.int64)
+    hist_row = Hist + t * stride_h
+    _, need, prefix = _threshold(hist_row, K, P)
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(Logits + t * stride_l + pos, mask=pos < width, other=float("-inf"))
+    key = _sortable(x)
+    match = x > float("-inf")
+    if P > 0:
+        match = match & ((key >> (32 - 8 * P)) == prefix)
+    digit = ((key >> (24 - 8 * P)) & 255).to(tl.int32)
+    # no mask argument (triton 3.6 has none): non-matching keys land in bin 0 and are taken
+    # back out of it
+    bins = tl.arange(0, 256)
+    h = tl.histogram(tl.where(match, digit, 0), 256)
+    h -= tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), 0), 0)
+    tl.atomic_add(hist_row + P * 256 + bins, h, mask=h > 0)
+
+
+@triton.jit
+def _write_kernel(
+    Logits,
+    Hist,
     Out,
     R2T,
     Rows,
     width,
     stride_l,
+    stride_h,
     stride_o,
     stride_r2t,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
+    """Every visible key above the threshold, and ties while the row still needs them, as
+    pool slots at positions reserved with atomics (Hist[t, 1024:1026] = written, ties
+    claimed)."""
     t = tl.program_id(0).to(tl.int64)
-    src = Logits + t * stride_l
-    # ---- radix select, most significant digit first: `prefix` = the k-th largest key's
-    # digits so far, `need` = how many keys sharing them are still to be taken
-    hist = _digit_hist(src, width, 0, 24, True, BLOCK)
-    total = tl.sum(hist, 0)  # visible keys
-    take_all = total <= K
-    need = total * 0 + K
-    prefix = (total * 0).to(tl.uint32)
-    if not take_all:
-        need, prefix = _next_digit(hist, need, prefix)
-        hist = _digit_hist(src, width, prefix, 16, False, BLOCK)
-        need, prefix = _next_digit(hist, need, prefix)
-        hist = _digit_hist(src, width, prefix, 8, False, BLOCK)
-        need, prefix = _next_digit(hist, need, prefix)
-        hist = _digit_hist(src, width, prefix, 0, False, BLOCK)
-        need, prefix = _next_digit(hist, need, prefix)
-    # ---- write: every key above the threshold, then its first `need` ties, as pool slots
-    offs = tl.arange(0, BLOCK)
+    take_all, need, prefix = _threshold(Hist + t * stride_h, K, 4)
+    count = Hist + t * stride_h + 4 * 256
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(Logits + t * stride_l + pos, mask=pos < width, other=float("-inf"))
+    key = _sortable(x)
+    ok = x > float("-inf")
+    # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
+    all_keys = (pos * 0 + take_all) != 0
+    gt = ok & ((key > prefix) | all_keys)
+    eq = ok & (key == prefix) & ~all_keys
+    n_eq = tl.sum(eq.to(tl.int32), 0)
+    tie0 = tl.atomic_add(count + 1, n_eq)  # ties claimed before this program
+    tie_rank = tie0 + tl.cumsum(eq.to(tl.int32), 0) - 1
+    take = gt | (eq & (tie_rank < need))
+    n_take = tl.sum(take.to(tl.int32), 0)
+    base = tl.atomic_add(count, n_take)
+    at = base + tl.cumsum(take.to(tl.int32), 0) - 1
     row = tl.load(Rows + t).to(tl.int64)
-    dst = Out + t * stride_o
-    written = total * 0
-    ties = total * 0
-    for start in range(0, width, BLOCK):
-        pos = start + offs
-        x = tl.load(src + pos, mask=pos < width, other=float("-inf"))
-        key = _sortable(x)
-        ok = x > float("-inf")
-        eq = ok & (key == prefix)
-        tie_rank = ties + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take = tl.where(take_all, ok, ok & ((key > prefix) | (eq & (tie_rank < need))))
-        ties += tl.sum(eq.to(tl.int32), 0)
-        at = written + tl.cumsum(take.to(tl.int32), 0) - 1
-        slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
-        tl.store(dst + at, slot.to(tl.int32), mask=take)
-        written += tl.sum(take.to(tl.int32), 0)
-    kk = tl.arange(0, BLOCK_K)
-    for start in range(0, K, BLOCK_K):
-        i = start + kk
-        tl.store(dst + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= written) & (i < K))
+    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
+    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
 
 
 def topk_slots(
@@ -126,24 +134,32 @@ def topk_slots(
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
     slots of the k largest logits (any order), -1 for unused entries. No host sync."""
     t, width = logits.shape
-    out = torch.empty(t, k, dtype=torch.int32, device=logits.device)
-    if t == 0:
+    out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
+    if t == 0 or width == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block = 256 if interpreting() else 4096
-    _topk_slots_kernel[(t,)](
+    block = 256 if interpreting() else 2048
+    # per row: 4 x 256 digit counts, then (written, ties claimed); one fill zeroes them all
+    hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=logits.device)
+    grid = (t, cdiv(width, block))
+    for p in range(4):
+        _hist_kernel[grid](
+            logits, hist, width, logits.stride(0), hist.stride(0), K=k, P=p, BLOCK=block
+        )
+    _write_kernel[grid](
         logits,
+        hist,
         out,
         req_to_token,
         rows,
         width,
         logits.stride(0),
+        hist.stride(0),
         out.stride(0),
         req_to_token.stride(0),
         K=k,
         BLOCK=block,
-        BLOCK_K=min(1024, triton.next_power_of_2(k)),
         num_warps=8,
     )
     return out
