@@ -14,6 +14,13 @@
 #   vs raw fa3, graph steps), for checking a change to that backend in one short run;
 #   triton: the triton slice (its bf16 / fp16 tests, tests-2; the Gluon probe; decode table of
 #   triton and flashmla vs raw FlashMLA; MHA prefill table).
+#   sglang-entry / sglang-kit / sglang-bench / sglang-tests: the SGLang plug-in through the
+#     installed entry point (needs the .sgl bundle, ../shared/sglang/make-bundle.sh .sgl):
+#     registration and start-up refusals; SGLang's own MLA kit on one backend (KIT_BACKEND,
+#     default mlab_triton) at every page size it takes; decode B64 / kv 4096 against SGLang's
+#     counterparts; our adapter under real CUDA graphs (scripts/sglang_kit.py says more).
+#   dsa: DeepSeek-V3.2 sparse decode, 16k-128k, B 1 / 16 / 64, H 128 and 16
+#     (scripts/bench_sparse.py); run TESTS=tests-5 first for its GPU tests.
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
@@ -54,7 +61,8 @@ case $mode in
 esac
 [ -n "$tests" ] && [ "$tests" != none ] && run_tests "$tests" "$@"
 
-# Benchmark steps: only `python3 -m mla_backends bench ...` and `python3 scripts/tune_triton.py`.
+# Benchmark steps: `python3 -m mla_backends bench ...`, `scripts/tune_triton.py`, and for the
+# integrations `scripts/sglang_kit.py` and `scripts/bench_sparse.py`.
 bench_step() {  # name, timeout, command...: one benchmark step, its log at $out/<name>.log
   local name=$1 t=$2; shift 2
   timeout "$t" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -30
@@ -79,6 +87,18 @@ elif [ "$mode" = models ]; then
   bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
+elif [[ $mode == sglang-* ]]; then
+  case $mode in
+    sglang-kit) args=(kit "$out/sglang" --backend "${KIT_BACKEND:-mlab_triton}") ;;
+    sglang-entry|sglang-bench|sglang-tests) args=("${mode#sglang-}" "$out/sglang") ;;
+    *) echo "unknown mode $mode (sglang-entry, sglang-kit, sglang-bench, sglang-tests)" >&2; exit 2 ;;
+  esac
+  # SGLang finds the backends only through the installed entry point
+  [ -f .sgl/activate.sh ] && source .sgl/activate.sh
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || rc=1
+  bench_step "$mode" 570 python3 scripts/sglang_kit.py "${args[@]}" --budget 540
+elif [ "$mode" = dsa ]; then
+  bench_step dsa 570 python3 scripts/bench_sparse.py --out "$out/dsa"
 elif [ "$mode" = quick ] || [ "$mode" = full ]; then
   opts=()  # quick: the first 3 shapes, a 2048-token prefill; PREFILL=False: no prefill
   [ "$mode" = quick ] && opts+=(--quick)
@@ -87,7 +107,8 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     --backends triton,flashinfer_mla,flashmla --peers raw_flashmla,raw_flashinfer_fa3 \
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
-  echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton)" >&2
+  echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
+    "sglang-entry, sglang-kit, sglang-bench, sglang-tests, dsa)" >&2
   exit 2
 fi
 exit $rc
