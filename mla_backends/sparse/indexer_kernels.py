@@ -12,7 +12,7 @@ import triton.language as tl
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import dot_precision, interpreting
 from mla_backends.kernels.store import _round_e4m3
-from mla_backends.sparse.indexer import PAGE, IndexerDims, IndexKCache
+from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
 
 PAGE_C = tl.constexpr(PAGE)
 
