@@ -385,3 +385,11 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
     assert len(set(top0)) == k and all(p % 7 == 0 for p in top0)  # 86 twos: only twos taken
     # the 32 largest of the ramp sit just below position 560 (the zeros after it are smaller)
     assert sorted(got[1].tolist()) == list(range(560 - k, 560))
+
+
+def test_topk_slots_refuses_non_fp32_logits() -> None:
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    r2t = torch.zeros(1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="2-D fp32"):
+        topk_slots(torch.zeros(1, 8, dtype=torch.bfloat16), 4, r2t, torch.zeros(1))

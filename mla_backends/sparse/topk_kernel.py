@@ -133,6 +133,11 @@ def topk_slots(
 ) -> torch.Tensor:
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
     slots of the k largest logits (any order), -1 for unused entries. No host sync."""
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        # the radix keys are the fp32 bit patterns
+        raise ValueError(
+            f"topk_slots: logits must be 2-D fp32, got {logits.dtype} {logits.dim()}-D"
+        )
     t, width = logits.shape
     out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     if t == 0 or width == 0:
