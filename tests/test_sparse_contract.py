@@ -17,7 +17,7 @@ from mla_backends.config import Config, MLADims
 from mla_backends.sparse import flashinfer_mla as fi_mod
 from mla_backends.sparse import flashmla as fm_mod
 from mla_backends.sparse.emulation import FaMLAEmulation, FlashMLAEmulation
-from mla_backends.sparse.testing import SparseCase, build, run
+from mla_backends.sparse.testing import SparseCase, build, kernel_cases, run
 
 MODES = {
     "decode": (ForwardMode.DECODE, 1),
@@ -46,30 +46,8 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
 
 
 def _cases() -> list[SparseCase]:
-    out = []
     pools = {"flashmla": ("bfloat16", "fp8_row"), "flashinfer_mla": ("bfloat16", "fp8")}
-    for backend, ps in pools.items():
-        exact = backend == "flashinfer_mla"
-        for pool in ps:
-            for mode, q in MODES.values():
-                for h in (16, 128):
-                    out.append(
-                        SparseCase(
-                            backend,
-                            pool,
-                            "bfloat16",
-                            mode,
-                            q,
-                            KV_LENS,
-                            128,
-                            64,
-                            _dims(h),
-                            drop=0.0 if exact else 0.2,
-                            empty_row=not exact,
-                            check_support=False,
-                        )  # fmt: skip
-                    )
-    return out
+    return kernel_cases(pools, MODES, KV_LENS, 128, check_support=False)
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)

@@ -18,7 +18,7 @@ from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.sparse.indexer import IndexerDims
-from mla_backends.sparse.testing import SparseCase, run
+from mla_backends.sparse.testing import SparseCase, kernel_cases, run
 
 pytestmark = pytest.mark.gpu
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -51,28 +51,7 @@ POOLS = {
 
 
 def _cases() -> list[SparseCase]:
-    out = []
-    for backend, pools in POOLS.items():
-        exact = backend == "flashinfer_mla"
-        for pool in pools:
-            for mode, q in MODES.values():
-                for h in (16, 128):
-                    out.append(
-                        SparseCase(
-                            backend,
-                            pool,
-                            "bfloat16",
-                            mode,
-                            q,
-                            KV_LENS,
-                            TOPK,
-                            64,
-                            _dims(h),
-                            drop=0.0 if exact else 0.2,
-                            empty_row=not exact,
-                        )
-                    )
-    return out
+    return kernel_cases(POOLS, MODES, KV_LENS, TOPK)
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)

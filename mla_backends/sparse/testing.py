@@ -54,6 +54,43 @@ class SparseCase:
         )
 
 
+def kernel_cases(
+    pools: dict[str, tuple[str, ...]],
+    modes: dict[str, tuple[ForwardMode, int]],
+    kv_lens: tuple[int, ...],
+    topk: int,
+    check_support: bool = True,
+) -> list[SparseCase]:
+    """The parity grid of the kernel backends at DeepSeek's dims: each backend x its pools x
+    each mode x H 16 / 128, page 64. Every backend but `flashinfer_mla` also gets dropped
+    entries and an all -1 row; `flashinfer_mla` reads exactly min(topk, visible) entries, so
+    its rows keep the indexer's exact count."""
+    out = []
+    for backend, backend_pools in pools.items():
+        exact = backend == "flashinfer_mla"
+        for pool in backend_pools:
+            for mode, q in modes.values():
+                for h in (16, 128):
+                    dims = MLADims(h, 512, 64, 128, 128, 40.0, 1.0)
+                    out.append(
+                        SparseCase(
+                            backend,
+                            pool,
+                            "bfloat16",
+                            mode,
+                            q,
+                            kv_lens,
+                            topk,
+                            64,
+                            dims,
+                            drop=0.0 if exact else 0.2,
+                            empty_row=not exact,
+                            check_support=check_support,
+                        )  # fmt: skip
+                    )
+    return out
+
+
 @dataclass
 class Built:
     backend: SparseMLABackend
