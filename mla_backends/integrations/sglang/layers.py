@@ -16,7 +16,7 @@ TensorOrNone = torch.Tensor | None
 
 def check_layer(layer: Any, d: MLADims) -> None:
     """A RadixAttention layer our backend can serve: its heads, softmax scale, no logit
-    capping, KV scales SGLang's writers honour."""
+    capping, no KV scale other than 1 (SGLang's own writers ignore it)."""
     lid = int(layer.layer_id)
     if layer.tp_q_head_num != d.num_heads:
         raise SettingsError(
