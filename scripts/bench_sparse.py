@@ -157,7 +157,14 @@ def run_one(
             lambda: positions_to_slots(select_topk(logits, topk), req.req_to_token, md.rows),
             graphs,
         ),
+        "topk_many_programs": timed(
+            lambda: topk_slots(logits, topk, req.req_to_token, md.rows, False), graphs
+        ),
     }
+    if logits.shape[1] <= 32768:  # wider rows spill in the one-launch schedule
+        indexer["topk_one_launch"] = timed(
+            lambda: topk_slots(logits, topk, req.req_to_token, md.rows, True), graphs
+        )
     slots = ix.select(0, q_idx, w, cos, sin)
     out = []
     for h in heads:
@@ -308,6 +315,22 @@ def markdown(rows: list[dict], mode: str) -> str:
     return "\n".join(lines)
 
 
+def markdown_topk(rows: list[dict], mode: str) -> str:
+    """The top-k schedules side by side (ms): the routed default, each schedule forced, and
+    torch.topk + the slot mapping."""
+    cols = ["topk_slots", "topk_one_launch", "topk_many_programs", "topk_slots_torch"]
+    lines = ["| context | B | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    seen = set()
+    for r in rows:
+        if (r["context"], r["batch"]) in seen:  # the indexer does not depend on H
+            continue
+        seen.add((r["context"], r["batch"]))
+        ix = r["indexer"]
+        cells = [f"{ix[c][mode]:.3f}" if ix.get(c, {}).get(mode) else "-" for c in cols]
+        lines.append(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,32768,65536,131072")
@@ -346,6 +369,7 @@ def main() -> None:
     text += markdown(rows, "eager")
     if not a.no_graphs:
         text += "\n\n## CUDA graph replay\n\n" + markdown(rows, "graph")
+        text += "\n\n## Top-k schedules, CUDA graph replay\n\n" + markdown_topk(rows, "graph")
     (out / "bench_sparse.md").write_text(text + "\n")
     print(text)
 

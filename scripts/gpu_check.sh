@@ -14,11 +14,12 @@
 #   vs raw fa3, graph steps), for checking a change to that backend in one short run;
 #   triton: the triton slice (its bf16 / fp16 tests, tests-2; the Gluon probe; decode table of
 #   triton and flashmla vs raw FlashMLA; MHA prefill table).
-#   sglang-entry / sglang-kit / sglang-bench / sglang-tests: the SGLang plug-in through the
-#     installed entry point (needs the .sgl bundle, ../shared/sglang/make-bundle.sh .sgl):
-#     registration and start-up refusals; SGLang's own MLA kit on one backend (KIT_BACKEND,
-#     default mlab_triton) at every page size it takes; decode B64 / kv 4096 against SGLang's
-#     counterparts; our adapter under real CUDA graphs (scripts/sglang_kit.py says more).
+#   sglang-entry / sglang-kit / sglang-compare / sglang-bench / sglang-tests: the SGLang
+#     plug-in through the installed entry point (needs the .sgl bundle,
+#     ../shared/sglang/make-bundle.sh .sgl): registration and start-up refusals; SGLang's own
+#     MLA kit on one backend (KIT_BACKEND, default mlab_triton) at every page size it takes;
+#     the same kit cases through that backend and its SGLang counterpart; decode B64 / kv 4096
+#     against SGLang's counterparts; our adapter under real CUDA graphs (scripts/sglang_kit.py).
 #   dsa: DeepSeek-V3.2 sparse decode, 16k-128k, B 1 / 16 / 64, H 128 and 16
 #     (scripts/bench_sparse.py); run TESTS=tests-5 first for its GPU tests.
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
@@ -90,8 +91,9 @@ elif [ "$mode" = models ]; then
 elif [[ $mode == sglang-* ]]; then
   case $mode in
     sglang-kit) args=(kit "$out/sglang" --backend "${KIT_BACKEND:-mlab_triton}") ;;
+    sglang-compare) args=(compare "$out/sglang" --backend "${KIT_BACKEND:-mlab_triton}") ;;
     sglang-entry|sglang-bench|sglang-tests) args=("${mode#sglang-}" "$out/sglang") ;;
-    *) echo "unknown mode $mode (sglang-entry, sglang-kit, sglang-bench, sglang-tests)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests)" >&2; exit 2 ;;
   esac
   # SGLang finds the backends only through the installed entry point
   [ -f .sgl/activate.sh ] && source .sgl/activate.sh
@@ -108,7 +110,7 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
   echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
-    "sglang-entry, sglang-kit, sglang-bench, sglang-tests, dsa)" >&2
+    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dsa)" >&2
   exit 2
 fi
 exit $rc

@@ -430,9 +430,12 @@ def mode_compare(rec: Recorder, args: argparse.Namespace) -> None:
                                 "ours_vs_ref": float((a.float() - ref.float()).abs().max()),
                                 "theirs_vs_ref": float((b.float() - ref.float()).abs().max()),
                             }
-                            torch.testing.assert_close(a, ref, atol=3e-2, rtol=3e-2)
-                            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
                             detail = " ".join(f"{k} {v:.4g}" for k, v in d.items())
+                            # the kit's bound; a failure names all three differences, so a
+                            # disagreement says which side left the kit's reference
+                            for x, y, what in ((a, ref, "ours vs ref"), (a, b, "ours vs theirs")):
+                                if not torch.allclose(x.float(), y.float(), atol=3e-2, rtol=3e-2):
+                                    raise AssertionError(f"{what} out of 3e-2 + 3e-2|x|: {detail}")
                             return {"detail": detail, "ours": ours, "theirs": theirs, **d}
 
                         rec.run(f"{ours}~{theirs} {case.name} {'fp8' if fp8 else 'bf16'}", one)

@@ -91,6 +91,9 @@ class FlashInferSparseBackend(SparseMLABackend):
         self._kernel = load_kernel(
             self.device, ctx.dtype, self.pool.dtype, d.kv_lora_rank, d.qk_rope_head_dim
         )
+        from mla_backends.kernels import empty_rows  # triton: only once built
+
+        self._k_empty = empty_rows
 
     # ------------------------------------------------------------------ metadata
     def _src(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +176,8 @@ class FlashInferSparseBackend(SparseMLABackend):
         need_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, lat = q_nope.shape
-        out = torch.empty_like(q_nope)
+        # contiguous, whatever q's strides: fix_empty_rows writes each token's H x L block
+        out = torch.empty(t, h, lat, dtype=q_nope.dtype, device=q_nope.device)
         lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
         rows = self.pool.kv_buffer[layer].view(-1, 1, self.dims.kv_dim)
         ckv, kpe = rows[..., :lat], rows[..., lat:]  # strided views: page size 1
@@ -203,4 +207,5 @@ class FlashInferSparseBackend(SparseMLABackend):
                 self.scale,
                 self.pool.scale(layer),
             )
-        return self.mask_empty(out, lse, indices)
+        self._k_empty.fix_empty_rows(out, lse, indices)  # one launch, writes only empty rows
+        return out, lse
