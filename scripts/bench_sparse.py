@@ -157,14 +157,7 @@ def run_one(
             lambda: positions_to_slots(select_topk(logits, topk), req.req_to_token, md.rows),
             graphs,
         ),
-        "topk_many_programs": timed(
-            lambda: topk_slots(logits, topk, req.req_to_token, md.rows, False), graphs
-        ),
     }
-    if logits.shape[1] <= 32768:  # wider rows spill in the one-launch schedule
-        indexer["topk_one_launch"] = timed(
-            lambda: topk_slots(logits, topk, req.req_to_token, md.rows, True), graphs
-        )
     slots = ix.select(0, q_idx, w, cos, sin)
     out = []
     for h in heads:
@@ -316,9 +309,8 @@ def markdown(rows: list[dict], mode: str) -> str:
 
 
 def markdown_topk(rows: list[dict], mode: str) -> str:
-    """The top-k schedules side by side (ms): the routed default, each schedule forced, and
-    torch.topk + the slot mapping."""
-    cols = ["topk_slots", "topk_one_launch", "topk_many_programs", "topk_slots_torch"]
+    """Our top-k kernel against torch.topk + the slot mapping (ms)."""
+    cols = ["topk_slots", "topk_slots_torch"]
     lines = ["| context | B | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     seen = set()
     for r in rows:
@@ -369,7 +361,7 @@ def main() -> None:
     text += markdown(rows, "eager")
     if not a.no_graphs:
         text += "\n\n## CUDA graph replay\n\n" + markdown(rows, "graph")
-        text += "\n\n## Top-k schedules, CUDA graph replay\n\n" + markdown_topk(rows, "graph")
+        text += "\n\n## Top-k, CUDA graph replay\n\n" + markdown_topk(rows, "graph")
     (out / "bench_sparse.md").write_text(text + "\n")
     print(text)
 

@@ -339,10 +339,9 @@ def _slot_sets(x: torch.Tensor) -> list[set[int]]:
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "many-programs"])
 @pytest.mark.parametrize("width,k", [(700, 64), (300, 128), (64, 64), (37, 16)])
-def test_topk_slots_kernel_equals_torch_topk(width: int, k: int, one_launch: bool) -> None:
-    """Both radix-select schedules against torch.topk + the slot mapping, on random logits
+def test_topk_slots_kernel_equals_torch_topk(width: int, k: int) -> None:
+    """The radix select against torch.topk + the slot mapping, on random logits
     without ties: rows wider and narrower than k, rows with fewer visible keys than k, a row
     with none, NaN where a key is not visible, several blocks a row (256 in the interpreter)."""
     from mla_backends.sparse.topk_kernel import topk_slots
@@ -356,7 +355,7 @@ def test_topk_slots_kernel_equals_torch_topk(width: int, k: int, one_launch: boo
     logits[4, width // 2 :: 3] = float("nan")
     r2t = torch.randperm(8 * 1024, generator=g).to(torch.int32).view(8, 1024)
     rows = torch.tensor([3, 1, 7, 0, 2])
-    got = topk_slots(logits, k, r2t, rows, one_launch)
+    got = topk_slots(logits, k, r2t, rows)
     masked = torch.where(logits.isnan(), float("-inf"), logits)  # NaN: not visible
     want = positions_to_slots(select_topk(masked, k), r2t, rows)
     assert got.shape == (t, k) and got.dtype == torch.int32
@@ -366,8 +365,7 @@ def test_topk_slots_kernel_equals_torch_topk(width: int, k: int, one_launch: boo
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "many-programs"])
-def test_topk_slots_kernel_takes_exactly_k_with_ties(one_launch: bool) -> None:
+def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
     """Ties at the threshold: exactly k distinct entries, all of them at or above the k-th
     value (which ties are taken is not defined); signed zeros and negative logits order like
     floats."""
@@ -381,7 +379,7 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties(one_launch: bool) -> None:
     logits[1, 560:] = 0.0
     r2t = torch.arange(width, dtype=torch.int32).view(1, width).repeat(2, 1)
     rows = torch.tensor([0, 1])
-    got = topk_slots(logits, k, r2t, rows, one_launch)
+    got = topk_slots(logits, k, r2t, rows)
     assert (got >= 0).all()
     top0 = got[0].tolist()
     assert len(set(top0)) == k and all(p % 7 == 0 for p in top0)  # 86 twos: only twos taken

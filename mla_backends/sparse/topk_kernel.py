@@ -4,19 +4,16 @@ written as pool slots (-1 for unused entries).
 A radix select takes four passes, one per 8-bit digit of an order-preserving 32-bit key (most
 significant first): a histogram of the digit over the keys that still match the threshold's
 digits so far, then the digit holding the k-th largest key. The last step writes every key
-above the threshold and as many of its ties as are still needed. Two schedules:
+above the threshold and as many of its ties as are still needed. The row is split over
+programs of 2048 keys; the histograms accumulate in global memory (atomics) and every program
+of the next pass re-derives the threshold from them. Seven launches (two fills, four
+histograms, the write), the last five over T x cdiv(W, 2048) programs.
 
-- rows up to `ROW_IN_REGISTERS` keys: one program a row holds the whole row in registers and
-  runs all four passes and the write in one launch (no fill: it writes its own -1 tail). At
-  batch 1 the seven launches of the other schedule were the whole cost (0.033 ms at 16k).
-- wider rows: the row split over programs of 2048 keys; the histograms accumulate in global
-  memory (atomics) and every program of the next pass re-derives the threshold from them.
-  Seven launches (two fills, four histograms, the write), the last five over
-  T x cdiv(W, 2048) programs.
-
-History: one program a row streaming its keys from memory was measured at ~3.6 ns a key on an
-H100 (0.48 ms at 128k keys, latency-bound), slower than `torch.topk` beyond 16k (BENCHMARKS.md,
-DSA third run).
+History (H100, BENCHMARKS.md): one program a row streaming its keys from memory, ~3.6 ns a
+key (0.48 ms at 128k keys, latency-bound; DSA third run); one program a row holding a row of
+up to 32k keys in registers, all in one launch, 0.083-0.091 ms at 16k and ~0.2 ms at 32k,
+against 0.033-0.052 ms for these seven launches (DSA fifth run): on one SM the four passes'
+histograms and the scans cost more than six launches save.
 
 Result contract (as `indexer.select_topk` + `positions_to_slots`, up to order): the set of the
 k largest finite logits, in no particular order, then -1; rows with fewer than k finite logits
@@ -147,99 +144,22 @@ def _write_kernel(
     tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
 
 
-@triton.jit
-def _row_kernel(
-    Logits,
-    Out,
-    R2T,
-    Rows,
-    width,
-    stride_l,
-    stride_o,
-    stride_r2t,
-    K: tl.constexpr,
-    KP2: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program a row, the row (width <= BLOCK keys) in registers: the four digit passes,
-    then the write of the selected slots and the -1 tail, in one launch."""
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.arange(0, BLOCK)
-    x = tl.load(Logits + t * stride_l + pos, mask=pos < width, other=float("-inf"))
-    key = _sortable(x)
-    ok = x > float("-inf")  # NaN compares false: not visible
-    bins = tl.arange(0, 256)
-    total = tl.sum(ok.to(tl.int32), 0)
-    need = total * 0 + K
-    prefix = (total * 0).to(tl.uint32)
-    match = ok
-    for p in tl.static_range(4):
-        digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
-        b, need = _digit_step(_masked_histogram(digit, match, BLOCK), bins, need)
-        prefix = (prefix << 8) | b.to(tl.uint32)
-        match = match & (digit == b)
-    # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
-    all_keys = (pos * 0 + (total <= K).to(tl.int32)) != 0
-    gt = ok & ((key > prefix) | all_keys)
-    eq = match & ~all_keys  # after four passes: the keys equal to the threshold
-    tie_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
-    take = gt | (eq & (tie_rank < need))
-    at = tl.cumsum(take.to(tl.int32), 0) - 1
-    n_taken = tl.sum(take.to(tl.int32), 0)
-    row = tl.load(Rows + t).to(tl.int64)
-    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
-    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
-    tail = tl.arange(0, KP2)
-    tl.store(Out + t * stride_o + tail, tail * 0 - 1, mask=(tail >= n_taken) & (tail < K))
-
-
-# The widest row the one-launch schedule takes (keys in registers: 16384 fp32 over 16 warps is
-# 32 a thread for each live array; wider rows spill). Set by the H100 measurement in
-# BENCHMARKS.md (DSA fifth run).
-ROW_IN_REGISTERS = 16384
-
-
 def topk_slots(
-    logits: torch.Tensor,
-    k: int,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    one_launch: bool | None = None,
+    logits: torch.Tensor, k: int, req_to_token: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
-    slots of the k largest logits (any order), -1 for unused entries. No host sync.
-    `one_launch` picks the schedule (default: one launch when W <= ROW_IN_REGISTERS)."""
+    slots of the k largest logits (any order), -1 for unused entries. No host sync."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
             f"topk_slots: logits must be 2-D fp32, got {logits.dtype} {logits.dim()}-D"
         )
     t, width = logits.shape
-    if one_launch is None:
-        one_launch = width <= ROW_IN_REGISTERS
+    out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     if t == 0 or width == 0:
-        return torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
+        return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if one_launch:
-        out = torch.empty(t, k, dtype=torch.int32, device=logits.device)  # every entry written
-        block = max(triton.next_power_of_2(width), 256)
-        _row_kernel[(t,)](
-            logits,
-            out,
-            req_to_token,
-            rows,
-            width,
-            logits.stride(0),
-            out.stride(0),
-            req_to_token.stride(0),
-            K=k,
-            KP2=triton.next_power_of_2(k),
-            BLOCK=block,
-            num_warps=min(max(block // 1024, 4), 16),
-        )
-        return out
-    out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     block = 256 if interpreting() else 2048
     # per row: 4 x 256 digit counts, then (written, ties claimed); one fill zeroes them all
     hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=logits.device)
