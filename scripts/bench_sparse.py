@@ -12,9 +12,10 @@ time a decode graph pays):
 - flashinfer_bf16: our `flashinfer_mla` backend (fa3, page 1);
 - raw_flashmla_fp8 / raw_flashmla_bf16: `flash_mla_with_kvcache(is_fp8_kvcache=True,
   indices=...)` / `flash_mla_sparse_fwd` alone, inputs and metadata prepared outside;
-- dense_triton: our dense `triton` backend over the whole context (bf16 pool).
+- dense_triton / dense_flashmla: our dense `triton` / `flashmla` backend over the whole
+  context (bf16 pool).
 Ratios: raw_fp8 / triton_fp8row (>= 0.9 is the target: speed relative to raw FlashMLA),
-dense / (indexer + best sparse).
+dense / (indexer + best sparse) for each dense backend.
 
     python scripts/bench_sparse.py --out $OUT/sparse          # about 6 minutes on an H100
     python scripts/bench_sparse.py --triton-configs --contexts 65536 --out $OUT/sweep
@@ -191,7 +192,8 @@ def run_one(
                     be.launch = None
         if backends:  # --indexer-only: no attention rows, peers included
             attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
-            attn["dense_triton"] = dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs)
+            for name in DENSE:
+                attn[f"dense_{name}"] = dense(name, batch, q_nope, q_rope, bf16, req, dims, graphs)
         row = {"context": ctx, "batch": b, "heads": h, "topk": topk, "indexer": indexer}
         row["attention"] = attn
         out.append(row)
@@ -238,16 +240,21 @@ def raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs):  # type:
     return res
 
 
-def dense_triton(batch, q_nope, q_rope, bf16, req, dims, graphs):  # type: ignore[no-untyped-def]
+# Dense decode of the same context through our dense backends (bf16 pool, page 64): `triton`
+# (our kernel) and `flashmla` (our backend over FlashMLA, the faster of the two at batch 1).
+DENSE = ("triton", "flashmla")
+
+
+def dense(name, batch, q_nope, q_rope, bf16, req, dims, graphs):  # type: ignore[no-untyped-def]
     from mla_backends.backends.base import BackendContext
-    from mla_backends.backends.triton_backend import TritonBackend
+    from mla_backends.backends.registry import get_backend_class
 
     cfg = Config(
-        model=dims, num_layers=1, prefill_backend="triton", decode_backend="triton",
+        model=dims, num_layers=1, prefill_backend="triton", decode_backend=name,
         page_size=PAGE, kv_dtype="bfloat16", dtype="bfloat16", num_pages=bf16.num_pages,
         max_requests=req.size, max_context_len=req.max_context_len, device="cuda",
     )  # fmt: skip
-    be = TritonBackend(BackendContext(cfg, bf16, req))
+    be = get_backend_class(name)(BackendContext(cfg, bf16, req))
     be.init_forward_metadata(batch)
     return timed(lambda: be.forward_absorbed(0, q_nope, q_rope, None, None, batch), graphs)
 
@@ -267,8 +274,9 @@ def ratios(row: dict, mode: str = "eager") -> dict[str, float | None]:
         raw / a["triton_fp8row"] if raw and a.get("triton_fp8row") else None
     )
     out["raw_fp8/best"] = raw / best if raw and best else None
-    dense = a.get("dense_triton")
-    out["dense/(indexer+best)"] = dense / (idx + best) if dense and best and idx else None
+    for name in DENSE:
+        d = a.get(f"dense_{name}")
+        out[f"dense_{name}/(indexer+best)"] = d / (idx + best) if d and best and idx else None
     return out
 
 
@@ -284,10 +292,11 @@ def summary(row: dict) -> str:
 
 def markdown(rows: list[dict], mode: str) -> str:
     cols = ["triton_bf16", "triton_fp8row", "flashmla_bf16", "flashmla_fp8row"]
-    cols += ["flashinfer_mla_bf16", "raw_flashmla_bf16", "raw_flashmla_fp8", "dense_triton"]
+    cols += ["flashinfer_mla_bf16", "raw_flashmla_bf16", "raw_flashmla_fp8"]
+    cols += [f"dense_{n}" for n in DENSE]
     cols = [c for c in cols if any(c in r["attention"] for r in rows)]
     head = ["context", "B", "H", "indexer", "(q prep", "logits", "topk)"] + cols
-    head += ["raw fp8 / triton fp8row", "dense / (indexer + best)"]
+    head += ["raw fp8 / triton fp8row"] + [f"dense {n} / (indexer + best)" for n in DENSE]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(x: float | None, p: int = 3) -> str:
@@ -303,7 +312,8 @@ def markdown(rows: list[dict], mode: str) -> str:
             f(ix["topk_slots"].get(mode)),
         ]
         cells += [f(a[c].get(mode)) if c in a else "-" for c in cols]
-        cells += [f(q["raw_fp8/triton_fp8row"], 2), f(q["dense/(indexer+best)"], 2)]
+        cells += [f(q["raw_fp8/triton_fp8row"], 2)]
+        cells += [f(q[f"dense_{n}/(indexer+best)"], 2) for n in DENSE]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

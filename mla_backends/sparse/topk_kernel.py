@@ -12,7 +12,7 @@ histograms, the write), the last five over T x cdiv(W, 2048) programs.
 History (H100, BENCHMARKS.md): one program a row streaming its keys from memory, ~3.6 ns a
 key (0.48 ms at 128k keys, latency-bound; DSA third run); one program a row holding a row of
 up to 32k keys in registers, all in one launch, 0.083-0.091 ms at 16k and ~0.2 ms at 32k,
-against 0.033-0.052 ms for these seven launches (DSA fifth run): on one SM the four passes'
+against 0.033-0.052 ms for these seven launches (DSA sixth run): on one SM the four passes'
 histograms and the scans cost more than six launches save.
 
 Result contract (as `indexer.select_topk` + `positions_to_slots`, up to order): the set of the
