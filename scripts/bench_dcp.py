@@ -120,6 +120,12 @@ def bench_worker(rank: int, group: dist.ProcessGroup, a: dict[str, Any]) -> dict
     dev = torch.device(f"cuda:{rank}") if a["device"] == "cuda" else torch.device("cpu")
     n, h, ctx = dist.get_world_size(group), a["heads"], a["context"]
     report: dict[str, Any] = {}
+    begin = time.perf_counter()
+
+    def done(what: str, r: dict[str, Any]) -> None:  # progress: a cut-short run says how far
+        if rank == 0:
+            print(f"[bench_dcp {time.perf_counter() - begin:6.1f}s] {what}: {r}", flush=True)
+
     for be in a["backends"]:
         res: dict[str, Any] = {}
         for heads in (h, h // n):  # one GPU: rank 0 measures, the others wait
@@ -127,11 +133,13 @@ def bench_worker(rank: int, group: dist.ProcessGroup, a: dict[str, Any]) -> dict
                 res[f"single_h{heads}"] = _measure(
                     Runtime.build(_config(a, be, heads, ctx, str(dev))), a, heads, None
                 )
+                done(f"{be} single_h{heads}", res[f"single_h{heads}"])
             dist.barrier(group)
         for mode, heads in (("replicated", h), ("tp", h // n)):
             cfg = _config(a, be, heads, cdiv(ctx, n), str(dev))
             rt = build_dcp_runtime(cfg, group, mode)
             res[f"dcp{n}_{mode}"] = _slowest(_measure(rt, a, heads, group), group, dev)
+            done(f"{be} dcp{n}_{mode}", res[f"dcp{n}_{mode}"])
             del rt
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

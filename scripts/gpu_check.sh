@@ -20,6 +20,9 @@
 #     MLA kit on one backend (KIT_BACKEND, default mlab_triton) at every page size it takes;
 #     the same kit cases through that backend and its SGLang counterpart; decode B64 / kv 4096
 #     against SGLang's counterparts; our adapter under real CUDA graphs (scripts/sglang_kit.py).
+#   dcp: decode context parallelism on 2 GPUs: the NCCL equality test, then 128k / B16 / H128
+#     DCP 2 against one GPU (scripts/bench_dcp.py), for each of DCP_BACKENDS (default triton;
+#     one backend a call on a fresh machine: compiles and FlashInfer's JIT build take minutes).
 #   dsa: DeepSeek-V3.2 sparse decode, 16k-128k, B 1 / 16 / 64, H 128 and 16
 #     (scripts/bench_sparse.py); run TESTS=tests-5 first for its GPU tests.
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
@@ -99,6 +102,15 @@ elif [[ $mode == sglang-* ]]; then
   [ -f .sgl/activate.sh ] && source .sgl/activate.sh
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || rc=1
   bench_step "$mode" 570 python3 scripts/sglang_kit.py "${args[@]}" --budget 540
+elif [ "$mode" = dcp ]; then
+  # two GPUs (nvidia-h200-x2); NVLink multicast stays off (launch.py sets it for the ranks too)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for be in ${DCP_BACKENDS:-triton}; do
+    bench_step "dcp-test-$be" ${DCP_TEST_TIMEOUT:-300} python3 -m pytest -v -s \
+      -p no:cacheprovider -m multigpu tests/test_dcp.py -k "$be"
+    bench_step "dcp-bench-$be" ${DCP_BENCH_TIMEOUT:-240} python3 scripts/bench_dcp.py \
+      --backends "$be" --iters 50 --out "$out/dcp-$be.json"
+  done
 elif [ "$mode" = dsa ]; then
   bench_step dsa 570 python3 scripts/bench_sparse.py --out "$out/dsa"
 elif [ "$mode" = quick ] || [ "$mode" = full ]; then
@@ -110,7 +122,7 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
   echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
-    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dsa)" >&2
+    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa)" >&2
   exit 2
 fi
 exit $rc

@@ -514,11 +514,17 @@ def run_dcp_stream(case: DCPCase, group: dist.ProcessGroup, device: torch.device
 def parity_worker(
     rank: int, group: dist.ProcessGroup, cases: list[DCPCase], device: str = "cpu"
 ) -> list[dict[str, Any]]:
-    """Every case on this rank (`launch.spawn` target)."""
+    """Every case on this rank (`launch.spawn` target). Rank 0 prints a line a case as it
+    ends: a run that stops at a time limit still says how far it came."""
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     out = []
+    begin = time.perf_counter()
     for case in cases:  # a rank that raises ends the launch (the launcher stops the others)
         start = time.perf_counter()
         out.append(run_dcp_case(case, group, dev))
         out[-1]["seconds"] = time.perf_counter() - start
+        if rank == 0:
+            state = "ok" if out[-1]["ok"] else "FAIL"
+            took, total = out[-1]["seconds"], time.perf_counter() - begin
+            print(f"[dcp {total:6.1f}s] {case.id}: {state} ({took:.1f}s)", flush=True)
     return out
