@@ -23,6 +23,8 @@
 #   dcp: decode context parallelism on 2 GPUs: the NCCL equality test, then 128k / B16 / H128
 #     DCP 2 against one GPU (scripts/bench_dcp.py), for each of DCP_BACKENDS (default triton;
 #     one backend a call on a fresh machine: compiles and FlashInfer's JIT build take minutes).
+#   hopper: our triton decode against raw FlashMLA and fa3, eager and graph replay, the tables
+#     of the Hopper-kernel targets (PARTS: small, h128, heads, fp8; mla_backends/bench/hopper.py).
 #   dsa: DeepSeek-V3.2 sparse decode, 16k-128k, B 1 / 16 / 64, H 128 and 16
 #     (scripts/bench_sparse.py); run TESTS=tests-5 first for its GPU tests.
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
@@ -113,6 +115,11 @@ elif [ "$mode" = dcp ]; then
   done
 elif [ "$mode" = dsa ]; then
   bench_step dsa 570 python3 scripts/bench_sparse.py --out "$out/dsa"
+elif [ "$mode" = hopper ]; then
+  for part in ${PARTS:-small h128 heads fp8}; do
+    bench_step "hopper-$part" ${HOPPER_TIMEOUT:-280} python3 -m mla_backends bench \
+      --suite hopper --part "$part" --out "$out/hopper"
+  done
 elif [ "$mode" = quick ] || [ "$mode" = full ]; then
   opts=()  # quick: the first 3 shapes, a 2048-token prefill; PREFILL=False: no prefill
   [ "$mode" = quick ] && opts+=(--quick)
@@ -122,7 +129,7 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
   echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
-    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa)" >&2
+    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa, hopper)" >&2
   exit 2
 fi
 exit $rc

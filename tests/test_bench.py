@@ -21,7 +21,7 @@ from conftest import GPU, PACKAGE_ROOT, Cli
 def test_bench_help(cli: Cli) -> None:
     proc = cli("bench", "--help")
     assert proc.returncode == 0 and "--graphs" in proc.stdout and "--kv-len" in proc.stdout
-    assert "--suite {grid,anchors,prefill,stack,linear,fi-plan}" in proc.stdout
+    assert "--suite {grid,anchors,prefill,stack,linear,fi-plan,hopper}" in proc.stdout
 
 
 def _tiny_args(tmp_path: Path) -> list[str]:
@@ -202,11 +202,22 @@ def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_pat
         (["--suite", "linear", "--graphs"], r"error: --graphs does not apply to --suite linear"),
         (["--suite", "prefill", "--heads", "2,4"], r"--heads takes one value with --suite prefill"),
         (["--suite", "stack", "--backends", "flashmla"], r"--backends: 'flashmla' cannot run"),
+        (["--suite", "hopper"], r"config error: --suite hopper: needs a CUDA GPU"),
+        (["--suite", "hopper", "--batch", "2"], r"error: --batch does not apply to --suite hopper"),
+        (["--suite", "grid", "--part", "fp8"], r"error: --part does not apply to --suite grid"),
     ],
-    ids=["fi-plan-needs-flashinfer", "option-of-another-suite", "prefill-one-heads", "stack"],
+    ids=[
+        "fi-plan-needs-flashinfer",
+        "option-of-another-suite",
+        "prefill-one-heads",
+        "stack",
+        "hopper-needs-a-gpu",
+        "hopper-options",
+        "part-is-hopper-only",
+    ],
 )
 def test_bench_suite_refusals_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
-    if GPU and args[1] in ("fi-plan", "stack"):
+    if GPU and args[1] in ("fi-plan", "stack", "hopper"):
         pytest.skip("a GPU machine may run these")
     rc, out, err = _bench(tmp_path, *args)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)

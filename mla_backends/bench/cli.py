@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from mla_backends.bench import anchors, fi_plan, grid, linear, prefill, stack
+from mla_backends.bench import anchors, fi_plan, grid, hopper, linear, prefill, stack
 from mla_backends.bench.options import SUITES, Options, backend_list, peer_list, shape_list
 from mla_backends.cli import add_config_argument, int_at_least, int_list
 from mla_backends.config import Config, load_config
@@ -19,6 +19,7 @@ RUN: dict[str, Callable[[Options, Config], None]] = {
     "stack": stack.run,
     "linear": linear.run,
     "fi-plan": fi_plan.run,
+    "hopper": hopper.run,
 }
 assert set(RUN) == set(SUITES)
 
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shapes",
         type=shape_list,
         help=f"anchors: H:q:B:kv comma list (default: the {len(anchors.ANCHOR_SHAPES)} shapes of "
-        "ANCHORS.md)",
+        "ANCHORS.md); hopper: replaces the part's shapes",
     )
     p.add_argument(
         "--quick",
@@ -106,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="fi-plan: also print where the host time of the whole call goes",
+    )
+    p.add_argument(
+        "--part",
+        choices=list(hopper.PARTS),
+        help="hopper: which table (default small; see mla_backends/bench/hopper.py)",
     )
     p.add_argument("--out", default="bench-out", help="folder for the JSON, tables and plot")
 

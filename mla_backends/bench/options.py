@@ -28,6 +28,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "stack": ("backends", "batch", "layers", "prompt", "steps", "stack_size"),
     "linear": ("batch", "heads", "head_dim"),
     "fi-plan": ("batch", "cprofile"),
+    "hopper": ("part", "shapes"),
 }  # fmt: skip
 
 
@@ -53,6 +54,7 @@ class Options:
     stack_size: str | None = None
     head_dim: int | None = None
     cprofile: bool | None = None
+    part: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:

@@ -29,8 +29,9 @@ def _need_cuda(device: torch.device) -> None:
         raise RuntimeError(f"needs a CUDA GPU (this run is on {device.type})")
 
 
-def time_flashmla(s: DecodeSetup) -> float:
-    """The raw FlashMLA call (sgl_kernel) on the same pool, page table and queries."""
+def flashmla_call(s: DecodeSetup) -> Callable[[], object]:
+    """The raw FlashMLA call (sgl_kernel) on the same pool, page table and queries, its
+    scheduler metadata computed once (as a serving engine does per batch)."""
     _need_cuda(s.q_nope.device)
     fm = require("sgl_kernel.flash_mla")
 
@@ -50,15 +51,14 @@ def time_flashmla(s: DecodeSetup) -> float:
     md, splits = fm.get_mla_metadata(seqlens, s.q_len * s.heads, 1)
     kcache = pool.get_paged_buffer(0)
     scale = s.rt.config.model.softmax_scale
-    return bench_us(
-        lambda: fm.flash_mla_with_kvcache(
-            q, kcache, table, seqlens, 512, md, splits, softmax_scale=scale, causal=True
-        )
+    return lambda: fm.flash_mla_with_kvcache(
+        q, kcache, table, seqlens, 512, md, splits, softmax_scale=scale, causal=True
     )
 
 
-def time_flashinfer(s: DecodeSetup) -> float:
-    """The raw FlashInfer MLA wrapper (fa3), planned once, on the same pool and queries."""
+def flashinfer_call(s: DecodeSetup) -> Callable[[], object]:
+    """The raw FlashInfer MLA wrapper (fa3), planned once, on the same pool (bf16, fp16 or
+    FP8 rows) and queries."""
     dev = s.q_nope.device
     _need_cuda(dev)
     flashinfer = require("flashinfer")
@@ -88,9 +88,23 @@ def time_flashinfer(s: DecodeSetup) -> float:
         kv_data_type=pool.dtype,
     )
     ckv, kpe = pool.get_ckv_kpe(0)
-    return bench_us(lambda: w.run(q_nope=s.q_nope, q_pe=s.q_rope, ckv_cache=ckv, kpe_cache=kpe))
+    return lambda: w.run(q_nope=s.q_nope, q_pe=s.q_rope, ckv_cache=ckv, kpe_cache=kpe)
 
 
+def time_flashmla(s: DecodeSetup) -> float:
+    """Eager median of the raw FlashMLA call."""
+    return bench_us(flashmla_call(s))
+
+
+def time_flashinfer(s: DecodeSetup) -> float:
+    """Eager median of the raw FlashInfer fa3 call."""
+    return bench_us(flashinfer_call(s))
+
+
+PEER_CALLS: dict[str, Callable[[DecodeSetup], Callable[[], object]]] = {
+    "raw_flashmla": flashmla_call,
+    "raw_flashinfer_fa3": flashinfer_call,
+}
 DECODE_PEERS: dict[str, Callable[[DecodeSetup], float]] = {
     "raw_flashmla": time_flashmla,
     "raw_flashinfer_fa3": time_flashinfer,
