@@ -151,7 +151,7 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
     """After `ServerArgs.check_server_args` (launching process): refuse settings our chosen
     backends cannot run, with our reason, before a worker starts. Only the model's dims and
     the server flags are known here; the factory repeats the full check."""
-    from mla_backends.integrations.sglang import binding
+    from mla_backends.integrations.sglang import binding, settings
 
     names = sglang_names()
     sa = server_args
@@ -165,7 +165,7 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
     mc = sa.get_model_config()
     arch = getattr(getattr(mc, "attention_arch", None), "name", None)
     if arch != "MLA":
-        raise binding.SettingsError(
+        raise settings.SettingsError(
             f"--attention-backend {ours[0]} serves MLA models (DeepSeek-V2/V3/R1, Kimi-K2, "
             f"Kimi-Linear); this model's attention is {arch}"
         )
@@ -176,9 +176,9 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
         device = torch.device("cpu")
     cap = binding.detect_capability(device)
     heads = int(mc.num_attention_heads) // max(int(getattr(sa, "tp_size", 1) or 1), 1)
-    dims = binding.model_dims(mc, max(heads, 1))
+    dims = settings.model_dims(mc, max(heads, 1))
     for sgl_name in ours:
-        config = binding.settings_config(
+        config = settings.settings_config(
             page_size=int(sa.page_size or 1),
             kv_cache_dtype=_kv_dtype(str(sa.kv_cache_dtype), model_dtype),
             kv_flag=str(sa.kv_cache_dtype),

@@ -33,8 +33,9 @@ from mla_backends.integrations.sglang.batches import (
     new_token_layout,
     prefix_chunk_layout,
 )
-from mla_backends.integrations.sglang.binding import SettingsError, bind
+from mla_backends.integrations.sglang.binding import bind
 from mla_backends.integrations.sglang.layers import check_layer, flat_heads, split_absorbed
+from mla_backends.integrations.sglang.settings import SettingsError
 
 # Keyword arguments DeepSeek passes only to other backends (TRT-LLM fused rope, DSA top-k,
 # attention sinks); refused rather than silently ignored.
@@ -170,18 +171,6 @@ class MLABackendAdapter(AttentionBackend):
         return self.forward_metadata
 
     # ------------------------------------------------------------------ attention
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: Any,
-        forward_batch: Any,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-
     def forward_extend(
         self,
         q: torch.Tensor,
@@ -192,33 +181,9 @@ class MLABackendAdapter(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """EXTEND, MIXED, SPLIT_PREFILL and TARGET_VERIFY batches, both layer shapes."""
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-
-    def _layer_index(self, layer: Any) -> int:
-        """Our pool's layer index; host checks once per layer (heads, scale, KV scale)."""
-        key = (int(layer.layer_id), int(layer.qk_head_dim))
-        if key not in self._checked:
-            check_layer(layer, self.dims)
-            self._checked.add(key)
-        idx = key[0] - self.binding.start_layer
-        if not 0 <= idx < self.binding.kv_pool.num_layers:
-            raise BatchError(f"layer {key[0]} is outside this rank's KV pool layers")
-        pool = self.token_to_kv_pool
-        if getattr(pool, "layer_transfer_counter", None) is not None:
-            pool.get_key_buffer(key[0])  # waits for this layer's host-to-device KV load
-        return idx
-
-    def _forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: Any,
-        fb: Any,
-        save_kv_cache: bool,
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Both of SGLang's entries: its `forward` sends DECODE batches to `forward_decode` and
+        EXTEND, MIXED, SPLIT_PREFILL and TARGET_VERIFY to `forward_extend`. Ours tells the two
+        DeepSeek layer shapes apart by the layer, not the mode, so one body serves all."""
         bad = sorted(n for n in _UNSUPPORTED_KWARGS if kwargs.get(n) is not None)
         if bad:
             raise BatchError(f"{self.binding.sgl_name} does not take {bad}")
@@ -235,13 +200,29 @@ class MLABackendAdapter(AttentionBackend):
             and layer.qk_head_dim == d.qk_head_dim
             and layer.v_head_dim == d.v_head_dim
         ):
-            return self._mha(q, k, v, md, fb, save_kv_cache)
+            return self._mha(q, k, v, md, forward_batch, save_kv_cache)
         raise BatchError(
             f"layer {layer.layer_id}: head_dim {layer.qk_head_dim}, {layer.tp_k_head_num} KV "
             f"heads, v {layer.v_head_dim} is neither the absorbed ({d.kv_dim}, 1, "
             f"{d.kv_lora_rank}) nor the MHA-mode ({d.qk_head_dim}, {d.num_heads}, "
             f"{d.v_head_dim}) shape"
         )
+
+    forward_decode = forward_extend
+
+    def _layer_index(self, layer: Any) -> int:
+        """Our pool's layer index; host checks once per layer (heads, scale, KV scale)."""
+        key = (int(layer.layer_id), int(layer.qk_head_dim))
+        if key not in self._checked:
+            check_layer(layer, self.dims)
+            self._checked.add(key)
+        idx = key[0] - self.binding.start_layer
+        if not 0 <= idx < self.binding.kv_pool.num_layers:
+            raise BatchError(f"layer {key[0]} is outside this rank's KV pool layers")
+        pool = self.token_to_kv_pool
+        if getattr(pool, "layer_transfer_counter", None) is not None:
+            pool.get_key_buffer(key[0])  # waits for this layer's host-to-device KV load
+        return idx
 
     def _absorbed(
         self,

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from mla_backends.config import MLADims
-from mla_backends.integrations.sglang.binding import SettingsError, check_kv_scales
+from mla_backends.integrations.sglang.binding import check_kv_scales
+from mla_backends.integrations.sglang.settings import SettingsError
 
 TensorOrNone = torch.Tensor | None
 

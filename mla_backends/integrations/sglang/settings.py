@@ -1,0 +1,145 @@
+"""SGLang's settings in our terms: the Config for its flags and model config, and our
+backends' refusals phrased as the SGLang flag to change. Reads no runner and imports nothing
+from SGLang, so the launching process's check (before any worker starts) and the factory
+(`binding.bind`) share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from mla_backends.backends.base import Capability
+from mla_backends.backends.registry import why_not
+from mla_backends.config import ACT_DTYPES, KV_DTYPES, PAGE_SIZES, Config, MLADims
+
+# What SGLang's user passes to get each of our KV dtypes.
+KV_FLAGS = {
+    "bfloat16": "--kv-cache-dtype bf16",
+    "float16": "--kv-cache-dtype auto with --dtype float16",
+    "float32": "--kv-cache-dtype auto with --dtype float32",
+    "float8_e4m3fn": "--kv-cache-dtype fp8_e4m3",
+}
+
+
+class SettingsError(ValueError):
+    """SGLang was started with settings our backend cannot serve; the message names the flag.
+
+    A ValueError on purpose: SGLang's test kit turns AssertionError / ImportError raised by a
+    backend factory into a skipped test, and the server must fail loudly instead."""
+
+
+def _dtype_name(dtype: torch.dtype, table: dict[str, torch.dtype]) -> str | None:
+    return next((k for k, v in table.items() if v == dtype), None)
+
+
+def model_dims(model_config: Any, num_heads: int) -> MLADims:
+    """Our dims for SGLang's model config, with our softmax scale equal to SGLang's.
+
+    Hazard: SGLang hands over the final scale (`model_config.scaling`, YaRN mscale^2 already
+    applied by its own formula); our dims carry it as (P + R)^-0.5 * mscale^2. The mscale is
+    expressed with mscale_all_dim = 1 and the YaRN factor that gives it, so whatever formula
+    SGLang used, the scale the kernels get is SGLang's (checked to 1e-9 relative)."""
+    mc = model_config
+    dims = MLADims(
+        num_heads=num_heads,
+        kv_lora_rank=int(mc.kv_lora_rank),
+        qk_rope_head_dim=int(mc.qk_rope_head_dim),
+        qk_nope_head_dim=int(mc.qk_nope_head_dim),
+        v_head_dim=int(mc.v_head_dim),
+    )
+    want = float(mc.scaling)
+    ratio = want / dims.softmax_scale
+    if ratio < 1.0 - 1e-9:
+        raise SettingsError(
+            f"the model's softmax scale {want:.6g} is below (qk_nope + qk_rope)^-0.5 = "
+            f"{dims.softmax_scale:.6g}; mla-backends cannot express it"
+        )
+    if ratio > 1.0 + 1e-9:
+        mscale = math.sqrt(ratio)
+        dims = dataclasses.replace(
+            dims, rope_scaling_factor=math.exp(10.0 * (mscale - 1.0)), mscale_all_dim=1.0
+        )
+    if not math.isclose(dims.softmax_scale, want, rel_tol=1e-9):
+        raise SettingsError(f"softmax scale {dims.softmax_scale!r} != model's {want!r}")
+    return dims
+
+
+def settings_config(
+    *,
+    page_size: int,
+    kv_cache_dtype: torch.dtype | None,
+    kv_flag: str,
+    dtype: torch.dtype,
+    dims: MLADims,
+    backend: str,
+    device: torch.device,
+    num_layers: int = 1,
+    num_pages: int = 1,
+    max_requests: int = 1,
+    max_context_len: int = 1,
+) -> Config:
+    """Our Config for SGLang's settings; a setting it cannot express raises naming the flag."""
+    if page_size not in PAGE_SIZES:
+        raise SettingsError(f"--page-size {page_size}: mla-backends takes page sizes {PAGE_SIZES}")
+    kv = None if kv_cache_dtype is None else _dtype_name(kv_cache_dtype, KV_DTYPES)
+    if kv is None:
+        raise SettingsError(
+            f"--kv-cache-dtype {kv_flag} ({kv_cache_dtype}) is not supported by mla-backends; "
+            "use auto, bf16 or fp8_e4m3"
+        )
+    act = _dtype_name(dtype, ACT_DTYPES)
+    if act is None:
+        raise SettingsError(f"model dtype {dtype}: use --dtype bfloat16 or float16")
+    return Config(
+        model=dims,
+        num_layers=num_layers,
+        prefill_backend=backend,
+        decode_backend=backend,
+        page_size=page_size,
+        kv_dtype=kv,
+        dtype=act,
+        num_pages=max(num_pages, 1),
+        max_requests=max(max_requests, 1),
+        max_context_len=max(max_context_len, 1),
+        device=str(device),
+    )
+
+
+def _alternatives(
+    name: str, config: Config, cap: Capability, role: str
+) -> tuple[list[int], list[str]]:
+    """Page sizes and KV dtypes with which our backend would run here, the rest unchanged."""
+    pages = [
+        p
+        for p in PAGE_SIZES
+        if why_not(name, dataclasses.replace(config, page_size=p), cap, role) is None
+    ]
+    kvs = [
+        k
+        for k in KV_DTYPES
+        if why_not(name, dataclasses.replace(config, kv_dtype=k), cap, role) is None
+    ]
+    return pages, kvs
+
+
+def refusal(sgl_name: str, name: str, config: Config, cap: Capability, role: str) -> str | None:
+    """Why our backend `name` cannot serve `role` under these settings, in SGLang's terms, or
+    None. The reason is our backend's own (its `supports`), plus the flag that would fix it."""
+    reason = why_not(name, config, cap, role)
+    if reason is None:
+        return None
+    msg = f"--attention-backend {sgl_name}: our {name!r} backend cannot serve {role}: {reason}"
+    pages, kvs = _alternatives(name, config, cap, role)
+    if config.page_size not in pages and pages:
+        msg += f". Start SGLang with --page-size {pages[0]} (it takes {pages})"
+    elif config.kv_dtype not in kvs and kvs:
+        msg += f". Start SGLang with {' or '.join(KV_FLAGS[k] for k in kvs)}"
+    return (
+        msg
+        + f" [settings: --page-size {config.page_size}, {KV_FLAGS[config.kv_dtype]}, "
+        + (f"--dtype {config.dtype}, device {cap.describe()}]")
+    )
