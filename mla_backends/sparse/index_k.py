@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.sparse.quant import block_quant, hadamard
 
 PAGE = 64  # slots per index-K block (SGLang's page-major layout)
@@ -53,7 +54,7 @@ class IndexKCache:
         self.head_dim, self.quantized = head_dim, quantized
         self.dtype = torch.float8_e4m3fn if quantized else torch.float32
         self.elem = self.dtype.itemsize
-        self.num_blocks = -(-num_slots // PAGE)
+        self.num_blocks = cdiv(num_slots, PAGE)
         self.block_bytes = PAGE * (head_dim * self.elem + 4)
         self.device = torch.device(device)
         self.buffers = [
