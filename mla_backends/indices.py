@@ -31,15 +31,11 @@ def build_token_indices(
     indptr_out: torch.Tensor | None = None,
     indices_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level (kv_indptr [B+1] int32, kv_indices [total_tokens] int32)."""
-    indptr = cumsum_indptr(seq_lens, indptr_out)
-    seg, off = segment_ids(indptr, total_tokens)
-    rows = req_pool_indices.to(torch.int64)[seg]
-    vals = req_to_token[rows, off]
-    if indices_out is None:
-        return indptr, vals.to(torch.int32)
-    indices_out[:total_tokens].copy_(vals)
-    return indptr, indices_out[:total_tokens]
+    """Token-level (kv_indptr [B+1] int32, kv_indices [total_tokens] int32): the page level at
+    page size 1."""
+    return build_page_indices(
+        req_to_token, req_pool_indices, seq_lens, 1, total_tokens, indptr_out, indices_out
+    )
 
 
 def build_page_indices(
@@ -55,11 +51,15 @@ def build_page_indices(
 
     Page k of a request is the page holding its token k * page_size (tokens fill pages in
     order, so that token's slot // page_size is the page id)."""
-    num_pages = cdiv(seq_lens, page_size)
-    indptr = cumsum_indptr(num_pages.to(torch.int32), indptr_out)
+    tokens = page_size == 1  # a page is a token: no rounding, no division
+    num_pages = seq_lens if tokens else cdiv(seq_lens, page_size).to(torch.int32)
+    indptr = cumsum_indptr(num_pages, indptr_out)
     seg, off = segment_ids(indptr, total_pages)
     rows = req_pool_indices.to(torch.int64)[seg]
-    vals = torch.div(req_to_token[rows, off * page_size], page_size, rounding_mode="floor")
+    if tokens:
+        vals = req_to_token[rows, off]
+    else:
+        vals = torch.div(req_to_token[rows, off * page_size], page_size, rounding_mode="floor")
     if indices_out is None:
         return indptr, vals.to(torch.int32)
     indices_out[:total_pages].copy_(vals)

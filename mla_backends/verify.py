@@ -17,6 +17,12 @@ from mla_backends.batch import ForwardMode
 from mla_backends.config import Config
 from mla_backends.testing import DTYPE_PAIRS, Case, Result, edge_kv_lens, run_case, run_mha_case
 
+# The MHA-mode prefill rows of every backend with a prefill path: (mode, q_lens, kv_lens, causal).
+_MHA_CASES: tuple[tuple[str, tuple[int, ...], tuple[int, ...], bool], ...] = (
+    ("mha-prefill", (1, 9, 30), (1, 9, 30), True),
+    ("mha-prefix-chunk", (4, 7, 2), (0, 20, 5), False),
+)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -121,30 +127,19 @@ def verify(config: Config, seed: int = 0) -> list[Row]:
         pcfg = _runnable_config(config, name, cap, "prefill")
         if pcfg is not None:
             act = config.dtype
-            r = run_mha_case(
-                name,
-                [1, 9, 30],
-                [1, 9, 30],
-                True,
-                act,
-                cfg.model.num_heads,
-                cfg.model,
-                cfg.torch_device,
-                seed,
-            )
-            rows.append(_row(r, name, "mha-prefill", act))
-            r = run_mha_case(
-                name,
-                [4, 7, 2],
-                [0, 20, 5],
-                False,
-                act,
-                cfg.model.num_heads,
-                cfg.model,
-                cfg.torch_device,
-                seed,
-            )
-            rows.append(_row(r, name, "mha-prefix-chunk", act))
+            for mode_name, q_lens, kv_lens, causal in _MHA_CASES:
+                r = run_mha_case(
+                    name,
+                    list(q_lens),
+                    list(kv_lens),
+                    causal,
+                    act,
+                    cfg.model.num_heads,
+                    cfg.model,
+                    cfg.torch_device,
+                    seed,
+                )
+                rows.append(_row(r, name, mode_name, act))
     from mla_backends.sparse.verify import verify_sparse  # DeepSeek-V3.2 sparse attention
 
     rows += verify_sparse(config.torch_device, config.model.num_heads, seed)

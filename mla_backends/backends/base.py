@@ -236,16 +236,18 @@ class MLABackend(ABC, Generic[M]):
         """After TARGET_VERIFY: nothing to keep (the engine truncates rejected KV slots)."""
 
 
-class GraphCapable(MLABackend[M], Generic[M, S]):
+class GraphHooks(ABC, Generic[M, S]):
     """CUDA-graph hooks over one static-state dataclass `S`, allocated once for the largest
     batch (`_new_graph_state`). Capture binds slices of it (`_bind_graph`, capture=True);
     replay refills the same buffers in place (capture=False): pointers never move."""
 
-    caps: ClassVar[BackendCaps] = BackendCaps(graphs=True)
-
-    def __init__(self, ctx: BackendContext) -> None:
-        super().__init__(ctx)
-        self._graph: S | None = None
+    name: ClassVar[str]
+    metadata: M | None
+    _graph: S | None
+    # The error when a graph hook runs before `init_cuda_graph_state` ({name}: the backend's).
+    _no_graph_state: ClassVar[str] = (
+        "{name}: CUDA-graph state not allocated; call init_cuda_graph_state first"
+    )
 
     @abstractmethod
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> S:
@@ -262,9 +264,7 @@ class GraphCapable(MLABackend[M], Generic[M, S]):
     @property
     def graph_state(self) -> S:
         if self._graph is None:
-            raise RuntimeError(
-                f"{self.name}: CUDA-graph state not allocated; call init_cuda_graph_state first"
-            )
+            raise RuntimeError(self._no_graph_state.format(name=self.name))
         return self._graph
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
@@ -272,3 +272,13 @@ class GraphCapable(MLABackend[M], Generic[M, S]):
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.metadata = self._bind_graph(batch, self.graph_state, capture=False)
+
+
+class GraphCapable(GraphHooks[M, S], MLABackend[M]):
+    """An `MLABackend` with the CUDA-graph hooks of `GraphHooks`."""
+
+    caps: ClassVar[BackendCaps] = BackendCaps(graphs=True)
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._graph: S | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -30,16 +30,38 @@ _MODULES: dict[str, str] = {
 _REGISTRY: dict[str, type[MLABackend]] = {}
 
 T = TypeVar("T", bound="type[MLABackend]")
+C = TypeVar("C", bound=type)
 
 
-def register_backend(name: str) -> Callable[[T], T]:
-    def deco(cls: T) -> T:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"backend {name!r} registered twice")
-        _REGISTRY[name] = cls
+def registrar(registry: dict[str, Any], what: str, name: str) -> Callable[[C], C]:
+    """A class decorator that puts its class in `registry` under `name` (once per name)."""
+
+    def deco(cls: C) -> C:
+        if name in registry and registry[name] is not cls:
+            raise ValueError(f"{what} {name!r} registered twice")
+        registry[name] = cls
         return cls
 
     return deco
+
+
+def lookup_class(
+    registry: dict[str, C],
+    modules: dict[str, str],
+    what: str,
+    name: str,
+    known: Callable[[], object],
+) -> C:
+    """`registry[name]`, importing `modules[name]` (which registers it) first if needed."""
+    if name not in registry:
+        if name not in modules:
+            raise KeyError(f"unknown {what} {name!r}; known: {known()}")
+        importlib.import_module(modules[name])
+    return registry[name]
+
+
+def register_backend(name: str) -> Callable[[T], T]:
+    return registrar(_REGISTRY, "backend", name)
 
 
 def available_backends() -> list[str]:
@@ -49,11 +71,7 @@ def available_backends() -> list[str]:
 
 
 def get_backend_class(name: str) -> type[MLABackend]:
-    if name not in _REGISTRY:
-        if name not in _MODULES:
-            raise KeyError(f"unknown backend {name!r}; known: {available_backends()}")
-        importlib.import_module(_MODULES[name])
-    return _REGISTRY[name]
+    return lookup_class(_REGISTRY, _MODULES, "backend", name, available_backends)
 
 
 def why_not(name: str, config: Config, cap: Capability, role: str) -> str | None:

@@ -20,20 +20,21 @@ with <= topk keys it equals the dense one.
 
 The class mirrors `backends.base.MLABackend`: declared `caps`, `_machine_reason`, metadata
 built once per batch (`_build_metadata`, a `SparseMetadata` dataclass), CUDA-graph state in
-one dataclass allocated once (`_new_graph_state`) and refilled in place (`_bind_graph`).
+one dataclass allocated once (`_new_graph_state`) and refilled in place (`_bind_graph`), through
+the same graph hooks (`backends.base.GraphHooks`).
 """
 
 from __future__ import annotations
 
-import importlib
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 import torch
 
-from mla_backends.backends.base import Capability
+from mla_backends.backends.base import Capability, GraphHooks
+from mla_backends.backends.registry import lookup_class, registrar
 from mla_backends.batch import ForwardBatch
 from mla_backends.checks import check_tensor
 from mla_backends.config import MLADims
@@ -114,9 +115,12 @@ class SparseGraphState:
     valid: torch.Tensor  # [max_num_tokens] int32, device: every capture reads leading rows
 
 
-class SparseMLABackend(ABC):
+class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
     name: ClassVar[str]
     caps: ClassVar[SparseCaps] = SparseCaps()
+    _no_graph_state: ClassVar[str] = (
+        "sparse {name}: CUDA-graph state not allocated; call init_cuda_graph_state"
+    )
 
     def __init__(self, ctx: SparseContext) -> None:
         self.ctx, self.dims, self.pool = ctx, ctx.dims, ctx.pool
@@ -156,23 +160,6 @@ class SparseMLABackend(ABC):
         return self._counts(batch)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._graph = self._new_graph_state(max_bs, max_num_tokens)
-
-    @property
-    def graph_state(self) -> SparseGraphState:
-        if self._graph is None:
-            raise RuntimeError(
-                f"sparse {self.name}: CUDA-graph state not allocated; call init_cuda_graph_state"
-            )
-        return self._graph
-
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.metadata = self._bind_graph(batch, self.graph_state, capture=True)
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        self.metadata = self._bind_graph(batch, self.graph_state, capture=False)
-
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> SparseGraphState:
         """Static buffers for up to `max_num_tokens` query tokens, allocated once."""
         return SparseGraphState(torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device))
@@ -246,21 +233,11 @@ T = TypeVar("T", bound="type[SparseMLABackend]")
 
 
 def register_sparse_backend(name: str) -> Callable[[T], T]:
-    def deco(cls: T) -> T:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"sparse backend {name!r} registered twice")
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return registrar(_REGISTRY, "sparse backend", name)
 
 
 def get_sparse_backend_class(name: str) -> type[SparseMLABackend]:
-    if name not in _REGISTRY:
-        if name not in _MODULES:
-            raise KeyError(f"unknown sparse backend {name!r}; known: {sorted(_MODULES)}")
-        importlib.import_module(_MODULES[name])
-    return _REGISTRY[name]
+    return lookup_class(_REGISTRY, _MODULES, "sparse backend", name, lambda: sorted(_MODULES))
 
 
 class SparseBackendUnavailable(ValueError):
