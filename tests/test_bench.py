@@ -260,3 +260,28 @@ def test_tune_triton_decode_call_is_the_backend_kernel() -> None:
     call()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(lse).all()
+
+
+def test_hopper_rows_and_table_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hopper suite's row and table logic (its timings need a GPU): CPU timers in place
+    of do_bench and graph replay, stand-in peers, one peer failing. Ratios are peer / ours on
+    the graph column; a failing peer is its one-line error and a '-' in the table."""
+    from mla_backends.bench import hopper
+
+    monkeypatch.setattr(hopper, "bench_us", lambda fn: 10.0)
+    monkeypatch.setattr(hopper, "graph_us", lambda fn: (fn(), 8.0)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def broken(s: object) -> object:
+        raise RuntimeError("no fa3 here")
+
+    peers = {"raw_flashmla": lambda s: lambda: None, "raw_flashinfer_fa3": broken}
+    monkeypatch.setattr(hopper, "PEER_CALLS", peers)
+    row = hopper.hopper_row((16, 1, 2, 64), "bfloat16", "cpu", copy_gbps=100.0, backend="torch")
+    assert row["ours"] == {"eager_us": 10.0, "graph_us": 8.0}
+    assert row["raw_flashmla/ours"] == 1.0 and "raw_flashinfer_fa3/ours" not in row
+    assert row["raw_flashinfer_fa3"] == {"error": "RuntimeError: no fa3 here"}
+    assert row["gbps"] == row["bytes"] / 8.0 / 1e3 and row["copy_fraction"] == row["gbps"] / 100
+    table = hopper.markdown([row]).splitlines()
+    assert len(table) == 3 and table[2].startswith("| 16 | 1 | 2 | 64 | bfloat16 | 10.0 | 8.0 |")
+    assert "| 1.00 |" in table[2] and "| - | - | - |" in table[2]

@@ -67,9 +67,12 @@ def _timed(make: Callable[[], Callable[[], object]]) -> dict[str, float | str]:
         return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
-def hopper_row(shape: Shape, kv_dtype: str, device: str, copy_gbps: float) -> dict:
+def hopper_row(
+    shape: Shape, kv_dtype: str, device: str, copy_gbps: float, backend: str = "triton"
+) -> dict:
+    """One shape: ours and each peer of the pool's dtype, eager and graph, with the ratios."""
     heads, q_len, batch, kv_len = shape
-    s = decode_setup("triton", heads, q_len, batch, kv_len, kv_dtype=kv_dtype, device=device)
+    s = decode_setup(backend, heads, q_len, batch, kv_len, kv_dtype=kv_dtype, device=device)
     row: dict = {"heads": heads, "q_len": q_len, "batch": batch, "kv_len": kv_len}
     row["kv_dtype"] = kv_dtype
     row["ours"] = _timed(partial(_ours, s))
