@@ -159,6 +159,18 @@ def run_one(
             graphs,
         ),
     }
+    # Under the engine's CUDA graphs the logits are as wide as the longest context the pool
+    # takes (the indexer's graph state): the top-k over that width, with and without the
+    # rows' visible counts (without: what the kernel did before it took them).
+    wide = torch.full((b, req.req_to_token.shape[1]), -torch.inf, device=dev)
+    wide[:, : logits.shape[1]] = logits
+    vis = md.visible
+    indexer["topk_graph_width"] = timed(
+        lambda: topk_slots(wide, topk, req.req_to_token, md.rows, vis), graphs
+    )
+    indexer["topk_graph_width_unmasked"] = timed(
+        lambda: topk_slots(wide, topk, req.req_to_token, md.rows), graphs
+    )
     slots = ix.select(0, q_idx, w, cos, sin)
     out = []
     for h in heads:
@@ -319,8 +331,9 @@ def markdown(rows: list[dict], mode: str) -> str:
 
 
 def markdown_topk(rows: list[dict], mode: str) -> str:
-    """Our top-k kernel against torch.topk + the slot mapping (ms)."""
-    cols = ["topk_slots", "topk_slots_torch"]
+    """Our top-k kernel against torch.topk + the slot mapping, and over a graph's width with
+    and without the visible counts (ms)."""
+    cols = ["topk_slots", "topk_slots_torch", "topk_graph_width", "topk_graph_width_unmasked"]
     lines = ["| context | B | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     seen = set()
     for r in rows:

@@ -387,6 +387,26 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
     assert sorted(got[1].tolist()) == list(range(560 - k, 560))
 
 
+@pytest.mark.interp
+def test_topk_slots_kernel_reads_only_visible_keys() -> None:
+    """With `visible`, row t reads its first visible[t] logits only: the logits past them are
+    large finite garbage (what a CUDA graph's longest-context width may hold) and must never be
+    selected; a row with nothing visible is all -1; the result equals the -inf-masked rows."""
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    g = torch.Generator().manual_seed(7)
+    t, width, k = 4, 900, 64
+    logits = torch.randn(t, width, generator=g)
+    visible = torch.tensor([900, 300, 40, 0], dtype=torch.int32)
+    garbage = torch.arange(width)[None, :] >= visible[:, None].long()
+    r2t = torch.randperm(4 * width, generator=g).to(torch.int32).view(4, width)
+    rows = torch.tensor([2, 0, 3, 1])
+    got = topk_slots(logits.masked_fill(garbage, 1e6), k, r2t, rows, visible)
+    want = positions_to_slots(select_topk(logits.masked_fill(garbage, -torch.inf), k), r2t, rows)
+    assert _slot_sets(got) == _slot_sets(want)
+    assert [int((r == -1).sum()) for r in got] == [0, 0, k - 40, k]
+
+
 def test_topk_slots_refuses_non_fp32_logits() -> None:
     from mla_backends.sparse.topk_kernel import topk_slots
 

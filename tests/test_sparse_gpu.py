@@ -61,8 +61,9 @@ def test_sparse_backend_matches_reference(case: SparseCase) -> None:
     assert not detail, detail
 
 
+@pytest.mark.parametrize("with_visible", [False, True], ids=["masked", "visible"])
 @pytest.mark.parametrize("width", [1500, 16384, 40000, 131072])
-def test_topk_slots_kernel_matches_torch_topk(width: int) -> None:
+def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool) -> None:
     """The radix-select top-k on the GPU: the same slot sets as torch.topk + the slot mapping
     on distinct logits (no ties), rows with more and fewer visible keys than top-k."""
     from mla_backends.sparse.indexer import positions_to_slots, select_topk
@@ -79,8 +80,13 @@ def test_topk_slots_kernel_matches_torch_topk(width: int) -> None:
     )
     r2t = torch.randint(0, 1 << 30, (8, width), generator=g, device="cuda", dtype=torch.int32)
     rows = torch.tensor([5, 0, 7, 1, 2, 3], device="cuda")
-    got = topk_slots(logits, k, r2t, rows)
     want = positions_to_slots(select_topk(logits, k), r2t, rows)
+    if with_visible:  # past visible: large garbage, which only `visible` keeps out
+        limit = vis.clamp(max=width).to(torch.int32)
+        past = torch.arange(width, device="cuda")[None] >= limit[:, None]
+        got = topk_slots(logits.masked_fill(past, 1e6), k, r2t, rows, limit)
+    else:
+        got = topk_slots(logits, k, r2t, rows)
     for i in range(t):
         a, b = got[i].tolist(), want[i].tolist()
         assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i

@@ -216,7 +216,8 @@ class Indexer:
             if self.kernels == "triton":
                 from mla_backends.sparse.topk_kernel import topk_slots
 
-                out.append(topk_slots(logits, self.dims.topk, self.req_to_token, rows))
+                vis = md.visible[start:end]
+                out.append(topk_slots(logits, self.dims.topk, self.req_to_token, rows, vis))
                 continue
             pos = select_topk(logits, self.dims.topk)
             out.append(positions_to_slots(pos, self.req_to_token, rows))

@@ -76,24 +76,38 @@ def _threshold(Hist, K: tl.constexpr, PASSES: tl.constexpr):
 
 
 @triton.jit
+def _row_limit(Vis, t, width, HAS_VIS: tl.constexpr):
+    """Keys of row t that may be read: its visible count when given (logits past it are not
+    read: a graph's logits are as wide as the longest context it may see), else the width."""
+    if HAS_VIS:
+        return tl.minimum(tl.load(Vis + t), width)
+    return width
+
+
+@triton.jit
 def _hist_kernel(
     Logits,
     Hist,
+    Vis,
     width,
     stride_l,
     stride_h,
     K: tl.constexpr,
     P: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_VIS: tl.constexpr,
 ):
     """Pass P: counts of digit P of the visible keys whose digits 0..P-1 match the row's
     threshold so far, added into Hist[t, P] (rows that take all their keys count too, and
-    nobody reads those counts)."""
+    nobody reads those counts). Programs past the row's visible keys return at once."""
     t = tl.program_id(0).to(tl.int64)
+    limit = _row_limit(Vis, t, width, HAS_VIS)
+    if tl.program_id(1) * BLOCK >= limit:
+        return
     hist_row = Hist + t * stride_h
     _, need, prefix = _threshold(hist_row, K, P)
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(Logits + t * stride_l + pos, mask=pos < width, other=float("-inf"))
+    x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
     key = _sortable(x)
     match = x > float("-inf")
     if P > 0:
@@ -110,6 +124,7 @@ def _write_kernel(
     Out,
     R2T,
     Rows,
+    Vis,
     width,
     stride_l,
     stride_h,
@@ -117,15 +132,19 @@ def _write_kernel(
     stride_r2t,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_VIS: tl.constexpr,
 ):
     """Every visible key above the threshold, and ties while the row still needs them, as
     pool slots at positions reserved with atomics (Hist[t, 1024:1026] = written, ties
     claimed)."""
     t = tl.program_id(0).to(tl.int64)
+    limit = _row_limit(Vis, t, width, HAS_VIS)
+    if tl.program_id(1) * BLOCK >= limit:
+        return
     take_all, need, prefix = _threshold(Hist + t * stride_h, K, 4)
     count = Hist + t * stride_h + 4 * 256
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(Logits + t * stride_l + pos, mask=pos < width, other=float("-inf"))
+    x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
     key = _sortable(x)
     ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
@@ -145,10 +164,16 @@ def _write_kernel(
 
 
 def topk_slots(
-    logits: torch.Tensor, k: int, req_to_token: torch.Tensor, rows: torch.Tensor
+    logits: torch.Tensor,
+    k: int,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
-    slots of the k largest logits (any order), -1 for unused entries. No host sync."""
+    slots of the k largest logits (any order), -1 for unused entries. No host sync.
+    `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
+    programs past them return at once (a CUDA graph's W is the longest context it may see)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
@@ -164,9 +189,20 @@ def topk_slots(
     # per row: 4 x 256 digit counts, then (written, ties claimed); one fill zeroes them all
     hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=logits.device)
     grid = (t, cdiv(width, block))
+    has_vis = visible is not None
+    vis = visible if visible is not None else rows  # not read without HAS_VIS
     for p in range(4):
         _hist_kernel[grid](
-            logits, hist, width, logits.stride(0), hist.stride(0), K=k, P=p, BLOCK=block
+            logits,
+            hist,
+            vis,
+            width,
+            logits.stride(0),
+            hist.stride(0),
+            K=k,
+            P=p,
+            BLOCK=block,
+            HAS_VIS=has_vis,
         )
     _write_kernel[grid](
         logits,
@@ -174,6 +210,7 @@ def topk_slots(
         out,
         req_to_token,
         rows,
+        vis,
         width,
         logits.stride(0),
         hist.stride(0),
@@ -181,6 +218,7 @@ def topk_slots(
         req_to_token.stride(0),
         K=k,
         BLOCK=block,
+        HAS_VIS=has_vis,
         num_warps=8,
     )
     return out
