@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.bench.timing import bench_us
+from mla_backends.bench.timing import bench_us, graph_us
 from mla_backends.config import Config, MLADims
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 from mla_backends.sparse.base import SparseContext, create_sparse_backend
@@ -56,23 +57,10 @@ CHUNK = 1 << 19  # rows per fill chunk
 TRITON_CONFIGS = [(64, 64, 8, 2), (64, 16, 8, 2), (32, 64, 8, 3), (32, 32, 8, 3), (16, 32, 4, 3)]
 
 
-def graph_ms(fn: Callable[[], object]) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench_us(g.replay) / 1000.0
-
-
 def timed(fn: Callable[[], object], graphs: bool) -> dict[str, float]:
     out = {"eager": bench_us(fn) / 1000.0}
     if graphs:
-        out["graph"] = graph_ms(fn)
+        out["graph"] = graph_us(fn) / 1000.0
     return out
 
 
@@ -81,7 +69,7 @@ def build_pools(max_b: int, max_ctx: int, fp8_rows: bool, seed: int = 0):  # typ
     owns max_ctx tokens on pages in random order."""
     dev = torch.device("cuda")
     torch.manual_seed(seed)
-    ppr = -(-max_ctx // PAGE)
+    ppr = cdiv(max_ctx, PAGE)
     pages = max_b * ppr
     bf16 = MLATokenToKVPool(1, pages, PAGE, 512, 64, torch.bfloat16, dev)
     buf = bf16.kv_buffer[0]
@@ -223,7 +211,7 @@ def raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs):  # type:
     q = q_nope.new_zeros(b, hp, 576)
     q[:, :h, :512], q[:, :h, 512:] = q_nope, q_rope
     res = {}
-    kpad = -(-topk // 128) * 128
+    kpad = cdiv(topk, 128) * 128
     idx = torch.nn.functional.pad(slots, (0, kpad - topk), value=-1).view(b, 1, kpad)
     kv = bf16.kv_buffer[0].view(-1, 1, 576)
     fn = lambda: flash_mla_sparse_fwd(q, kv, idx, dims.softmax_scale, d_v=512)  # noqa: E731
