@@ -1,7 +1,7 @@
 """The sparse contract for rows with no valid index (out 0, lse -inf) in one launch: a program
 per query token reads its index row and, only if every entry is < 0, zeroes its output rows
 and sets its LSE to -inf. Batches without such rows read the indices and write nothing, where
-the torch form (`SparseMLABackend.mask_empty`) is four kernels that rewrite the whole output."""
+the torch form (`sparse.reference.mask_empty`) is four kernels that rewrite the whole output."""
 
 from __future__ import annotations
 

@@ -209,17 +209,6 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [T, H, L], lse [T, H] fp32, natural log)."""
 
-    @staticmethod
-    def mask_empty(
-        out: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The contract for rows with no valid index (out 0, lse -inf), whatever a kernel
-        wrote there. Device ops only."""
-        empty = (indices < 0).all(dim=-1)
-        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
-            empty[:, None], float("-inf")
-        )
-
 
 # ----------------------------------------------------------------------------- registry
 _MODULES: dict[str, str] = {

@@ -58,3 +58,14 @@ def sparse_reference(
     """Sparse attention of every token over the pool rows its indices name."""
     rows, valid = gather_rows(pool, layer, indices)
     return sparse_attention(q_nope, q_rope, rows, valid, scale, dtype)
+
+
+def mask_empty(
+    out: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract for rows with no valid index (out 0, lse -inf), whatever a kernel wrote
+    there, in torch ops (the backends use `kernels.empty_rows.fix_empty_rows`, one launch)."""
+    empty = (indices < 0).all(dim=-1)
+    return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(
+        empty[:, None], float("-inf")
+    )
