@@ -82,7 +82,7 @@ def compile_one(dtype: str, job: dict[str, Any]) -> dict[str, Any]:
         "out_scale": "fp32",
     }
     const = dict(H=job["heads"], L=L, R=R, PAGE=job["page"], BLOCK_M=bm, BLOCK_N=bn)
-    const.update(NUM_SPLITS=2, DOT_F32=False, TMA=tma)
+    const.update(NUM_SPLITS=2, DOT_F32=False, DOT_F16=False, TMA=tma)
     const.update(PRECISION="ieee" if dtype == "float32" else "tf32")
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(_mla_attn_kernel, sig, const)

@@ -53,7 +53,7 @@ def test_interpreter_strided_query_views() -> None:
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("splits", [2, 4, 64])  # 64: the merge reads its splits in 4 chunks
 def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""
     from mla_backends.kernels import tuning
@@ -74,6 +74,45 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
         )
         r = run_case(case)
         assert r.ok, r.detail
+
+
+@pytest.mark.parametrize("sms", [4, 78, 114, 132, 148])
+def test_split_rows_bound_holds_for_every_grid(sms: int) -> None:
+    """The graph workspace (tuning.split_rows_bound) holds the partials of every grid the
+    backend splits, at any batch, query length and head count."""
+    from mla_backends.arith import cdiv
+    from mla_backends.kernels import tuning
+
+    bound = tuning.split_rows_bound(sms)
+    for bm, waves in [(16, 2), (32, 2), (64, 1)]:
+        for rows in range(1, 4 * bm + 1):  # query rows of one request (q_len x heads)
+            for bs in range(1, 2 * sms + 2):
+                splits = tuning.choose_num_splits(bs * cdiv(rows, bm), 1 << 20, sms, waves)
+                if splits > 1:
+                    assert bs * rows * splits <= bound, (bm, rows, bs, splits, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads,kv", [(16, "bfloat16"), (128, "bfloat16"), (16, "fp8"), (128, "fp8")]
+)
+def test_gpu_small_batch_long_context_many_splits(
+    heads: int, kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 1-2 at 32k keys: 32-128 KV splits (eager) and the chunked merge, out and LSE
+    against the reference."""
+    from mla_backends.kernels import mla_attention as ma
+    from mla_backends.testing.cases import DTYPE_PAIRS
+
+    seen: list[int] = []
+    merge = ma._merge
+    monkeypatch.setattr(ma, "_merge", lambda *a: seen.append(a[-1]) or merge(*a))
+    dtype, kv_dtype = DTYPE_PAIRS[kv]
+    for lens in [(32768,), (32000, 17)]:
+        case = Case("triton", ForwardMode.DECODE, 64, heads, kv_dtype, dtype, 1, lens)
+        r = run_case(case, "cuda")
+        assert r.ok, f"{case.id}: {r.detail}"
+    assert max(seen) >= 32, seen
 
 
 @pytest.mark.interp

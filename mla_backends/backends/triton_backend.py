@@ -20,7 +20,6 @@ from mla_backends.config import Config
 from mla_backends.indices import build_page_table, page_table_width
 
 logger = logging.getLogger(__name__)
-GRAPH_SPLITS = 16  # the most KV splits a captured graph may use (workspace sized for it)
 
 
 def _pow2(n: int) -> bool:
@@ -41,7 +40,7 @@ class TritonGraphState:
     qo_indptr: torch.Tensor  # [max_bs + 1] int32, device
     table: torch.Tensor  # [max_bs, width] int32, device
     width: int  # host: pages per row for the longest context
-    workspace: tuple[torch.Tensor, torch.Tensor]  # [max rows * GRAPH_SPLITS] partials, device
+    workspace: tuple[torch.Tensor, torch.Tensor]  # split partials of any captured size, device
     # per captured (batch, q_len): views of the buffers above (every size reads leading rows)
     captured: dict[tuple[int, int], TritonMetadata] = field(default_factory=dict)
 
@@ -160,7 +159,12 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             torch.zeros(max_bs + 1, **i32),
             torch.zeros(max_bs, width, **i32),
             width,
-            self._workspace(max_num_tokens * self.dims.num_heads * GRAPH_SPLITS),
+            self._workspace(
+                min(
+                    max_num_tokens * self.dims.num_heads * self._tune.MAX_SPLITS,
+                    self._tune.split_rows_bound(self._sms),
+                )
+            ),
         )
 
     def graph_refill_on_device(self, batch_size: int) -> bool:
@@ -175,6 +179,12 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             # Splits are fixed per captured size, for the longest context the graph may see.
             splits = self._num_splits(bs, max_q, self.req_to_token.shape[1])
             rows = batch.num_tokens * self.dims.num_heads * splits
+            if splits > 1 and rows > state.workspace[1].numel():
+                # tuning.split_rows_bound is wrong if this is reached
+                raise RuntimeError(
+                    f"triton graph capture: {splits} splits of {batch.num_tokens} tokens need "
+                    f"{rows} partial rows, the graph workspace holds {state.workspace[1].numel()}"
+                )
             ws = (state.workspace[0][:rows], state.workspace[1][:rows]) if splits > 1 else None
             state.captured[key] = TritonMetadata(
                 state.qo_indptr[: bs + 1], state.table[:bs], max_q, splits, ws

@@ -88,7 +88,9 @@ def flashinfer_call(s: DecodeSetup) -> Callable[[], object]:
         kv_data_type=pool.dtype,
     )
     ckv, kpe = pool.get_ckv_kpe(0)
-    return lambda: w.run(q_nope=s.q_nope, q_pe=s.q_rope, ckv_cache=ckv, kpe_cache=kpe)
+    # FP8 rows: FlashInfer 0.7 refuses a run without the dequant scales (ours: one per layer)
+    scales = {"ckv_scale": pool.scale(0), "kpe_scale": pool.scale(0)} if pool.is_fp8 else {}
+    return lambda: w.run(q_nope=s.q_nope, q_pe=s.q_rope, ckv_cache=ckv, kpe_cache=kpe, **scales)
 
 
 def time_flashmla(s: DecodeSetup) -> float:

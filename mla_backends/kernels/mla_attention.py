@@ -93,6 +93,7 @@ def _mla_attn_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DOT_F16: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -135,6 +136,14 @@ def _mla_attn_kernel(
     if DOT_F32:
         qn = qn.to(tl.float32)
         qr = qr.to(tl.float32)
+    elif DOT_F16:
+        # FP8 KV at 16 / 32 query rows: e4m3 -> fp16 is exact and one instruction a pair on
+        # SM89+ (to bf16 it goes through fp32); P and the latent keep more bits in fp16. H100:
+        # H16 10-17% faster; at 64 rows (H128) 27-40% slower, so those keep bf16 (BENCHMARKS.md,
+        # "Hopper decode table"). Hazard: a query entry beyond fp16's range (|q| > 65504)
+        # would turn inf here.
+        qn = qn.to(tl.float16)
+        qr = qr.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -205,20 +214,27 @@ def _merge_kernel(
     H: tl.constexpr,
     L: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    """One (token, head) row: the splits' partials weighted by exp(lse - max), CHUNK splits
+    at a time (a [128, 512] fp32 tile in one go would spill: small batches take up to
+    `tuning.MAX_SPLITS` splits)."""
     row = tl.program_id(0).to(tl.int64)  # token * H + head
     t = row // H
     h = row % H
-    offs_s = tl.arange(0, NUM_SPLITS)
     offs_l = tl.arange(0, L)
-    lse = tl.load(PartLse + row * NUM_SPLITS + offs_s)
+    lse = tl.load(PartLse + row * NUM_SPLITS + tl.arange(0, NUM_SPLITS))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # empty splits: exp(-inf) = 0
-    total = tl.sum(w, 0)
-    parts = tl.load(PartOut + (row * NUM_SPLITS + offs_s)[:, None] * L + offs_l[None, :])
+    total = tl.sum(tl.exp(lse - m_safe), 0)  # empty splits: exp(-inf) = 0
     total_safe = tl.where(total == 0.0, 1.0, total)
-    out = tl.sum(parts * (w / total_safe)[:, None], 0)
+    acc = tl.zeros([L], dtype=tl.float32)
+    for c in tl.static_range(0, NUM_SPLITS, CHUNK):
+        offs_s = c + tl.arange(0, CHUNK)
+        w = tl.exp(tl.load(PartLse + row * NUM_SPLITS + offs_s) - m_safe)
+        parts = tl.load(PartOut + (row * NUM_SPLITS + offs_s)[:, None] * L + offs_l[None, :])
+        acc += tl.sum(parts * w[:, None], 0)
+    out = acc / total_safe
     tl.store(Out + t * stride_o_t + h * stride_o_h + offs_l, out.to(Out.dtype.element_ty))
     tl.store(
         Lse + t * stride_lse_t + h,
@@ -365,6 +381,7 @@ def mla_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_F32=dot_f32,
+        DOT_F16=not dot_f32 and kv.dtype == torch.float8_e4m3fn and block_m < 64,
         PRECISION=precision,
         TMA=use_tma,
         num_warps=num_warps,
@@ -394,6 +411,7 @@ def _merge(
         H=h,
         L=lat,
         NUM_SPLITS=num_splits,
+        CHUNK=min(num_splits, 16),
         num_warps=4,
     )
 

@@ -110,15 +110,31 @@ def mha_route(
     return "triton"
 
 
+# The most KV splits of one decode grid. Small batches need many to fill the GPU: at 16,
+# B1 / kv 32k put 16-32 programs on 132 SMs (H16 0.42x, H128 0.56x FlashMLA, graph replay,
+# BENCHMARKS.md "Hopper decode table").
+MAX_SPLITS = 128
+MIN_KEYS_PER_SPLIT = 256
+
+
 def choose_num_splits(
-    programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = 16
+    programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = MAX_SPLITS
 ) -> int:
     """Split KV until the grid covers the GPU `waves` times (2 when bandwidth-bound, 1 when
     compute-bound), keeping >= 256 keys per split. A power of two (the merge kernel's
     arange needs one). Measured on H200 (BENCHMARKS.md, launch-config sweep)."""
     want = max(1, round(waves * sms / max(programs, 1)))
-    want = min(want, max(1, max_kv_len // 256), max_splits)
+    want = min(want, max(1, max_kv_len // MIN_KEYS_PER_SPLIT), max_splits)
     return 1 << (want.bit_length() - 1)
+
+
+def split_rows_bound(sms: int) -> int:
+    """An upper bound on rows x splits (the partials one split grid writes) over every grid
+    `choose_num_splits` makes, whatever the batch: sizes a CUDA graph's workspace. P programs
+    of bm rows, w waves, S SMs: splitting needs want = round(w S / P) >= 2, so P <= w S / 1.5,
+    and splits <= w S / P + 1/2; rows <= P bm, so rows x splits <= bm w S + bm P / 2 <=
+    4/3 bm w S, where bm w <= 64 (64-row blocks at one wave, 16 or 32 rows at two)."""
+    return -(-4 * 64 * sms // 3)
 
 
 # The interpreter (CPU tests) wants tiny tiles: every tile is a numpy loop there.
