@@ -388,6 +388,28 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
 
 
 @pytest.mark.interp
+def test_topk_slots_kernel_resolves_the_last_digit() -> None:
+    """Keys one ulp apart (positive and negative), so every key shares the first two digits
+    (bits 31-10) with the threshold and only the last pass (bits 9-0) separates them; shuffled
+    over several 256-key blocks."""
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    g = torch.Generator().manual_seed(11)
+    k, width = 100, 700
+    bits = torch.tensor([1.5, -1.5]).view(torch.int32)[:, None] + torch.arange(
+        width, dtype=torch.int32
+    )
+    logits = bits.view(torch.float32)  # row 0 grows with position, row 1 shrinks
+    perm = torch.randperm(width, generator=g)
+    logits = logits[:, perm]
+    r2t = torch.arange(width, dtype=torch.int32).view(1, width).repeat(2, 1)
+    got = topk_slots(logits.contiguous(), k, r2t, torch.tensor([0, 1]))
+    order = torch.argsort(perm)  # position of original index i after the shuffle
+    assert set(got[0].tolist()) == set(order[width - k :].tolist())
+    assert set(got[1].tolist()) == set(order[:k].tolist())
+
+
+@pytest.mark.interp
 def test_topk_slots_kernel_reads_only_visible_keys() -> None:
     """With `visible`, row t reads its first visible[t] logits only: the logits past them are
     large finite garbage (what a CUDA graph's longest-context width may hold) and must never be
