@@ -389,9 +389,9 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties() -> None:
 
 @pytest.mark.interp
 def test_topk_slots_kernel_resolves_the_last_digit() -> None:
-    """Keys one ulp apart (positive and negative), so every key shares the first two digits
-    (bits 31-10) with the threshold and only the last pass (bits 9-0) separates them; shuffled
-    over several 256-key blocks."""
+    """Keys one ulp apart (positive and negative), so every key shares its high bits with the
+    threshold and only the last digit passes (the low 10 bits) separate them; shuffled over
+    several 256-key blocks."""
     from mla_backends.sparse.topk_kernel import topk_slots
 
     g = torch.Generator().manual_seed(11)
