@@ -45,7 +45,7 @@ def picks(
             for page in pages:
                 for batch in (1, 64, 256):
                     for splits in (1, 2, 16):
-                        bm = block_m_for(q * h, dt, gluon)
+                        bm = block_m_for(q * h, dt, gluon, batch)
                         cfg = launch_config(bm, page, batch, splits, dt, gluon, L + R, SMEM_SM90)
                         if cfg.pop("gluon", False):
                             continue

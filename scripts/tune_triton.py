@@ -10,6 +10,9 @@ benchmark package's fixtures (random pools, shuffled pages):
     python3 scripts/tune_triton.py probe OUT_DIR          the Gluon 64-row decode kernel vs the
                                                           Triton one: time, |diff| of out / LSE;
                                                           probe-gluon.json
+    python3 scripts/tune_triton.py splits OUT_DIR         small batches: every KV split count
+                                                          1-128, graph replay, vs FlashMLA's
+                                                          replay; splits.json
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import torch
 from mla_backends.backends.kernel_packages import missing
 from mla_backends.backends.triton_backend import TritonBackend
 from mla_backends.bench.fixtures import DecodeSetup, PrefillInputs, decode_setup, traffic
-from mla_backends.bench.peers import sdpa_prefill, time_flashmla
-from mla_backends.bench.timing import bench_us
+from mla_backends.bench.peers import flashmla_call, sdpa_prefill, time_flashmla
+from mla_backends.bench.timing import bench_us, graph_us
 
 Cfg = tuple  # (block_m, block_n, warps, stages, splits, tma[, gluon])
 SWEEP_SHAPES = [(16, 1, 64, 4096), (16, 1, 128, 8192), (16, 2, 128, 8192),
@@ -136,7 +139,7 @@ def decode_sweep() -> list[dict]:
         assert md is not None
         mine = []
         for bm, bn, w, st in SWEEP_CFGS:
-            bm = bm or be._block_m(q_len * heads, s.q_nope.dtype)
+            bm = bm or be._block_m(q_len * heads, s.q_nope.dtype, batch)
             for splits in SWEEP_SPLITS:
                 try:
                     us = bench_us(decode_call(s, bm, bn, w, st, splits)[0], 10, 40)
@@ -190,6 +193,44 @@ def sweep(out: Path, small: bool) -> None:
     res = {"device": torch.cuda.get_device_name(), "decode": decode_sweep()}
     res["prefill"] = prefill_sweep()
     (out / "sweep.json").write_text(json.dumps(res, indent=1))
+
+
+SPLIT_SHAPES = [(h, 1, b, kv) for h in (128, 16) for b in (1, 4, 16) for kv in (4096, 32768)]
+
+
+def split_sweep(out: Path, small: bool) -> None:
+    """Our decode with the backend's launch config at 1-128 KV splits, each replayed from a
+    CUDA graph, against raw FlashMLA's replay on the same inputs; the backend's own choice
+    marked."""
+    rows = []
+    for shape in SPLIT_SHAPES:
+        s = decode_setup("triton", *shape)
+        be = triton_backend(s)
+        be.init_forward_metadata(s.batch)
+        md = be.metadata
+        assert md is not None
+        fm = graph_us(flashmla_call(s))
+        bm = be._block_m(s.q_len * s.heads, s.q_nope.dtype, s.batch.batch_size)
+        line = []
+        for splits in (1, 2, 4, 8, 16, 32, 64, 128):
+            if splits * 64 > s.kv_len:
+                break
+            cfg = be._launch_cfg(bm, s.batch.batch_size, splits, s.q_nope.dtype)
+            kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "tma")}
+            bn, w, st = int(kw["block_n"]), int(kw["num_warps"]), int(kw["num_stages"])
+            # the kernel the backend launches: Gluon only where the config says so (the first
+            # sweep passed the backend's Gluon flag, so its H16 rows ran the Gluon kernel)
+            gluon = bool(cfg.get("gluon", False))
+            call = decode_call(s, bm, bn, w, st, splits, bool(kw["tma"]), gluon)[0]
+            us = graph_us(call)
+            rows.append(dict(heads=s.heads, batch=s.batch.batch_size, kv=s.kv_len, splits=splits,
+                             us=us, flashmla_us=fm, chosen=splits == md.num_splits))  # fmt: skip
+            line.append(f"{splits}{'*' if splits == md.num_splits else ''}:{fm / us:.2f}")
+        print(f"H{s.heads} B{s.batch.batch_size} kv{s.kv_len} FlashMLA {fm:.1f} us; "
+              f"FlashMLA / ours by splits: " + " ".join(line))  # fmt: skip
+        del s, be
+        torch.cuda.empty_cache()
+    (out / "splits.json").write_text(json.dumps(rows, indent=1))
 
 
 def ir_counts(ttgir: str) -> dict[str, int]:
@@ -271,7 +312,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="tune_triton.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("command", choices=["sweep", "regs", "probe"])
+    p.add_argument("command", choices=["sweep", "regs", "probe", "splits"])
     p.add_argument("out", nargs="?", default="/tmp", type=Path, help="folder for the JSON")
     p.add_argument("--small", action="store_true", help="regs: the small-batch shapes")
     a = p.parse_args(argv)
@@ -280,7 +321,7 @@ def main(argv: list[str]) -> int:
         print(f"tune_triton.py {a.command}: cannot run: {reason}", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    {"sweep": sweep, "regs": regs, "probe": probe}[a.command](a.out, a.small)
+    {"sweep": sweep, "regs": regs, "probe": probe, "splits": split_sweep}[a.command](a.out, a.small)
     return 0
 
 

@@ -51,9 +51,11 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str) -> None:
 
 
 def _gluon_cases() -> list[Case]:
-    """Rows the backend gives the Gluon kernel: H128, and H16 at q_len 2 and 3 (32 and 48
-    query rows), bf16 and fp16, pages 64 and 128, the core matrix's edge lengths and NaN."""
+    """Rows the backend gives the Gluon kernel: H128, H16 decode at batch <= 16 (16 rows in a
+    64-row block), and H16 at q_len 2 and 3 (32 and 48 query rows), bf16 and fp16, pages 64
+    and 128, the core matrix's edge lengths and NaN."""
     cases = parity_cases("triton", (64, 128), (128,), ("bfloat16", "float16"), ("decode",))
+    cases += parity_cases("triton", (64,), (16,), ("bfloat16", "float16"), ("decode",))
     verify = parity_cases("triton", (64,), (16, 128), ("bfloat16",), ("verify",))
     return cases + verify + [replace(c, q_len=2) for c in verify if c.num_heads == 16]
 

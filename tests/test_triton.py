@@ -84,10 +84,11 @@ def test_split_rows_bound_holds_for_every_grid(sms: int) -> None:
     from mla_backends.kernels import tuning
 
     bound = tuning.split_rows_bound(sms)
-    for bm, waves in [(16, 2), (32, 2), (64, 1)]:
+    for bm in (16, 32, 64):
         for rows in range(1, 4 * bm + 1):  # query rows of one request (q_len x heads)
             for bs in range(1, 2 * sms + 2):
-                splits = tuning.choose_num_splits(bs * cdiv(rows, bm), 1 << 20, sms, waves)
+                waves, keys = tuning.split_policy(bm, rows)
+                splits = tuning.choose_num_splits(bs * cdiv(rows, bm), 1 << 20, sms, waves, keys)
                 if splits > 1:
                     assert bs * rows * splits <= bound, (bm, rows, bs, splits, bound)
 
@@ -296,10 +297,13 @@ def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch
     cfg = Config(model=SMALL, prefill_backend="triton", decode_backend="triton", num_pages=4)
     be = Runtime.build(cfg).backend
     be._gluon = True  # as on an SM90 with a bf16 pool
-    assert be._block_m(32, torch.bfloat16) == 64
+    assert be._block_m(32, torch.bfloat16, 64) == 64
+    assert be._block_m(16, torch.bfloat16, 16) == 64  # H16 decode at batch <= 16
+    assert be._block_m(16, torch.bfloat16, 17) == 16
     ma._gluon_failed("simulated")
-    assert be._block_m(32, torch.bfloat16) == 32
-    assert be._block_m(64, torch.float32) == 16  # fp32 never takes Gluon or 64-row blocks
+    assert be._block_m(32, torch.bfloat16, 64) == 32
+    assert be._block_m(16, torch.bfloat16, 1) == 16
+    assert be._block_m(64, torch.float32, 1) == 16  # fp32 never takes Gluon or 64-row blocks
 
 
 @pytest.mark.interp

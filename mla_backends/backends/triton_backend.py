@@ -87,8 +87,8 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         # The first failure to build the Gluon kernel turns it off for the process.
         return self._gluon and self._k_attn.gluon_error() is None
 
-    def _block_m(self, rows: int, dot_dtype: torch.dtype) -> int:
-        return self._tune.block_m_for(rows, dot_dtype, self._gluon_on())
+    def _block_m(self, rows: int, dot_dtype: torch.dtype, batch_size: int) -> int:
+        return self._tune.block_m_for(rows, dot_dtype, self._gluon_on(), batch_size)
 
     def _launch_cfg(
         self, block_m: int, batch_size: int, num_splits: int, dot_dtype: torch.dtype
@@ -107,12 +107,12 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         )
 
     def _num_splits(self, batch_size: int, max_q: int, max_kv: int) -> int:
-        """KV splits for a decode / verify grid of batch_size x head blocks: two waves when
-        bandwidth-bound (small blocks), one when compute-bound (64-row blocks)."""
+        """KV splits for a decode / verify grid of batch_size x head blocks (`split_policy`)."""
         rows = max_q * self.dims.num_heads
-        bm = self._block_m(rows, self.ctx.config.torch_dtype)
-        waves = 1 if bm >= 64 else 2
-        return self._tune.choose_num_splits(batch_size * cdiv(rows, bm), max_kv, self._sms, waves)
+        bm = self._block_m(rows, self.ctx.config.torch_dtype, batch_size)
+        waves, min_keys = self._tune.split_policy(bm, rows)
+        programs = batch_size * cdiv(rows, bm)
+        return self._tune.choose_num_splits(programs, max_kv, self._sms, waves, min_keys)
 
     # ------------------------------------------------------------------ metadata
     def _fill(
@@ -225,7 +225,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         if batch.batch_size == 0:
             return out, lse
         md = self._require_metadata()
-        block_m = self._block_m(md.max_q_len * h, q_nope.dtype)
+        block_m = self._block_m(md.max_q_len * h, q_nope.dtype, batch.batch_size)
         self._k_attn.mla_attention(
             q_nope,
             q_rope,

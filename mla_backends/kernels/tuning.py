@@ -10,12 +10,18 @@ import functools
 import torch
 
 
-def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool) -> int:
+def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool, batch_size: int) -> int:
     """Query rows (token, head) per program of the absorbed kernel, for `rows` per request."""
-    if rows <= 16 or dot_dtype == torch.float32:
+    if dot_dtype == torch.float32:
         # fp32 dots are FMA loops, not tensor-core MMAs: 32- and 64-row blocks spilled 8-16 KB
         # a thread on SM90 (offline compile), 16 rows none.
         return 16
+    if rows <= 16:
+        # H16 decode at batch <= 16: the Gluon kernel's 64-row block (rows past 16 masked)
+        # at one wave beat the 16-row tl.dot kernel at every shape of the H100 sweep
+        # (`tune_triton.py splits`, graph replay vs FlashMLA: B16 kv 4k 0.94x against 0.83x,
+        # B4 kv 4k 1.08x against 0.84x, B1 kv 32k 1.48x against 1.22x).
+        return 64 if gluon and batch_size <= 16 else 16
     # H16 q_len 2: half a Gluon block measured 0.88x FlashMLA, the 32-row Triton
     # block 0.62x (mma.sync, 46 spills; BENCHMARKS.md, Gluon decode kernel).
     return 32 if rows <= 32 and not gluon else 64
@@ -114,17 +120,32 @@ def mha_route(
 # B1 / kv 32k put 16-32 programs on 132 SMs (H16 0.42x, H128 0.56x FlashMLA, graph replay,
 # BENCHMARKS.md "Hopper decode table").
 MAX_SPLITS = 128
-MIN_KEYS_PER_SPLIT = 256
+
+
+def split_policy(block_m: int, rows: int) -> tuple[int, int]:
+    """(waves, min keys per split) of a decode grid of `block_m`-row programs for `rows` query
+    rows a request. 16- and 32-row blocks are bandwidth-bound: two waves, >= 256 keys (H200
+    launch-config sweep; one wave measured 0.73-0.76x FlashMLA at H16 B4-B16 on the H100
+    against 0.83-1.01x). 64-row blocks: one wave, >= 256 keys, or >= 64 when a request has
+    at most 16 rows (H16 in a Gluon block, B1 kv 4k: 64 splits 1.59x FlashMLA, 16 splits
+    1.31x; H100 sweep, `tune_triton.py splits`)."""
+    if block_m >= 64:
+        return 1, (64 if rows <= 16 else 256)
+    return 2, 256
 
 
 def choose_num_splits(
-    programs: int, max_kv_len: int, sms: int, waves: int, max_splits: int = MAX_SPLITS
+    programs: int,
+    max_kv_len: int,
+    sms: int,
+    waves: int,
+    min_keys: int = 256,
+    max_splits: int = MAX_SPLITS,
 ) -> int:
-    """Split KV until the grid covers the GPU `waves` times (2 when bandwidth-bound, 1 when
-    compute-bound), keeping >= 256 keys per split. A power of two (the merge kernel's
-    arange needs one). Measured on H200 (BENCHMARKS.md, launch-config sweep)."""
+    """Split KV until the grid covers the GPU `waves` times, keeping >= `min_keys` keys per
+    split (`split_policy` gives both). A power of two (the merge kernel's arange needs one)."""
     want = max(1, round(waves * sms / max(programs, 1)))
-    want = min(want, max(1, max_kv_len // MIN_KEYS_PER_SPLIT), max_splits)
+    want = min(want, max(1, max_kv_len // min_keys), max_splits)
     return 1 << (want.bit_length() - 1)
 
 
@@ -133,7 +154,8 @@ def split_rows_bound(sms: int) -> int:
     `choose_num_splits` makes, whatever the batch: sizes a CUDA graph's workspace. P programs
     of bm rows, w waves, S SMs: splitting needs want = round(w S / P) >= 2, so P <= w S / 1.5,
     and splits <= w S / P + 1/2; rows <= P bm, so rows x splits <= bm w S + bm P / 2 <=
-    4/3 bm w S, where bm w <= 64 (64-row blocks at one wave, 16 or 32 rows at two)."""
+    4/3 bm w S, where bm w <= 64 (`split_policy`: 64-row blocks at one wave, 16 or 32
+    rows at most two)."""
     return -(-4 * 64 * sms // 3)
 
 
