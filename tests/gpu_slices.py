@@ -44,12 +44,15 @@ SLICES: dict[str, str] = {
     "tests-4": "flashinfer_mla: parity, batch sizes, MHA prefill, graphs, metadata, schedule",
     "tests-5": "flashmla; DeepSeek-V3.2 sparse attention (DSA)",
     "tests-6": "linear attention through fla (its autotuning is slow)",
-    "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; any test no rule names",
+    "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon route's "
+    "parity cases; any test no rule names",
 }
 
 PARITY = "test_parity.py"
 GRAPHS = "test_graph_runner.py"
 RULES: list[Rule] = [
+    # tests-7's Gluon-route parity cases first (the first matching rule wins)
+    Rule("tests-7", "test_gluon.py", ("test_backend_takes_gluon_kernel",), seconds=12.0),
     # tests-1
     Rule("tests-1", "test_zero_key_rows.py", seconds=3.0),
     Rule("tests-1", "test_triton.py", seconds=6.0),
