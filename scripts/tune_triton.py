@@ -216,12 +216,11 @@ def split_sweep(out: Path, small: bool) -> None:
             if splits * 64 > s.kv_len:
                 break
             cfg = be._launch_cfg(bm, s.batch.batch_size, splits, s.q_nope.dtype)
-            kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "tma")}
-            bn, w, st = int(kw["block_n"]), int(kw["num_warps"]), int(kw["num_stages"])
+            bn, w, st = int(cfg["block_n"]), int(cfg["num_warps"]), int(cfg["num_stages"])
             # the kernel the backend launches: Gluon only where the config says so (the first
             # sweep passed the backend's Gluon flag, so its H16 rows ran the Gluon kernel)
             gluon = bool(cfg.get("gluon", False))
-            call = decode_call(s, bm, bn, w, st, splits, bool(kw["tma"]), gluon)[0]
+            call = decode_call(s, bm, bn, w, st, splits, bool(cfg["tma"]), gluon)[0]
             us = graph_us(call)
             rows.append(dict(heads=s.heads, batch=s.batch.batch_size, kv=s.kv_len, splits=splits,
                              us=us, flashmla_us=fm, chosen=splits == md.num_splits))  # fmt: skip

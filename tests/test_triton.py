@@ -80,15 +80,13 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
 def test_split_rows_bound_holds_for_every_grid(sms: int) -> None:
     """The graph workspace (tuning.split_rows_bound) holds the partials of every grid the
     backend splits, at any batch, query length and head count."""
-    from mla_backends.arith import cdiv
     from mla_backends.kernels import tuning
 
     bound = tuning.split_rows_bound(sms)
     for bm in (16, 32, 64):
         for rows in range(1, 4 * bm + 1):  # query rows of one request (q_len x heads)
             for bs in range(1, 2 * sms + 2):
-                waves, keys = tuning.split_policy(bm, rows)
-                splits = tuning.choose_num_splits(bs * cdiv(rows, bm), 1 << 20, sms, waves, keys)
+                splits = tuning.decode_splits(bs, rows, bm, 1 << 20, sms)
                 if splits > 1:
                     assert bs * rows * splits <= bound, (bm, rows, bs, splits, bound)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mla_backends.arith import cdiv, cumsum_indptr
+from mla_backends.arith import cumsum_indptr
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
@@ -110,9 +110,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         """KV splits for a decode / verify grid of batch_size x head blocks (`split_policy`)."""
         rows = max_q * self.dims.num_heads
         bm = self._block_m(rows, self.ctx.config.torch_dtype, batch_size)
-        waves, min_keys = self._tune.split_policy(bm, rows)
-        programs = batch_size * cdiv(rows, bm)
-        return self._tune.choose_num_splits(programs, max_kv, self._sms, waves, min_keys)
+        return self._tune.decode_splits(batch_size, rows, bm, max_kv, self._sms)
 
     # ------------------------------------------------------------------ metadata
     def _fill(

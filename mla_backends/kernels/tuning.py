@@ -9,6 +9,8 @@ import functools
 
 import torch
 
+from mla_backends.arith import cdiv
+
 
 def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool, batch_size: int) -> int:
     """Query rows (token, head) per program of the absorbed kernel, for `rows` per request."""
@@ -149,6 +151,14 @@ def choose_num_splits(
     return 1 << (want.bit_length() - 1)
 
 
+def decode_splits(batch_size: int, rows: int, block_m: int, max_kv_len: int, sms: int) -> int:
+    """KV splits of a decode / verify grid: `batch_size` requests of `rows` query rows each, in
+    programs of `block_m` rows (`split_policy`, then `choose_num_splits`)."""
+    waves, min_keys = split_policy(block_m, rows)
+    programs = batch_size * cdiv(rows, block_m)
+    return choose_num_splits(programs, max_kv_len, sms, waves, min_keys)
+
+
 def split_rows_bound(sms: int) -> int:
     """An upper bound on rows x splits (the partials one split grid writes) over every grid
     `choose_num_splits` makes, whatever the batch: sizes a CUDA graph's workspace. P programs
@@ -156,7 +166,7 @@ def split_rows_bound(sms: int) -> int:
     and splits <= w S / P + 1/2; rows <= P bm, so rows x splits <= bm w S + bm P / 2 <=
     4/3 bm w S, where bm w <= 64 (`split_policy`: 64-row blocks at one wave, 16 or 32
     rows at most two)."""
-    return -(-4 * 64 * sms // 3)
+    return cdiv(4 * 64 * sms, 3)
 
 
 # The interpreter (CPU tests) wants tiny tiles: every tile is a numpy loop there.
