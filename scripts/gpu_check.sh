@@ -27,6 +27,10 @@
 #     of the Hopper-kernel targets (PARTS: small, h128, heads, fp8; mla_backends/bench/hopper.py).
 #   dsa: DeepSeek-V3.2 sparse decode, 16k-128k, B 1 / 16 / 64, H 128 and 16
 #     (scripts/bench_sparse.py); run TESTS=tests-5 first for its GPU tests.
+#   suite: the whole GPU suite at once, SHARDS (default 12) pytest processes on one GPU, the
+#     compiles spread over the host's cores (scripts/pytest_shards.py); SUITE_TREE=DIR runs
+#     another checkout's suite instead (the tree before a refactor, with SUITE_SELECT, default
+#     "-k gpu tests/"); writes $OUT/suite-LABEL.json (counts, failures) and .tgz (logs, JUnit).
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
@@ -113,6 +117,29 @@ elif [ "$mode" = dcp ]; then
     bench_step "dcp-bench-$be" ${DCP_BENCH_TIMEOUT:-240} python3 scripts/bench_dcp.py \
       --backends "$be" --iters 50 --out "$out/dcp-$be.json"
   done
+elif [ "$mode" = suite ]; then
+  tree=${SUITE_TREE:-.}
+  if [ "$tree" = . ]; then
+    label=${SUITE_LABEL:-after}
+    read -ra select <<< "${SUITE_SELECT:---gpu-slice tests-all tests/}"
+    if [ -f .sgl/activate.sh ]; then  # the SGLang plug-in's GPU tests (tests-3)
+      source .sgl/activate.sh
+      python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || rc=1
+    fi
+  else
+    label=${SUITE_LABEL:-before}
+    read -ra select <<< "${SUITE_SELECT:--k gpu tests/}"
+    export PYTHONPATH=$(cd "$tree" && pwd):$PYTHONPATH
+  fi
+  # timing assertions run alone first; fla's autotuning (linear and Kimi tests) once a group
+  TRITON_CACHE_AUTOTUNING=1 timeout ${SUITE_TIMEOUT:-570} python3 scripts/pytest_shards.py \
+    --shards "${SHARDS:-12}" --timeout $((${SUITE_TIMEOUT:-570} - 15)) --cwd "$tree" \
+    --serial host_time --serial does_not_wait --group linear_hybrid --group kimi_linear \
+    ${SUITE_IDS:+--ids-from "$SUITE_IDS"} --out "$out/suite-$label" -- "${select[@]}" \
+    2>&1 | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  cp "$out/suite-$label/summary.json" "$out/suite-$label.json" 2>/dev/null
+  tar czf "$out/suite-$label.tgz" -C "$out" "suite-$label" && rm -rf "${out:?}/suite-$label"
 elif [ "$mode" = dsa ]; then
   bench_step dsa 570 python3 scripts/bench_sparse.py --out "$out/dsa"
 elif [ "$mode" = hopper ]; then
@@ -129,7 +156,7 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
   echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
-    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa, hopper)" >&2
+    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa, hopper, suite)" >&2
   exit 2
 fi
 exit $rc
