@@ -61,10 +61,14 @@ def _item(
 
 
 @triton.jit
-def _schedule(
+def _fi_mla_metadata_kernel(
     QoLens,
     SeqLens,
     Ws,
+    R2T,
+    Rows,
+    PageIds,
+    stride_r2t,
     n_req,
     H: tl.constexpr,
     PAGE: tl.constexpr,
@@ -75,7 +79,31 @@ def _schedule(
     CAUSAL: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_SM: tl.constexpr,
+    GATHER: tl.constexpr,
+    PAGE_BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
+    """Program (0, 0) writes the schedule; programs (1 + b, j) gather request b's page ids,
+    block j, back to back into PageIds (FlashInfer's kv_indices): one launch for both."""
+    pid = tl.program_id(0)
+    if pid > 0:
+        if GATHER:
+            flat_pages_block(
+                R2T,
+                Rows,
+                SeqLens,
+                PageIds,
+                stride_r2t,
+                n_req,
+                pid - 1,
+                tl.program_id(1),
+                PAGE,
+                PAGE_BLOCK,
+                BLOCK_B,
+            )
+        return
+    if tl.program_id(1) > 0:
+        return
     TILE: tl.constexpr = 64 * CLUSTER
     NUM_CLUSTERS: tl.constexpr = NUM_SM // CLUSTER
     # flashinfer 0.7.2's int-workspace layout (`synthetic_info`, checked against the real
@@ -212,65 +240,6 @@ def _schedule(
     tl.store(Ws + O_MP_START + e, 0, mask=unused)
     tl.store(Ws + O_MP_END + e, 0, mask=unused)
     tl.store(Ws + O_M_STRIDE + e, 0, mask=unused)
-
-
-@triton.jit
-def _fi_mla_metadata_kernel(
-    QoLens,
-    SeqLens,
-    Ws,
-    R2T,
-    Rows,
-    PageIds,
-    stride_r2t,
-    n_req,
-    H: tl.constexpr,
-    PAGE: tl.constexpr,
-    CLUSTER: tl.constexpr,
-    NUM_SM: tl.constexpr,
-    MAX_W: tl.constexpr,
-    T: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_SM: tl.constexpr,
-    GATHER: tl.constexpr,
-    PAGE_BLOCK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """Program (0, 0) writes the schedule; programs (1 + b, j) gather request b's page ids,
-    block j, back to back into PageIds (FlashInfer's kv_indices): one launch for both."""
-    pid = tl.program_id(0)
-    if pid == 0:
-        if tl.program_id(1) == 0:
-            _schedule(
-                QoLens,
-                SeqLens,
-                Ws,
-                n_req,
-                H,
-                PAGE,
-                CLUSTER,
-                NUM_SM,
-                MAX_W,
-                T,
-                CAUSAL,
-                BLOCK,
-                BLOCK_SM,
-            )
-    elif GATHER:
-        flat_pages_block(
-            R2T,
-            Rows,
-            SeqLens,
-            PageIds,
-            stride_r2t,
-            n_req,
-            pid - 1,
-            tl.program_id(1),
-            PAGE,
-            PAGE_BLOCK,
-            BLOCK_B,
-        )
 
 
 def query_tiles(max_q_len: int, num_heads: int, cluster: int) -> int:

@@ -53,8 +53,13 @@ def _segment_gather_kernel(
     b = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n = tl.load(Lens + b)
+    _gather_row(R2T, Rows, Out, stride_r2t, b, tl.load(Indptr + b), i, n, STEP, DIV)
+
+
+@triton.jit
+def _gather_row(R2T, Rows, Out, stride_r2t, b, start, i, n, STEP: tl.constexpr, DIV: tl.constexpr):
+    """Out[start + i] = r2t[rows[b], i * STEP] // DIV where i < n."""
     row = tl.load(Rows + b).to(tl.int64)
-    start = tl.load(Indptr + b)
     ok = i < n
     v = tl.load(R2T + row * stride_r2t + i * STEP, mask=ok, other=0)
     tl.store(Out + start + i, (v // DIV).to(tl.int32), mask=ok)
@@ -82,10 +87,7 @@ def flat_pages_block(
     lens = tl.load(SeqLens + ks, mask=(ks < b) & (ks < n_rows), other=0)
     start = tl.sum((lens + PAGE - 1) // PAGE)
     n = (tl.load(SeqLens + b) + PAGE - 1) // PAGE
-    row = tl.load(Rows + b).to(tl.int64)
-    ok = i < n
-    v = tl.load(R2T + row * stride_r2t + i * PAGE, mask=ok, other=0)
-    tl.store(Out + start + i, (v // PAGE).to(tl.int32), mask=ok)
+    _gather_row(R2T, Rows, Out, stride_r2t, b, start, i, n, PAGE, PAGE)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
-from mla_backends.kernels.mla_attention import _online_softmax
+from mla_backends.kernels.mla_attention import _attend_tile
 
 LOG2E = 1.4426950408889634
 
@@ -61,15 +61,10 @@ def _mha_block(
             k = tl.load(k_rows + offs_d[None, :])
             k2 = tl.load(k_rows + offs_e[None, :], mask=offs_e[None, :] < DQK, other=0.0)
             v = tl.load(v_rows + offs_v[None, :], mask=offs_v[None, :] < DV, other=0.0)
-        k = k.to(q.dtype)
-        k2 = k2.to(q.dtype)
-        v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=PRECISION) * qk_scale_log2
-        if MASKED:
-            s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
-        acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
-        acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=PRECISION)
+        k, k2, v = k.to(q.dtype), k2.to(q.dtype), v.to(q.dtype)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q2, k, k2, v, n, visible, qk_scale_log2, MASKED, PRECISION
+        )
     return acc, m_i, l_i
 
 
@@ -139,60 +134,35 @@ def _mha_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    acc, m_i, l_i = _mha_block(
-        acc,
-        m_i,
-        l_i,
-        q,
-        q2,
-        K,
-        V,
-        k_start,
-        0,
-        full,
-        visible,
-        h,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        qk_scale_log2,
-        offs_d,
-        offs_e,
-        offs_v,
-        DQK,
-        DV,
-        BLOCK_N,
-        False,
-        PRECISION,
-    )
-    acc, m_i, l_i = _mha_block(
-        acc,
-        m_i,
-        l_i,
-        q,
-        q2,
-        K,
-        V,
-        k_start,
-        full,
-        hi,
-        visible,
-        h,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        qk_scale_log2,
-        offs_d,
-        offs_e,
-        offs_v,
-        DQK,
-        DV,
-        BLOCK_N,
-        True,
-        PRECISION,
-    )
+    # Whole tiles every row of the block sees first (no mask), then the rest, masked.
+    for masked in tl.static_range(2):
+        acc, m_i, l_i = _mha_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q2,
+            K,
+            V,
+            k_start,
+            full if masked else 0,
+            hi if masked else full,
+            visible,
+            h,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            qk_scale_log2,
+            offs_d,
+            offs_e,
+            offs_v,
+            DQK,
+            DV,
+            BLOCK_N,
+            masked == 1,
+            PRECISION,
+        )
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

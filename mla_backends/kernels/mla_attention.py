@@ -48,15 +48,31 @@ def _online_softmax(acc, m_i, l_i, s):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, qn, qr, k, kr, n, visible, qk_scale_log2, PRECISION: tl.constexpr):
-    """One BLOCK_N tile of keys for all query rows: scores over L + R, causal mask, online
-    softmax, P @ V over the latent (V is the latent tile itself)."""
-    s = tl.dot(qn, tl.trans(k), input_precision=PRECISION)
-    s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=PRECISION)
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    qa,
+    qb,
+    ka,
+    kb,
+    v,
+    n,
+    visible,
+    qk_scale_log2,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One BLOCK_N tile of keys for all query rows: scores as two dots (MLA: latent L + rope
+    R; MHA prefill: the qk dim split 128 + 64), key n visible to a row while n < visible
+    (when MASKED), online softmax, P @ V (in MLA, V is the latent tile itself)."""
+    s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
+    s = tl.dot(qb, tl.trans(kb), acc=s, input_precision=PRECISION)
     s = s * qk_scale_log2
-    s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
+    if MASKED:
+        s = tl.where(n[None, :] < visible[:, None], s, float("-inf"))
     acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
-    acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -161,7 +177,7 @@ def _mla_attn_kernel(
             k = KDesc.load([row, 0]).to(qn.dtype)
             kr = KRDesc.load([row, L]).to(qr.dtype)
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, qn, qr, k, kr, n, visible, qk_scale_log2, PRECISION
+                acc, m_i, l_i, qn, qr, k, kr, k, n, visible, qk_scale_log2, True, PRECISION
             )
     for start in range(gather_lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -174,18 +190,9 @@ def _mla_attn_kernel(
         kr = tl.load(
             KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
         )
+        k = k.to(qn.dtype)
         acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            qn,
-            qr,
-            k.to(qn.dtype),
-            kr.to(qr.dtype),
-            n,
-            visible,
-            qk_scale_log2,
-            PRECISION,
+            acc, m_i, l_i, qn, qr, k, kr.to(qr.dtype), k, n, visible, qk_scale_log2, True, PRECISION
         )
 
     empty = l_i == 0.0
@@ -341,6 +348,7 @@ def mla_attention(
         else:
             _merge(part_out, part_lse, out, lse, num_splits)
             return
+    outs = (out, lse, part_out, part_lse)
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
     use_tma = tma and tma_ok(kv, page_size, block_n)
     k_desc: object = kv
@@ -350,27 +358,7 @@ def mla_attention(
         k_desc = TensorDescriptor(kv, shape, strides, [block_n, lat])
         kr_desc = TensorDescriptor(kv, shape, strides, [block_n, r])
     _mla_attn_kernel[(m_blocks, b, num_splits)](
-        q_nope,
-        q_rope,
-        kv,
-        k_desc,
-        kr_desc,
-        table,
-        qo_indptr,
-        seq_lens,
-        out,
-        lse,
-        part_out,
-        part_lse,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_rope.stride(0),
-        q_rope.stride(1),
-        kv.stride(0),
-        table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
+        *decode_args(q_nope, q_rope, kv, k_desc, kr_desc, table, qo_indptr, seq_lens, outs),
         sm_scale * kv_scale * LOG2E,
         kv_scale,
         H=h,
@@ -388,6 +376,26 @@ def mla_attention(
         num_stages=num_stages,
     )
     _merge(part_out, part_lse, out, lse, num_splits)
+
+
+def decode_args(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    k_desc: object,
+    kr_desc: object,
+    table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[object, ...]:
+    """The leading arguments both decode kernels take (`_mla_attn_kernel` and the Gluon
+    kernel), in their order: tensors and descriptors, then strides. `outs`: (out, lse,
+    part_out, part_lse)."""
+    out, lse = outs[0], outs[1]
+    strides = (q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
+    strides += (kv.stride(0), table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    return (q_nope, q_rope, kv, k_desc, kr_desc, table, qo_indptr, seq_lens, *outs, *strides)
 
 
 def _merge(

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_backends.kernels.common import interpreting
+from mla_backends.kernels.mla_attention import decode_args
 
 # Gluon names that moved: gl.thread_barrier (3.6) is gl.barrier from 3.7; TMA's
 # async_copy_global_to_shared (3.6, 3.7) is async_load from 3.8 and raises from 3.9.
@@ -475,28 +476,9 @@ def launch(
         TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout((BLOCK_N, w), dt))
         for w in (lat, r)
     )
+    outs = (out, lse, part_out, part_lse)
     _mla_attn_gluon_kernel[(m_blocks, seq_lens.numel(), num_splits)](
-        q_nope,
-        q_rope,
-        kv,
-        k_desc,
-        kr_desc,
-        table,
-        qo_indptr,
-        seq_lens,
-        out,
-        lse,
-        part_out,
-        part_lse,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_rope.stride(0),
-        q_rope.stride(1),
-        kv.stride(0),
-        table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
+        *decode_args(q_nope, q_rope, kv, k_desc, kr_desc, table, qo_indptr, seq_lens, outs),
         qk_scale_log2,
         H=q_nope.shape[1],
         L=lat,
