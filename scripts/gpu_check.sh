@@ -30,7 +30,9 @@
 #   suite: the whole GPU suite at once, SHARDS (default 12) pytest processes on one GPU, the
 #     compiles spread over the host's cores (scripts/pytest_shards.py); SUITE_TREE=DIR runs
 #     another checkout's suite instead (the tree before a refactor, with SUITE_SELECT, default
-#     "-k gpu tests/"); writes $OUT/suite-LABEL.json (counts, failures) and .tgz (logs, JUnit).
+#     "-k gpu tests/"); SUITE_IDS=FILE: those node ids; SUITE_ARGS: pytest_shards.py's options
+#     (default: timing tests alone first, fla's tests in two groups); SUITE_LABEL names the
+#     outputs, $OUT/suite-LABEL.json (counts, failures) and .tgz (logs, JUnit).
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
@@ -134,7 +136,7 @@ elif [ "$mode" = suite ]; then
   # timing assertions run alone first; fla's autotuning (linear and Kimi tests) once a group
   TRITON_CACHE_AUTOTUNING=1 timeout ${SUITE_TIMEOUT:-570} python3 scripts/pytest_shards.py \
     --shards "${SHARDS:-12}" --timeout $((${SUITE_TIMEOUT:-570} - 15)) --cwd "$tree" \
-    --serial host_time --serial does_not_wait --group linear_hybrid --group kimi_linear \
+    ${SUITE_ARGS:---serial host_time --serial does_not_wait --group linear_hybrid --group kimi_linear} \
     ${SUITE_IDS:+--ids-from "$SUITE_IDS"} --out "$out/suite-$label" -- "${select[@]}" \
     2>&1 | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1

@@ -6,7 +6,9 @@ collected once, sorted (a file's cases stay together: neighbours often share com
 kernels), cut into chunks and dealt round-robin to the shards. Tests whose node id contains a
 `--serial` string (timing assertions that contention would break) run first, alone; each
 `--group` string gathers its tests into one shard of their own (fla's autotuning: tuned once
-in that process rather than in every shard at once).
+in that process rather than in every shard at once); each `--each` string gives each of its
+tests a process of its own (autotuning of different kernels side by side). `--only` and
+`--exclude` filter the node ids.
 
     python3 scripts/pytest_shards.py --shards 12 --out DIR [--cwd TREE] -- PYTEST_SELECTION...
     python3 scripts/pytest_shards.py ... --ids-from FILE   (node ids, one a line: no collection)
@@ -111,6 +113,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds for everything")
     ap.add_argument("--serial", action="append", default=[], help="node-id part run alone")
     ap.add_argument("--group", action="append", default=[], help="node-id part: one shard")
+    ap.add_argument("--each", action="append", default=[], help="node-id part: a shard a test")
+    ap.add_argument("--only", action="append", default=[], help="keep ids with this part")
+    ap.add_argument("--exclude", action="append", default=[], help="drop ids with this part")
     ap.add_argument("--ids-from", type=Path, help="node ids, one a line, instead of collecting")
     ap.add_argument("selection", nargs="*", help="pytest arguments that select the tests")
     args = ap.parse_args()
@@ -127,6 +132,9 @@ def main() -> int:
         ids = collect(args.selection, args.cwd)
     else:
         ap.error("name the tests: a pytest selection after --, or --ids-from FILE")
+    if args.only:
+        ids = [i for i in ids if any(part in i for part in args.only)]
+    ids = [i for i in ids if not any(part in i for part in args.exclude)]
     serial = [i for i in ids if any(s in i for s in args.serial)]
     taken = set(serial)
     groups = []
@@ -135,6 +143,10 @@ def main() -> int:
         taken |= set(group)
         if group:
             groups.append(Shard(f"group-{k}", group))
+    for i in ids:
+        if i not in taken and any(part in i for part in args.each):
+            taken.add(i)
+            groups.append(Shard(f"each-{len(groups)}", [i]))
     rest = [i for i in ids if i not in taken]
     dealt = deal(rest, max(1, args.shards - len(groups)), args.chunk)
     shards = [*groups, *(Shard(f"shard-{k}", g) for k, g in enumerate(dealt))]
