@@ -33,6 +33,10 @@
 #     "-k gpu tests/"); SUITE_IDS=FILE: those node ids; SUITE_ARGS: pytest_shards.py's options
 #     (default: timing tests alone first, fla's tests in two groups); SUITE_LABEL names the
 #     outputs, $OUT/suite-LABEL.json (counts, failures) and .tgz (logs, JUnit).
+#   compare: the same rows on another checkout (COMPARE_TREE, e.g. the tree before a refactor,
+#     with its own benchmark module) and on this one, one process each, back to back: the
+#     metadata host-time tests, then the anchors decode table (COMPARE_SHAPES) and an 8192-token
+#     MHA prefill for triton, flashinfer_mla and flashmla against raw FlashMLA and fa3.
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
@@ -142,6 +146,26 @@ elif [ "$mode" = suite ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   cp "$out/suite-$label/summary.json" "$out/suite-$label.json" 2>/dev/null
   tar czf "$out/suite-$label.tgz" -C "$out" "suite-$label" && rm -rf "${out:?}/suite-$label"
+elif [ "$mode" = compare ]; then
+  tree=${COMPARE_TREE:?COMPARE_TREE=DIR: the other checkout}
+  shapes=${COMPARE_SHAPES:-16:1:64:4096,16:1:128:8192,16:1:256:1024,16:2:128:8192,128:1:64:4096,128:1:128:8192,128:1:256:1024,128:2:64:4096,128:2:128:8192}
+  bes=triton,flashinfer_mla,flashmla peers=raw_flashmla,raw_flashinfer_fa3
+  for side in before after; do
+    dir=$tree && [ $side = after ] && dir=.
+    (cd "$dir" && PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 -m pytest -q -s \
+      -p no:cacheprovider tests/test_kernel_backends.py -k host_time 2>&1 |
+      grep -E "host time median|passed|failed" | tee "$out/host-time-$side.log")
+  done
+  (cd "$tree" && PYTHONPATH=$(pwd):$PYTHONPATH bench_step bench-before 240 python3 -c "
+import json, os
+from mla_backends import benchmark as b
+shapes = [tuple(int(x) for x in s.split(':')) for s in '$shapes'.split(',')]
+r = {'decode': b.decode_table('$bes'.split(','), '$peers'.split(','), shapes)}
+r['prefill'] = b.prefill_table(['triton', 'flashinfer_mla'], 8192)
+json.dump(r, open('$out/bench-before.json', 'w'), indent=1)
+print(b.format_result({**r, 'device': '', 'ceilings': b.ceilings(__import__('torch').device('cuda'))}, '$bes'.split(','), '$peers'.split(',')))")
+  bench_step bench-after 240 python3 -m mla_backends bench --suite anchors --shapes "$shapes" \
+    --backends $bes --peers $peers --prefill-tokens 8192 --out "$out/bench-after"
 elif [ "$mode" = dsa ]; then
   bench_step dsa 570 python3 scripts/bench_sparse.py --out "$out/dsa"
 elif [ "$mode" = hopper ]; then
