@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+from torch import Tensor
 
 from mla_backends.backends.context import (  # re-exported: backends import them from here
     ACT_DTYPES,
@@ -141,13 +142,8 @@ class MLABackend(ABC, Generic[M]):
 
     @abstractmethod
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """(out [T, H, L], lse [T, H] fp32 or None) over the cached rows, bottom-right causal;
         rows of requests with no keys give out 0 / lse -inf (`util.mask_empty_rows`)."""
 
@@ -176,14 +172,8 @@ class MLABackend(ABC, Generic[M]):
         return out, lse
 
     def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor, k: Tensor, v: Tensor, layout: RaggedLayout, causal: bool, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """(out [Tq, H, V], lse [Tq, H] fp32 or None when not `need_lse`)."""
         raise NotImplementedError(
             f"backend {self.name!r} has no MHA-mode prefill; set prefill_backend to one that has"

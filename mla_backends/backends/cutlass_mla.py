@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
@@ -74,13 +75,8 @@ class CutlassMLABackend(PageTableBackend):
         self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         if need_lse:
             raise NotImplementedError("cutlass_mla returns no LSE (sgl_kernel 0.4.3)")
         md = self._require_metadata()

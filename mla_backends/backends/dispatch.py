@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import MLABackend
-from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.batch import ForwardBatch
 
 
 class DispatchBackend:
@@ -42,30 +42,13 @@ class DispatchBackend:
         self._active.check_batch(batch)
 
     # ------------------------------------------------------------------ per layer
-    def forward_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        k_nope: torch.Tensor | None,
-        k_rope: torch.Tensor | None,
-        batch: ForwardBatch,
-        return_lse: bool = False,
-    ) -> Any:  # precise types: AttentionBackend's overloads
-        return self._active.forward_absorbed(
-            layer, q_nope, q_rope, k_nope, k_rope, batch, return_lse
-        )
+    # The per-layer verbs pass their arguments through unchanged: their types are
+    # AttentionBackend's (backends/protocol.py).
+    def forward_absorbed(self, layer: int, *args: Any, **kwargs: Any) -> Any:
+        return self._active.forward_absorbed(layer, *args, **kwargs)
 
-    def forward_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool = True,
-        return_lse: bool = False,
-    ) -> Any:  # precise types: AttentionBackend's overloads
-        return self.prefill.forward_mha(q, k, v, layout, causal, return_lse)
+    def forward_mha(self, *args: Any, **kwargs: Any) -> Any:
+        return self.prefill.forward_mha(*args, **kwargs)
 
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
@@ -184,13 +185,8 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         md = self._require_metadata()
         out = torch.empty_like(q_nope)
         lse = None
@@ -242,14 +238,8 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
         return w
 
     def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor, k: Tensor, v: Tensor, layout: RaggedLayout, causal: bool, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         w = self._ragged_wrapper(self.metadata, layout, causal)
         if need_lse:
             out, lse = w.run(q, k, v, return_lse=True, lse_base="ln")

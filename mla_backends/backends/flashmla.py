@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
+from torch import Tensor
 
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
@@ -110,13 +111,8 @@ class FlashMLABackend(PageTableBackend):
         return FlashMLAMetadata(pt.table, pt.max_seq_len, pt.q_len, static, state.splits[: bs + 1])
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         md = self._require_metadata()
         assert isinstance(md, FlashMLAMetadata)
         t, h, lat = q_nope.shape

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import MLABackend
-from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.batch import ForwardBatch
 from mla_backends.linear.backend import LinearAttentionBackend
 
 KINDS = ("full", "linear")
@@ -131,29 +131,13 @@ class HybridBackend:
         return self.full.cuda_graph_seq_len_fill_value
 
     # ------------------------------------------------------------------ per layer
-    def forward_absorbed(
-        self,
-        layer_id: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        k_nope: torch.Tensor | None,
-        k_rope: torch.Tensor | None,
-        batch: ForwardBatch,
-        return_lse: bool = False,
-    ) -> Any:  # precise types: AttentionBackend's overloads
-        layer = self._slot(layer_id, "full")
-        return self.full.forward_absorbed(layer, q_nope, q_rope, k_nope, k_rope, batch, return_lse)
+    # The per-layer verbs pass their arguments through unchanged: their types are
+    # AttentionBackend's (backends/protocol.py).
+    def forward_absorbed(self, layer_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self.full.forward_absorbed(self._slot(layer_id, "full"), *args, **kwargs)
 
-    def forward_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool = True,
-        return_lse: bool = False,
-    ) -> Any:  # precise types: AttentionBackend's overloads
-        return self.full.forward_mha(q, k, v, layout, causal, return_lse)
+    def forward_mha(self, *args: Any, **kwargs: Any) -> Any:
+        return self.full.forward_mha(*args, **kwargs)
 
     def store_kv(
         self, layer_id: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor

@@ -4,6 +4,7 @@ interface, so a whole model can run on them (`run` checks a backend's logits aga
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch, RaggedLayout
@@ -21,13 +22,8 @@ class ReferenceBackend(MLABackend):
         return None  # everything is read per call from the batch
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         out, lse = batch_reference(
             self.pool,
             layer,
@@ -43,14 +39,8 @@ class ReferenceBackend(MLABackend):
         return out.to(q_nope.dtype), lse.float()
 
     def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor, k: Tensor, v: Tensor, layout: RaggedLayout, causal: bool, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
         outs, lses = [], []
         for i in range(layout.batch_size):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from mla_backends.arith import cumsum_indptr
 from mla_backends.backends.base import BackendCaps, GraphCapable
@@ -89,13 +90,8 @@ class TorchBackend(GraphCapable[TorchMetadata, TorchGraphState]):
 
     # ------------------------------------------------------------------ attention
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         if batch.mode is ForwardMode.EXTEND:
             return self._attend_absorbed_ragged(layer, q_nope, q_rope, batch)
         md = self._require_metadata()
@@ -143,14 +139,8 @@ class TorchBackend(GraphCapable[TorchMetadata, TorchGraphState]):
         return out, lse
 
     def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor, k: Tensor, v: Tensor, layout: RaggedLayout, causal: bool, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         out = torch.zeros(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         qo, kvp = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from mla_backends.arith import cumsum_indptr
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
@@ -210,13 +211,8 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         )
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         t, h, _ = q_nope.shape
         out = torch.empty_like(q_nope)
         lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
@@ -246,14 +242,8 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         return out, lse
 
     def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor, k: Tensor, v: Tensor, layout: RaggedLayout, causal: bool, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         from mla_backends.kernels.torch_prefill import sdpa_fits, torch_mha_prefill
 
         out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
@@ -82,13 +83,8 @@ class TrtllmMLABackend(PageTableBackend):
         return q[..., : self.dims.kv_lora_rank], q[..., self.dims.kv_lora_rank :]
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         md = self._require_metadata()
         t, h, lat = q_nope.shape
         b = batch.batch_size

@@ -33,6 +33,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from mla_backends.backends.base import BackendContext, GraphCapable, MLABackend
 from mla_backends.backends.paged_table import QueryQuantizer
@@ -142,13 +143,8 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
         self.inner.store_kv(layer, loc, k_nope, k_rope)
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         md = self.metadata
         lat = self.dims.kv_lora_rank
         if md is None:
@@ -180,14 +176,8 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
         return merge_partials(out_k, lse_k, md.valid)
 
     def _attend_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor, k: Tensor, v: Tensor, layout: RaggedLayout, causal: bool, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """MHA-mode prefill over the new tokens' own k / v: on every rank, no communication."""
         if need_lse:
             return self.mha.forward_mha(q, k, v, layout, causal, True)

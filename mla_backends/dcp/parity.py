@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from mla_backends.arith import cdiv
 from mla_backends.backends.base import MLABackend
@@ -104,13 +105,8 @@ class UndefinedEmptyRows(MLABackend):
         self.inner.store_kv(layer, loc, k_nope, k_rope)
 
     def _attend_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: int, q_nope: Tensor, q_rope: Tensor, batch: ForwardBatch, need_lse: bool
+    ) -> tuple[Tensor, Tensor | None]:
         out, lse = self.inner._attend_absorbed(layer, q_nope, q_rope, batch, True)
         ext = batch.extend_seq_lens.long()
         qo = torch.cumsum(ext, 0) - ext  # first token of each request

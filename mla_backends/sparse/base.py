@@ -194,18 +194,12 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
             "q_rope", q_rope, (t, d.num_heads, d.qk_rope_head_dim), q_nope.dtype, self.device
         )
         check_tensor("indices", indices, (t, self.topk), torch.int32, self.device)
-        out, lse = self._attend(layer, q_nope, q_rope, indices, batch, return_lse)
+        out, lse = self._attend(layer, q_nope, q_rope, indices)  # LSE is always computed
         return (out, lse) if return_lse else out
 
     @abstractmethod
     def _attend(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        indices: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [T, H, L], lse [T, H] fp32, natural log)."""
 

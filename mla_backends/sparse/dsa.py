@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.batch import ForwardBatch, RaggedLayout
+from mla_backends.batch import ForwardBatch
 from mla_backends.runtime import Runtime
 from mla_backends.sparse.base import (
     SparseContext,
@@ -147,29 +147,13 @@ class DSABackend:
             )
         return self.dense
 
-    def forward_absorbed(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        k_nope: torch.Tensor | None,
-        k_rope: torch.Tensor | None,
-        batch: ForwardBatch,
-        return_lse: bool = False,
-    ) -> Any:  # precise types: AttentionBackend's overloads
-        dense = self._dense_backend()
-        return dense.forward_absorbed(layer, q_nope, q_rope, k_nope, k_rope, batch, return_lse)
+    # The dense verbs pass their arguments through unchanged: their types are
+    # AttentionBackend's (backends/protocol.py).
+    def forward_absorbed(self, layer: int, *args: Any, **kwargs: Any) -> Any:
+        return self._dense_backend().forward_absorbed(layer, *args, **kwargs)
 
-    def forward_mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: RaggedLayout,
-        causal: bool = True,
-        return_lse: bool = False,
-    ) -> Any:  # precise types: AttentionBackend's overloads
-        return self._dense_backend().forward_mha(q, k, v, layout, causal, return_lse)
+    def forward_mha(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dense_backend().forward_mha(*args, **kwargs)
 
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor

@@ -167,13 +167,7 @@ class FlashInferSparseBackend(SparseMLABackend):
 
     # ------------------------------------------------------------------ attention
     def _attend(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        indices: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, lat = q_nope.shape
         # contiguous, whatever q's strides: fix_empty_rows writes each token's H x L block

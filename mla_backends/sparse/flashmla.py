@@ -201,13 +201,7 @@ class FlashMLASparseBackend(SparseMLABackend):
         return out, lse * self._lse_factor
 
     def _attend(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        indices: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, lat = q_nope.shape
         q = self._query(q_nope, q_rope)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from mla_backends.batch import ForwardBatch
 from mla_backends.sparse.base import SparseCaps, SparseMLABackend, register_sparse_backend
 from mla_backends.sparse.reference import sparse_reference
 
@@ -19,13 +18,7 @@ class TorchSparseBackend(SparseMLABackend):
     maths: torch.dtype = torch.float32
 
     def _attend(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        indices: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t = q_nope.shape[0]
         step = max(1, GATHER_BUDGET // (4 * self.topk * self.dims.kv_dim))

@@ -9,7 +9,6 @@ import os
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.batch import ForwardBatch
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.sparse.base import (
     SparseCaps,
@@ -81,13 +80,7 @@ class TritonSparseBackend(SparseMLABackend):
         return {**cfg, "splits": choose_splits(programs, self.topk, self._sms)}
 
     def _attend(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        indices: torch.Tensor,
-        batch: ForwardBatch,
-        need_lse: bool,
+        self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, _ = q_nope.shape
         out = torch.empty_like(q_nope)
