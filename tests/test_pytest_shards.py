@@ -1,0 +1,62 @@
+"""scripts/pytest_shards.py, the concurrent GPU-suite runner: how tests are dealt, how JUnit is
+counted, and one real run over a throwaway test file (a failure, a skip, the --serial /
+--each / --exclude routes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _shards() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "pytest_shards", ROOT / "scripts/pytest_shards.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pytest_shards"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_deal_keeps_chunks_contiguous_and_every_id_once() -> None:
+    deal = _shards().deal
+    ids = [f"t::{i:02d}" for i in range(11)]
+    out = deal(ids, 3, 2)
+    assert out == [ids[0:2] + ids[6:8], ids[2:4] + ids[8:10], ids[4:6] + ids[10:11]]
+    assert deal(ids[:3], 8, 2) == [ids[0:2], ids[2:3]]  # no empty shards
+
+
+def test_a_run_counts_failures_skips_and_routes(tmp_path: Path) -> None:
+    tests = tmp_path / "test_tiny.py"
+    tests.write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_host_time(): pass\n"
+        "def test_fails(): assert 1 == 2, 'one is not two'\n"
+        "def test_heavy_a(): pass\n"
+        "def test_heavy_b(): pass\n"
+        "def test_dropped(): raise SystemExit(3)\n"
+        "@pytest.mark.skip(reason='no GPU here')\n"
+        "def test_skipped(): pass\n"
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts/pytest_shards.py"), "--shards", "3"]
+    cmd += ["--out", str(out), "--cwd", str(tmp_path), "--serial", "host_time"]
+    cmd += ["--each", "heavy", "--exclude", "dropped", "--", "test_tiny.py"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr  # one test fails
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tests"] == 6
+    assert summary["total"] == {"passed": 4, "failed": 1, "error": 0, "skipped": 1}
+    assert summary["not_reported"] == 0 and summary["timed_out"] == []
+    assert summary["failures"] == ["test_tiny::test_fails: AssertionError: one is not two"]
+    names = {s["name"]: s["counts"] for s in summary["shards"]}
+    assert names["serial"]["passed"] == 1
+    assert sum(n.startswith("each-") for n in names) == 2
