@@ -14,61 +14,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mha_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    q2,
-    K,
-    V,
-    k_start,
-    lo,
-    hi,
-    visible,
-    h,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    qk_scale_log2,
-    offs_d,
-    offs_e,
-    offs_v,
-    DQK: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Online softmax over keys [lo, hi). MASKED=False is the interior of the causal
-    triangle (every row sees every key): no per-element mask, no bounds checks."""
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        kv_rows = (k_start + n).to(tl.int64)
-        k_rows = K + kv_rows[:, None] * stride_kt + h * stride_kh
-        v_rows = V + kv_rows[:, None] * stride_vt + h * stride_vh
-        if MASKED:
-            n_ok = n < hi
-            k = tl.load(k_rows + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            k2 = tl.load(
-                k_rows + offs_e[None, :], mask=n_ok[:, None] & (offs_e[None, :] < DQK), other=0.0
-            )
-            v = tl.load(
-                v_rows + offs_v[None, :], mask=n_ok[:, None] & (offs_v[None, :] < DV), other=0.0
-            )
-        else:
-            k = tl.load(k_rows + offs_d[None, :])
-            k2 = tl.load(k_rows + offs_e[None, :], mask=offs_e[None, :] < DQK, other=0.0)
-            v = tl.load(v_rows + offs_v[None, :], mask=offs_v[None, :] < DV, other=0.0)
-        k, k2, v = k.to(q.dtype), k2.to(q.dtype), v.to(q.dtype)
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q2, k, k2, v, n, visible, qk_scale_log2, MASKED, PRECISION
-        )
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _mha_fwd_kernel(
     Q,
     K,
@@ -134,35 +79,37 @@ def _mha_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    # Whole tiles every row of the block sees first (no mask), then the rest, masked.
+    # Whole tiles every row of the block sees first (the interior of the causal triangle: no
+    # per-element mask, no bounds checks), then the rest, masked.
     for masked in tl.static_range(2):
-        acc, m_i, l_i = _mha_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            q2,
-            K,
-            V,
-            k_start,
-            full if masked else 0,
-            hi if masked else full,
-            visible,
-            h,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            qk_scale_log2,
-            offs_d,
-            offs_e,
-            offs_v,
-            DQK,
-            DV,
-            BLOCK_N,
-            masked == 1,
-            PRECISION,
-        )
+        lo = full if masked else 0
+        end = hi if masked else full
+        for start in range(lo, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            kv_rows = (k_start + n).to(tl.int64)
+            k_rows = K + kv_rows[:, None] * stride_kt + h * stride_kh
+            v_rows = V + kv_rows[:, None] * stride_vt + h * stride_vh
+            if masked:
+                n_ok = n < end
+                k = tl.load(k_rows + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                k2 = tl.load(
+                    k_rows + offs_e[None, :],
+                    mask=n_ok[:, None] & (offs_e[None, :] < DQK),
+                    other=0.0,
+                )
+                v = tl.load(
+                    v_rows + offs_v[None, :],
+                    mask=n_ok[:, None] & (offs_v[None, :] < DV),
+                    other=0.0,
+                )
+            else:
+                k = tl.load(k_rows + offs_d[None, :])
+                k2 = tl.load(k_rows + offs_e[None, :], mask=offs_e[None, :] < DQK, other=0.0)
+                v = tl.load(v_rows + offs_v[None, :], mask=offs_v[None, :] < DV, other=0.0)
+            k, k2, v = k.to(q.dtype), k2.to(q.dtype), v.to(q.dtype)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q2, k, k2, v, n, visible, qk_scale_log2, masked == 1, PRECISION
+            )
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
