@@ -157,7 +157,7 @@ elif [ "$mode" = compare ]; then
       grep -E "host time median|passed|failed" | tee "$out/host-time-$side.log")
   done
   (cd "$tree" && PYTHONPATH=$(pwd):$PYTHONPATH bench_step bench-before 240 python3 -c "
-import json, os
+import json
 from mla_backends import benchmark as b
 shapes = [tuple(int(x) for x in s.split(':')) for s in '$shapes'.split(',')]
 r = {'decode': b.decode_table('$bes'.split(','), '$peers'.split(','), shapes)}
@@ -182,7 +182,8 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
   echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
-    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa, hopper, suite)" >&2
+    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa, hopper, suite," \
+    "compare)" >&2
   exit 2
 fi
 exit $rc

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+OUTCOMES = ("passed", "failed", "error", "skipped")
 
 
 @dataclass
@@ -63,7 +64,7 @@ def deal(ids: list[str], shards: int, chunk: int) -> list[list[str]]:
 
 
 def junit_counts(path: Path) -> tuple[dict[str, int], list[str]]:
-    counts = dict.fromkeys(("passed", "failed", "error", "skipped"), 0)
+    counts = dict.fromkeys(OUTCOMES, 0)
     failures: list[str] = []
     if not path.exists():
         return counts, failures
@@ -157,7 +158,7 @@ def main() -> int:
     run_shards(shards, args.out, args.cwd, deadline)
     if serial:
         shards.insert(0, alone)
-    total = dict.fromkeys(("passed", "failed", "error", "skipped"), 0)
+    total = dict.fromkeys(OUTCOMES, 0)
     failures: list[str] = []
     for s in shards:
         s.counts, fails = junit_counts(args.out / f"{s.name}.xml")
