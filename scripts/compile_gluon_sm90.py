@@ -27,23 +27,8 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-u
         name: f"tensordesc<{dtype}[{mg.BLOCK_N}, {w}],{mg._smem_layout((mg.BLOCK_N, w), gl_dt)!r}>"
         for name, w in (("KDesc", 512), ("KRDesc", 64))
     }
-    ints = "stride_qn_t stride_qn_h stride_qr_t stride_qr_h stride_kv stride_tab"
-    ints += " stride_o_t stride_o_h stride_lse_t"
-    sig = {
-        "QNope": f"*{dtype}",
-        "QRope": f"*{dtype}",
-        "KV": f"*{dtype}",
-        **descs,
-        "Table": "*i32",
-        "QoIndptr": "*i32",
-        "SeqLens": "*i32",
-        "Out": f"*{dtype}",
-        "Lse": "*fp32",
-        "PartOut": "*fp32",
-        "PartLse": "*fp32",
-        **{n: "i32" for n in ints.split()},
-        "qk_scale_log2": "fp32",
-    }
+    sig = offline.decode_signature(dtype, descs["KDesc"], descs["KRDesc"])
+    sig["qk_scale_log2"] = "fp32"
     const = dict(H=128, L=512, R=64, PAGE=64, BLOCK_M=mg.BLOCK_M, BLOCK_N=mg.BLOCK_N)
     const.update(NUM_SPLITS=num_splits, STAGES=mg.STAGES)
     sig.update({k: "constexpr" for k in const})

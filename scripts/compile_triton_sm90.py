@@ -62,25 +62,10 @@ def compile_one(dtype: str, job: dict[str, Any]) -> dict[str, Any]:
     from mla_backends.kernels.mla_attention import _mla_attn_kernel, smem_bytes
 
     t, bm, bn, tma = TL_DTYPES[dtype], job["block_m"], job["block_n"], job["tma"]
-    ints = "stride_qn_t stride_qn_h stride_qr_t stride_qr_h stride_kv stride_tab"
-    ints += " stride_o_t stride_o_h stride_lse_t"
-    sig = {
-        "QNope": f"*{t}",
-        "QRope": f"*{t}",
-        "KV": f"*{t}",
-        "KDesc": f"tensordesc<{t}[{bn}, {L}]>" if tma else f"*{t}",
-        "KRDesc": f"tensordesc<{t}[{bn}, {R}]>" if tma else f"*{t}",
-        "Table": "*i32",
-        "QoIndptr": "*i32",
-        "SeqLens": "*i32",
-        "Out": f"*{t}",
-        "Lse": "*fp32",
-        "PartOut": "*fp32",
-        "PartLse": "*fp32",
-        **{n: "i32" for n in ints.split()},
-        "qk_scale_log2": "fp32",
-        "out_scale": "fp32",
-    }
+    k_desc = f"tensordesc<{t}[{bn}, {L}]>" if tma else f"*{t}"
+    kr_desc = f"tensordesc<{t}[{bn}, {R}]>" if tma else f"*{t}"
+    sig = {**offline.decode_signature(t, k_desc, kr_desc), "qk_scale_log2": "fp32"}
+    sig["out_scale"] = "fp32"
     const = dict(H=job["heads"], L=L, R=R, PAGE=job["page"], BLOCK_M=bm, BLOCK_N=bn)
     const.update(NUM_SPLITS=2, DOT_F32=False, DOT_F16=False, TMA=tma)
     const.update(PRECISION="ieee" if dtype == "float32" else "tf32")

@@ -78,27 +78,10 @@ def _attend_tile(
 
 @triton.jit
 def _mla_attn_kernel(
-    QNope,
-    QRope,
-    KV,
-    KDesc,
-    KRDesc,
-    Table,
-    QoIndptr,
-    SeqLens,
-    Out,
-    Lse,
-    PartOut,
-    PartLse,
-    stride_qn_t,
-    stride_qn_h,
-    stride_qr_t,
-    stride_qr_h,
-    stride_kv,
-    stride_tab,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
+    Q,
+    Pool,
+    Batch,
+    Dest,
     qk_scale_log2,
     out_scale,
     H: tl.constexpr,
@@ -113,6 +96,11 @@ def _mla_attn_kernel(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):
+    """Q, Pool, Batch, Dest: the tuples `decode_args` builds (the Gluon kernel takes the same)."""
+    QNope, QRope, stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h = Q
+    KV, KDesc, KRDesc, stride_kv = Pool
+    Table, stride_tab, QoIndptr, SeqLens = Batch
+    Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
     # Head blocks of one request are the fastest grid axis: they run together and share
     # each latent tile through L2 instead of reading it from HBM once per head block.
     mblk = tl.program_id(0)
@@ -358,7 +346,7 @@ def mla_attention(
         k_desc = TensorDescriptor(kv, shape, strides, [block_n, lat])
         kr_desc = TensorDescriptor(kv, shape, strides, [block_n, r])
     _mla_attn_kernel[(m_blocks, b, num_splits)](
-        *decode_args(q_nope, q_rope, kv, k_desc, kr_desc, table, qo_indptr, seq_lens, outs),
+        *decode_args(q_nope, q_rope, kv, (k_desc, kr_desc), table, qo_indptr, seq_lens, outs),
         sm_scale * kv_scale * LOG2E,
         kv_scale,
         H=h,
@@ -382,20 +370,27 @@ def decode_args(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
     kv: torch.Tensor,
-    k_desc: object,
-    kr_desc: object,
+    descs: tuple[object, object],
     table: torch.Tensor,
     qo_indptr: torch.Tensor,
     seq_lens: torch.Tensor,
     outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[object, ...]:
-    """The leading arguments both decode kernels take (`_mla_attn_kernel` and the Gluon
-    kernel), in their order: tensors and descriptors, then strides. `outs`: (out, lse,
-    part_out, part_lse)."""
+) -> tuple[tuple[object, ...], ...]:
+    """The four tuple arguments both decode kernels take first (`_mla_attn_kernel` and the
+    Gluon kernel), each a group of tensors and their strides:
+
+    - Q: (q_nope, q_rope, their token and head strides)
+    - Pool: (kv, the latent and rope TMA descriptors (or kv again), kv's row stride)
+    - Batch: (table, its row stride, qo_indptr, seq_lens)
+    - Dest: (out, lse, part_out, part_lse, out's token and head strides, lse's token stride)
+
+    Hazard: the kernels unpack these by position; change them here and in both kernels."""
     out, lse = outs[0], outs[1]
-    strides = (q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
-    strides += (kv.stride(0), table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    return (q_nope, q_rope, kv, k_desc, kr_desc, table, qo_indptr, seq_lens, *outs, *strides)
+    q = (q_nope, q_rope, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
+    pool = (kv, *descs, kv.stride(0))
+    batch = (table, table.stride(0), qo_indptr, seq_lens)
+    dest = (*outs, out.stride(0), out.stride(1), lse.stride(0))
+    return q, pool, batch, dest
 
 
 def _merge(

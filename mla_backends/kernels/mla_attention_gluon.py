@@ -71,14 +71,12 @@ def gluon_ok(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -
 
 @gluon.jit
 def _issue_tile(
-    KDesc,
-    KRDesc,
+    Pool,
+    Batch,
     k_smem,
     kr_smem,
     bars,
-    Table,
     b,
-    stride_tab,
     lo,
     j,
     n_full,
@@ -88,6 +86,8 @@ def _issue_tile(
     STAGES: gl.constexpr,
 ):
     """TMA for whole tile j of this split into ring slot j % STAGES (skipped past n_full)."""
+    _, KDesc, KRDesc, _ = Pool
+    Table, stride_tab, _, _ = Batch
     pred = j < n_full
     start = lo + j * BLOCK_N
     page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
@@ -186,8 +186,7 @@ def _attend(
 
 @gluon.jit
 def _bounds(
-    QoIndptr,
-    SeqLens,
+    Batch,
     b,
     mblk,
     split,
@@ -199,6 +198,7 @@ def _bounds(
 ):
     """(q_start, q_len, seq, lo, hi): the request's first query token and query count, its KV
     length, and the keys [lo, hi) this program's split reads (those its last row may see)."""
+    _, _, QoIndptr, SeqLens = Batch
     q_start = gl.load(QoIndptr + b, volatile=VOLATILE)
     q_len = gl.load(QoIndptr + b + 1, volatile=VOLATILE) - q_start
     seq = gl.load(SeqLens + b, volatile=VOLATILE)
@@ -211,27 +211,10 @@ def _bounds(
 
 @gluon.jit
 def _mla_attn_gluon_kernel(
-    QNope,
-    QRope,
-    KV,
-    KDesc,
-    KRDesc,
-    Table,
-    QoIndptr,
-    SeqLens,
-    Out,
-    Lse,
-    PartOut,
-    PartLse,
-    stride_qn_t,
-    stride_qn_h,
-    stride_qr_t,
-    stride_qr_h,
-    stride_kv,
-    stride_tab,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
+    Q,
+    Pool,
+    Batch,
+    Dest,
     qk_scale_log2,
     H: gl.constexpr,
     L: gl.constexpr,
@@ -242,6 +225,7 @@ def _mla_attn_gluon_kernel(
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
+    """Q, Pool, Batch, Dest: the tuples `mla_attention.decode_args` builds."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
@@ -250,13 +234,14 @@ def _mla_attn_gluon_kernel(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
     )
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    KV, KDesc, KRDesc, stride_kv = Pool
     dtype: gl.constexpr = KDesc.dtype
 
     mblk = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
     q_start, q_len, seq, lo, hi = _bounds(
-        QoIndptr, SeqLens, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
+        Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
     )
     if mblk * BLOCK_M >= q_len * H:
         return
@@ -270,14 +255,12 @@ def _mla_attn_gluon_kernel(
     fence_async_shared()
     for i in gl.static_range(STAGES):
         _issue_tile(
-            KDesc,
-            KRDesc,
+            Pool,
+            Batch,
             k_smem,
             kr_smem,
             bars,
-            Table,
             b,
-            stride_tab,
             lo,
             i,
             n_full,
@@ -288,6 +271,7 @@ def _mla_attn_gluon_kernel(
         )
 
     # Query rows (token, head), head fastest; rows past the request are zero.
+    QNope, QRope, stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h = Q
     rows_ld = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_L))
     ok_ld = rows_ld < q_len * H
     t_ld = (q_start + rows_ld // H).to(gl.int64)
@@ -346,14 +330,12 @@ def _mla_attn_gluon_kernel(
         acc = warpgroup_mma_wait(1, deps=[pv])
         _barrier()  # both warpgroups are done reading slot cur and P(j)
         _issue_tile(
-            KDesc,
-            KRDesc,
+            Pool,
+            Batch,
             k_smem,
             kr_smem,
             bars,
-            Table,
             b,
-            stride_tab,
             lo,
             j + STAGES,
             n_full,
@@ -383,7 +365,7 @@ def _mla_attn_gluon_kernel(
     # Hazard: kept live across the loop above, these were spilled at 255 registers (Triton 3.7
     # and 3.8); reloaded (volatile: not merged with the first loads) and recomputed instead.
     q_start, q_len, seq, lo, hi = _bounds(
-        QoIndptr, SeqLens, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
+        Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
     )
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
@@ -393,6 +375,7 @@ def _mla_attn_gluon_kernel(
         # TMA issued above has been waited on, so slot 0 is free.
         n_ld = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
         n_ok = n_ld < hi
+        Table, stride_tab, _, _ = Batch
         page = gl.load(Table + b * stride_tab + n_ld // PAGE, mask=n_ok, other=0).to(gl.int64)
         slot = page * PAGE + n_ld % PAGE
         k = gl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
@@ -432,6 +415,7 @@ def _mla_attn_gluon_kernel(
     ok_o = rows_o < q_len * H
     offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
     ok_s = rows_s < q_len * H
+    Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
     if NUM_SPLITS == 1:
         t_o = (q_start + rows_o // H).to(gl.int64)
         o_ptr = Out + t_o[:, None] * stride_o_t + (rows_o % H)[:, None] * stride_o_h
@@ -478,7 +462,7 @@ def launch(
     )
     outs = (out, lse, part_out, part_lse)
     _mla_attn_gluon_kernel[(m_blocks, seq_lens.numel(), num_splits)](
-        *decode_args(q_nope, q_rope, kv, k_desc, kr_desc, table, qo_indptr, seq_lens, outs),
+        *decode_args(q_nope, q_rope, kv, (k_desc, kr_desc), table, qo_indptr, seq_lens, outs),
         qk_scale_log2,
         H=q_nope.shape[1],
         L=lat,
