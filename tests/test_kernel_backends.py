@@ -101,22 +101,10 @@ def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
     assert not ckv.is_contiguous()
     out = torch.empty_like(s.q_nope)
     lse = torch.empty(s.q_nope.shape[:2], device="cuda")
-    md = be.metadata
-    plan = (md.plan_info, md.kv_indices, md.causal)
-    be.kernel.run(*plan, s.q_nope, s.q_rope, ckv, kpe, out, lse, page, be.scale, 1.0)
+    plan, q = be.metadata.plan, (s.q_nope, s.q_rope)
+    be.kernel.run(plan, q, (ckv, kpe), out, lse, 1.0)
     out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
-    be.kernel.run(
-        *plan,
-        s.q_nope,
-        s.q_rope,
-        ckv.contiguous(),
-        kpe.contiguous(),
-        out2,
-        lse2,
-        page,
-        be.scale,
-        1.0,
-    )
+    be.kernel.run(plan, q, (ckv.contiguous(), kpe.contiguous()), out2, lse2, 1.0)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 

@@ -50,6 +50,17 @@ def plan_key(info: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in info)
 
 
+@dataclass(frozen=True)
+class FaPlan:
+    """A planned batch: what `FaMLAKernel.run` takes besides one layer's tensors."""
+
+    info: Any  # host: the planner's opaque output (grid, workspace offsets)
+    kv_indices: torch.Tensor  # [total pages] int32, device: page ids, CSR by request
+    causal: bool
+    page_size: int
+    sm_scale: float
+
+
 class FaMLAKernel:
     """Thin layer over FlashInfer's generated FA MLA module (flashinfer 0.7.2.post1)."""
 
@@ -175,35 +186,31 @@ class FaMLAKernel:
 
     def run(
         self,
-        plan_info: Any,
-        kv_indices: torch.Tensor,
-        causal: bool,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        ckv: torch.Tensor,
-        kpe: torch.Tensor,
+        plan: FaPlan,
+        q: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
         out: torch.Tensor,
-        lse: torch.Tensor,
-        page_size: int,
-        sm_scale: float,
+        lse: torch.Tensor | None,
         kv_scale: float,
     ) -> None:
-        mask = self.mask_causal if causal else self.mask_none
+        """q (nope, rope) [T, H, L] / [T, H, R]; kv (ckv, kpe) [pages, page, L] / [.., R]
+        (strided views of the pool rows are fine); out [T, H, L]; lse [T, H] fp32 or None."""
+        q_nope, q_pe = q
+        mask = self.mask_causal if plan.causal else self.mask_none
         self.module.run(
             self.float_ws,
             self.int_ws,
-            plan_info,
+            plan.info,
             q_nope,
             q_pe,
-            ckv,
-            kpe,
-            kv_indices,
+            *kv,
+            plan.kv_indices,
             out,
             lse,
             mask,
             q_nope.shape[1],
-            page_size,
-            sm_scale,
+            plan.page_size,
+            plan.sm_scale,
             True,
             kv_scale,
             kv_scale,

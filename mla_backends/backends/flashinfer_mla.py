@@ -22,7 +22,7 @@ from torch import Tensor
 
 from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
-from mla_backends.backends.flashinfer_kernel import FaMLAKernel, host_lengths, plan_key
+from mla_backends.backends.flashinfer_kernel import FaMLAKernel, FaPlan, host_lengths, plan_key
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
@@ -38,9 +38,7 @@ from mla_backends.config import Config
 
 @dataclass
 class FlashInferMetadata:
-    plan_info: Any  # host: opaque plan object (grid, workspace offsets)
-    kv_indices: torch.Tensor  # [total pages] int32, device
-    causal: bool  # host
+    plan: FaPlan  # host plan, device page ids
     on_device: bool = False  # host: the schedule was written on the device (no host plan)
     # (layout, causal) -> FlashInfer ragged-prefill wrapper planned for this batch (host
     # plan, device workspace); keyed by the layout's id, the layout kept alive beside it.
@@ -144,7 +142,8 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
                 True,
             )
         kv_indices = out if indices_out is not None else out[:total_pages]
-        return FlashInferMetadata(info, kv_indices, True, on_device=on_device)
+        plan = FaPlan(info, kv_indices, True, ps, self.scale)
+        return FlashInferMetadata(plan, on_device=on_device)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> FlashInferGraphState:
@@ -164,7 +163,7 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
         int workspace (copied in stream order before the replay) and the new page ids from
         the static index buffer."""
         md = self._plan(batch, state.indices, state.max_pages)
-        key = plan_key(md.plan_info)
+        key = plan_key(md.plan.info)
         if capture:
             state.plans[batch.batch_size] = key
             state.on_device[batch.batch_size] = md.on_device
@@ -193,20 +192,7 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
         if need_lse:
             lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
         ckv, kpe = self.pool.get_ckv_kpe(layer)  # strided views of the 576-wide rows
-        self.kernel.run(
-            md.plan_info,
-            md.kv_indices,
-            md.causal,
-            q_nope,
-            q_rope,
-            ckv,
-            kpe,
-            out,
-            lse,
-            self.pool.page_size,
-            self.scale,
-            self.pool.scale(layer),
-        )
+        self.kernel.run(md.plan, (q_nope, q_rope), (ckv, kpe), out, lse, self.pool.scale(layer))
         return mask_empty_rows(out, lse, batch)
 
     def _ragged_wrapper(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.emulation import _require
+from mla_backends.backends.flashinfer_kernel import FaPlan
 from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat, unpack_rows
 
 
@@ -184,24 +185,21 @@ class FaMLAEmulation:
 
     def run(
         self,
-        plan_info: Any,
-        kv_indices: torch.Tensor,
-        causal: bool,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        ckv: torch.Tensor,
-        kpe: torch.Tensor,
+        plan: FaPlan,
+        q: tuple[torch.Tensor, torch.Tensor],
+        kv_rows: tuple[torch.Tensor, torch.Tensor],
         out: torch.Tensor,
-        lse: torch.Tensor,
-        page_size: int,
-        sm_scale: float,
+        lse: torch.Tensor | None,
         kv_scale: float,
     ) -> None:
         ws = self.workspace
         _require(ws is not None, "run before plan")
         assert ws is not None
-        _require(page_size == 1 and ckv.shape[1] == 1 and kpe.shape[1] == 1, "page size 1")
-        _require(causal == ws.causal and q_nope.shape[1] == ws.num_heads, "plan mismatch")
+        (q_nope, q_pe), (ckv, kpe), kv_indices = q, kv_rows, plan.kv_indices
+        _require(lse is not None, "the sparse backend always asks for the LSE")
+        assert lse is not None
+        _require(plan.page_size == 1 and ckv.shape[1] == 1 and kpe.shape[1] == 1, "page size 1")
+        _require(plan.causal == ws.causal and q_nope.shape[1] == ws.num_heads, "plan mismatch")
         _require(q_nope.dtype == self.q_dtype and ckv.dtype == self.kv_dtype, "dtypes")
         n = ws.qo_indptr.numel() - 1
         _require(q_nope.shape[0] == int(ws.qo_indptr[-1]), "q rows != the plan's")
@@ -210,7 +208,7 @@ class FaMLAEmulation:
         used = kv_indices[:total].long()
         _require(bool(((used >= 0) & (used < ckv.shape[0])).all()), "a page id out of the cache")
         kv = torch.cat([ckv[:, 0].float(), kpe[:, 0].float()], -1) * kv_scale
-        q = torch.cat([q_nope, q_pe], -1).float()
+        qf = torch.cat([q_nope, q_pe], -1).float()
         for i in range(n):
             qs, qe = int(ws.qo_indptr[i]), int(ws.qo_indptr[i + 1])
             ks, ke = int(ws.kv_indptr[i]), int(ws.kv_indptr[i + 1])
@@ -220,6 +218,6 @@ class FaMLAEmulation:
                 continue
             rows = kv[used[ks:ke]][None].expand(qe - qs, -1, -1)
             valid = torch.ones(rows.shape[:2], dtype=torch.bool)
-            o, _, l_ = _attend(q[qs:qe], rows, valid, sm_scale, 512)
+            o, _, l_ = _attend(qf[qs:qe], rows, valid, plan.sm_scale, 512)
             out[qs:qe], lse[qs:qe] = o.to(out.dtype), l_
         self.runs += 1

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import Capability
+from mla_backends.backends.flashinfer_kernel import FaPlan
 from mla_backends.backends.kernel_packages import missing, need_sm
 from mla_backends.batch import ForwardBatch
 from mla_backends.sparse.base import (
@@ -188,17 +189,11 @@ class FlashInferSparseBackend(SparseMLABackend):
             if info is None:
                 info = self._plan_chunk(md.valid_cpu, c.start, c.end)
             self._kernel.run(
-                info,
-                kv_indices,
-                False,
-                q_nope[c.start : c.end],
-                q_rope[c.start : c.end],
-                ckv,
-                kpe,
+                FaPlan(info, kv_indices, False, 1, self.scale),
+                (q_nope[c.start : c.end], q_rope[c.start : c.end]),
+                (ckv, kpe),
                 out[c.start : c.end],
                 lse[c.start : c.end],
-                1,
-                self.scale,
                 self.pool.scale(layer),
             )
         self._k_empty.fix_empty_rows(out, lse, indices)  # one launch, writes only empty rows
