@@ -80,6 +80,8 @@ def _attend_tile(
 def _mla_attn_kernel(
     Q,
     Pool,
+    KDesc,
+    KRDesc,
     Batch,
     Dest,
     qk_scale_log2,
@@ -96,9 +98,9 @@ def _mla_attn_kernel(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Q, Pool, Batch, Dest: the tuples `decode_args` builds (the Gluon kernel takes the same)."""
+    """The leading arguments `decode_args` builds (the Gluon kernel takes the same)."""
     QNope, QRope, stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h = Q
-    KV, KDesc, KRDesc, stride_kv = Pool
+    KV, stride_kv = Pool
     Table, stride_tab, QoIndptr, SeqLens = Batch
     Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
     # Head blocks of one request are the fastest grid axis: they run together and share
@@ -375,22 +377,23 @@ def decode_args(
     qo_indptr: torch.Tensor,
     seq_lens: torch.Tensor,
     outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[tuple[object, ...], ...]:
-    """The four tuple arguments both decode kernels take first (`_mla_attn_kernel` and the
-    Gluon kernel), each a group of tensors and their strides:
+) -> tuple[object, ...]:
+    """The arguments both decode kernels take first (`_mla_attn_kernel` and the Gluon
+    kernel): groups of tensors and their strides as tuples, the two descriptors alone.
 
     - Q: (q_nope, q_rope, their token and head strides)
-    - Pool: (kv, the latent and rope TMA descriptors (or kv again), kv's row stride)
+    - Pool: (kv, its row stride); then the latent and rope TMA descriptors (or kv twice)
     - Batch: (table, its row stride, qo_indptr, seq_lens)
     - Dest: (out, lse, part_out, part_lse, out's token and head strides, lse's token stride)
 
-    Hazard: the kernels unpack these by position; change them here and in both kernels."""
+    Hazard: the kernels unpack these by position; change them here and in both kernels.
+    Triton 3.6's launcher cannot pass a descriptor inside a tuple (an assertion in its
+    driver), so the descriptors stay top-level arguments."""
     out, lse = outs[0], outs[1]
     q = (q_nope, q_rope, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
-    pool = (kv, *descs, kv.stride(0))
     batch = (table, table.stride(0), qo_indptr, seq_lens)
     dest = (*outs, out.stride(0), out.stride(1), lse.stride(0))
-    return q, pool, batch, dest
+    return q, (kv, kv.stride(0)), *descs, batch, dest
 
 
 def _merge(

@@ -71,7 +71,8 @@ def gluon_ok(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -
 
 @gluon.jit
 def _issue_tile(
-    Pool,
+    KDesc,
+    KRDesc,
     Batch,
     k_smem,
     kr_smem,
@@ -86,7 +87,6 @@ def _issue_tile(
     STAGES: gl.constexpr,
 ):
     """TMA for whole tile j of this split into ring slot j % STAGES (skipped past n_full)."""
-    _, KDesc, KRDesc, _ = Pool
     Table, stride_tab, _, _ = Batch
     pred = j < n_full
     start = lo + j * BLOCK_N
@@ -213,6 +213,8 @@ def _bounds(
 def _mla_attn_gluon_kernel(
     Q,
     Pool,
+    KDesc,
+    KRDesc,
     Batch,
     Dest,
     qk_scale_log2,
@@ -225,7 +227,7 @@ def _mla_attn_gluon_kernel(
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Q, Pool, Batch, Dest: the tuples `mla_attention.decode_args` builds."""
+    """The leading arguments `mla_attention.decode_args` builds."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
@@ -234,7 +236,7 @@ def _mla_attn_gluon_kernel(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
     )
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    KV, KDesc, KRDesc, stride_kv = Pool
+    KV, stride_kv = Pool
     dtype: gl.constexpr = KDesc.dtype
 
     mblk = gl.program_id(0)
@@ -255,7 +257,8 @@ def _mla_attn_gluon_kernel(
     fence_async_shared()
     for i in gl.static_range(STAGES):
         _issue_tile(
-            Pool,
+            KDesc,
+            KRDesc,
             Batch,
             k_smem,
             kr_smem,
@@ -330,7 +333,8 @@ def _mla_attn_gluon_kernel(
         acc = warpgroup_mma_wait(1, deps=[pv])
         _barrier()  # both warpgroups are done reading slot cur and P(j)
         _issue_tile(
-            Pool,
+            KDesc,
+            KRDesc,
             Batch,
             k_smem,
             kr_smem,

@@ -53,12 +53,14 @@ def usage(kernel: Any) -> dict[str, Any]:
 
 
 def decode_signature(dtype: str, k_desc: str, kr_desc: str) -> dict[str, Any]:
-    """The typed signature of the decode kernels' four tuple arguments (`mla_attention.
+    """The typed signature of the decode kernels' leading arguments (`mla_attention.
     decode_args`) for a `dtype` ("bf16", "fp16", "fp32") latent pool and query; `k_desc` /
     `kr_desc` are the descriptor types (or the pointer type where TMA is off)."""
     return {
         "Q": (f"*{dtype}", f"*{dtype}", "i32", "i32", "i32", "i32"),
-        "Pool": (f"*{dtype}", k_desc, kr_desc, "i32"),
+        "Pool": (f"*{dtype}", "i32"),
+        "KDesc": k_desc,
+        "KRDesc": kr_desc,
         "Batch": ("*i32", "i32", "*i32", "*i32"),
         "Dest": (f"*{dtype}", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"),
     }
