@@ -150,13 +150,20 @@ elif [ "$mode" = compare ]; then
   tree=${COMPARE_TREE:?COMPARE_TREE=DIR: the other checkout}
   shapes=${COMPARE_SHAPES:-16:1:64:4096,16:1:128:8192,16:1:256:1024,16:2:128:8192,128:1:64:4096,128:1:128:8192,128:1:256:1024,128:2:64:4096,128:2:128:8192}
   bes=triton,flashinfer_mla,flashmla peers=raw_flashmla,raw_flashinfer_fa3
-  for side in before after; do
-    dir=$tree && [ $side = after ] && dir=.
-    (cd "$dir" && PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 -m pytest -q -s \
-      -p no:cacheprovider tests/test_kernel_backends.py -k host_time 2>&1 |
-      grep -E "host time median|passed|failed" | tee "$out/host-time-$side.log")
+  # host times alternate (before, after, before, ...): the first on a fresh machine is slow
+  for round in $(seq "${COMPARE_ROUNDS:-2}"); do
+    for side in before after; do
+      dir=$tree && [ $side = after ] && dir=.
+      (cd "$dir" && PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 -m pytest -q -s \
+        -p no:cacheprovider tests/test_kernel_backends.py -k host_time 2>&1 |
+        grep -E "host time median|passed|failed" | tee -a "$out/host-time-$side.log")
+    done
   done
-  (cd "$tree" && PYTHONPATH=$(pwd):$PYTHONPATH bench_step bench-before 240 python3 -c "
+  if [ -d "$tree/mla_backends/bench" ]; then  # a tree with the bench CLI: the same command
+    (cd "$tree" && PYTHONPATH=$(pwd):$PYTHONPATH bench_step bench-before 240 python3 -m \
+      mla_backends bench --suite anchors --shapes "$shapes" --backends $bes --peers $peers \
+      --prefill-tokens 8192 --out "$out/bench-before")
+  else (cd "$tree" && PYTHONPATH=$(pwd):$PYTHONPATH bench_step bench-before 240 python3 -c "
 import json
 from mla_backends import benchmark as b
 shapes = [tuple(int(x) for x in s.split(':')) for s in '$shapes'.split(',')]
@@ -164,6 +171,7 @@ r = {'decode': b.decode_table('$bes'.split(','), '$peers'.split(','), shapes)}
 r['prefill'] = b.prefill_table(['triton', 'flashinfer_mla'], 8192)
 json.dump(r, open('$out/bench-before.json', 'w'), indent=1)
 print(b.format_result({**r, 'device': '', 'ceilings': b.ceilings(__import__('torch').device('cuda'))}, '$bes'.split(','), '$peers'.split(',')))")
+  fi
   bench_step bench-after 240 python3 -m mla_backends bench --suite anchors --shapes "$shapes" \
     --backends $bes --peers $peers --prefill-tokens 8192 --out "$out/bench-after"
 elif [ "$mode" = dsa ]; then
