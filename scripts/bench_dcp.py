@@ -62,7 +62,7 @@ def _config(a: dict[str, Any], backend: str, heads: int, ctx: int, dev: str) -> 
 def _measure(rt: Any, a: dict[str, Any], heads: int, group: dist.ProcessGroup | None) -> dict:
     """Fill every request to `context - 1` tokens (random pool), then time one decode step
     of the whole batch, replayed through the captured graph."""
-    dev, b, dims = rt.kv_pool.device, a["batch"], rt.backend.dims
+    dev, b, dims = rt.kv_pool.device, a["batch"], rt.config.model
     rt.kv_pool.kv_buffer[0].normal_()
     rows = rt.req_pool.alloc(b)
     rt.allocator.alloc_extend(rows, [a["context"] - 1] * b)

@@ -11,6 +11,7 @@ GPU (>= 2 CUDA devices): the same equality over NCCL with captured CUDA graphs.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
 from mla_backends.batch import ForwardMode
 from mla_backends.config import Config
 from mla_backends.dcp.comm import merge_partials
-from mla_backends.dcp.launch import spawn
+from mla_backends.dcp.launch import RankFailed, spawn
 from mla_backends.dcp.layout import DCPLayout, DCPTokenAllocator
 from mla_backends.dcp.parity import DCPCase, edge_lens, gpu_cases, parity_worker
 from mla_backends.pool import ReqToTokenPool
@@ -168,6 +169,19 @@ def _undefined_empty_cases(size: int, page: int) -> list[DCPCase]:
     ]
 
 
+def _dispatch_cases(size: int, page: int) -> list[DCPCase]:
+    """Decode and prefill on different backends (the runtime's `DispatchBackend`, as with
+    `flashmla`, which has no prefill path): decode through triton, extend through torch."""
+    lens = edge_lens(size, page)
+    kw: dict[str, Any] = {"kv_lens": lens, "prefill_backend": "torch"}
+    return [
+        DCPCase("triton", DECODE, 1, page, **kw),
+        DCPCase("triton", EXTEND, 0, page, **kw),
+        DCPCase("triton", EXTEND, 0, page, heads="tp", **kw),
+        DCPCase("triton", VERIFY, 2, page, graphs=True, steps=3, **kw),
+    ]
+
+
 ALL_PAGES = (1, 16, 32, 64, 128)
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interp)]
 CASES_2 = (
@@ -175,6 +189,7 @@ CASES_2 = (
     + _undefined_empty_cases(2, 16)
     + [DCPCase("torch", DECODE, kv_lens=()), DCPCase("torch", EXTEND, heads="tp", kv_lens=())]
     + (_cases(2, ("triton",), (1, 16, 64)) if INTERP else [])
+    + (_dispatch_cases(2, 16) if INTERP else [])
 )
 # The triton interpreter is slow: pages 1, 16, 64 with 2 processes, 16 with 4 (on 2 CI cores).
 CASES_4 = (
@@ -255,6 +270,30 @@ def _serve_both(engines: tuple[Any, Any], seq: list[int], tag: str) -> list[list
     step("graph decode after accept", "decode", [a, c], [seq[37], seq[38]])
     step("extend after decode", "extend", [a, b], [seq[39:], seq[9:12]])
     return report
+
+
+def _fails_while_peer_waits(rank: int, group: dist.ProcessGroup) -> None:
+    """Rank 0 enters a collective its peer never joins; rank 1 raises."""
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+    dist.all_reduce(torch.ones(1), group=group)
+
+
+def test_a_failing_rank_ends_the_launch_with_its_traceback() -> None:
+    """A rank that raises must not wait for its peers (with NCCL a teardown while a peer
+    sits in a collective blocks for ever): the launch ends and names the error."""
+
+    def stuck(signum: int, frame: Any) -> None:
+        raise TimeoutError("the launch did not end within 120 s")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(120)
+    try:
+        with pytest.raises(RankFailed, match="rank 1 broke"):
+            spawn(_fails_while_peer_waits, 2, "gloo")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _model_worker(

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from mla_backends.backends.base import BackendContext, GraphCapable, MLABackend
+from mla_backends.backends.dispatch import DispatchBackend
 from mla_backends.backends.paged_table import QueryQuantizer
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.dcp.comm import DCPGroup, merge_partials
@@ -51,6 +52,14 @@ from mla_backends.indices import build_token_indices
 HEAD_MODES = ("replicated", "tp")
 
 
+def attending(backend: MLABackend[Any] | DispatchBackend) -> tuple[MLABackend[Any], ...]:
+    """The backends that attend for `backend`: a `DispatchBackend`'s (prefill, decode), which
+    share one pool and dims, else the backend itself."""
+    if isinstance(backend, DispatchBackend):
+        return (backend.prefill, backend.decode)
+    return (backend,)
+
+
 class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
     """`inner` is a suite backend over this rank's pool with all H heads; `mha` serves
     MHA-mode prefill (in "tp" mode, a backend with this rank's H / N heads)."""
@@ -59,31 +68,33 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
 
     def __init__(
         self,
-        inner: MLABackend[Any],
+        inner: MLABackend[Any] | DispatchBackend,
         group: DCPGroup,
         heads: str = "replicated",
-        mha: MLABackend[Any] | None = None,
+        mha: MLABackend[Any] | DispatchBackend | None = None,
     ) -> None:
         if heads not in HEAD_MODES:
             raise ValueError(f"DCP heads={heads!r} is not one of {HEAD_MODES}")
-        if not inner.caps.lse:
-            raise ValueError(f"DCP merges by LSE; backend {inner.name!r} returns none")
-        h = inner.dims.num_heads
+        for side in attending(inner):
+            if not side.caps.lse:
+                raise ValueError(f"DCP merges by LSE; backend {side.name!r} returns none")
+        base = attending(inner)[-1]  # dims and context (a DispatchBackend's sides share them)
+        h = base.dims.num_heads
         if heads == "tp" and h % group.size:
             raise ValueError(f"DCP heads='tp': {h} heads do not split over {group.size} ranks")
-        ctx = inner.ctx
+        ctx = base.ctx
         if heads == "tp":
-            dims = inner.dims.with_heads(h // group.size)
+            dims = base.dims.with_heads(h // group.size)
             ctx = BackendContext(
                 dataclasses.replace(ctx.config, model=dims), ctx.kv_pool, ctx.req_to_token_pool
             )
         super().__init__(ctx)
         self.inner, self.comm, self.heads = inner, group, heads
         self.mha = inner if mha is None else mha
-        if self.mha.dims.num_heads != self.dims.num_heads:
+        mha_heads = attending(self.mha)[0].dims.num_heads
+        if mha_heads != self.dims.num_heads:
             raise ValueError(
-                f"DCP MHA backend has {self.mha.dims.num_heads} heads, this rank "
-                f"{self.dims.num_heads}"
+                f"DCP MHA backend has {mha_heads} heads, this rank {self.dims.num_heads}"
             )
         self.layout = DCPLayout(group.rank, group.size)
 
@@ -100,13 +111,15 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
     # FP8 against the query it really attends with.
     @property
     def quantizes_query(self) -> bool:
-        return isinstance(self.inner, QueryQuantizer) and self.inner.quantizes_query
+        dec = attending(self.inner)[-1]
+        return isinstance(dec, QueryQuantizer) and dec.quantizes_query
 
     def effective_query(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(self.inner, QueryQuantizer):
-            return self.inner.effective_query(q_nope, q_rope)
+        dec = attending(self.inner)[-1]
+        if isinstance(dec, QueryQuantizer):
+            return dec.effective_query(q_nope, q_rope)
         return q_nope, q_rope
 
     def check_batch(self, batch: ForwardBatch) -> None:

@@ -62,6 +62,8 @@ class DCPCase:
     def id(self) -> str:
         g = f"-graph{self.steps}" if self.graphs else ""
         u = "-undef" if self.undefined_empty else ""
+        pre = self.prefill_backend
+        u += f"-prefill_{pre}" if pre not in (None, self.backend) else ""
         return (
             f"{self.backend}-{self.mode.value}-q{self.q_len}-p{self.page_size}-h{self.num_heads}-"
             f"{self.heads}-{self.kv_dtype}-b{len(self.kv_lens)}{g}{u}"
