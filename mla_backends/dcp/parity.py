@@ -458,8 +458,10 @@ def run_dcp_stream(case: DCPCase, group: dist.ProcessGroup, device: torch.device
     }
     dcp = pair.dcp.backend
     use_graphs = device.type == "cuda"
+    # every batch a step may draw (up to all n_req requests) has a captured size
+    sizes = tuple(1 << i for i in range(max(n_req - 1, 0).bit_length() + 1))
     runner = CudaGraphRunner(
-        dcp, partial(_absorbed_with_lse, dcp), specs, (1, 2, 4, 8), q, device, use_graphs
+        dcp, partial(_absorbed_with_lse, dcp), specs, sizes, q, device, use_graphs
     )
     runner.capture()
     mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
