@@ -197,7 +197,7 @@ def decode_workspace(ws: np.ndarray, info: list[int] | tuple[int, ...], num_sm: 
         for c in range(n_clusters)
     ]
     mcols = [ws[o[k] : o[k] + num_sm] for k in MERGE_FIELDS]
-    merges = [tuple(int(col[m]) for col in mcols) for m in range(num_sm)]
+    merges = [(a, b, c, d, e) for a, b, c, d, e in zip(*(col.tolist() for col in mcols))]
     merges = [m for m in merges if m[1] > m[0]]  # unused entries are all zero
     return Schedule(o["num_blks_x"], n_clusters, works, merges)
 

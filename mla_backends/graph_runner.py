@@ -17,6 +17,7 @@ import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class CudaGraphRunner:
         max_bs = self.batch_sizes[-1]
         max_t = max_bs * q_len
         dev = self.device
-        i32 = {"dtype": torch.int32, "device": dev}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": dev}
         self._rows = torch.zeros(max_bs, **i32)
         self._seq = torch.full((max_bs,), backend.cuda_graph_seq_len_fill_value, **i32)
         self._ext = torch.full((max_bs,), q_len, **i32)

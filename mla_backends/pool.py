@@ -54,7 +54,7 @@ class LayerBuffers(tuple):
     """The per-layer buffers of a pool; indexing checks the layer (Hazard: a plain list takes
     -1 as the last layer and would silently read or write it)."""
 
-    def __getitem__(self, layer):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, layer):
         if not isinstance(layer, slice):
             layer = operator.index(layer)
             if not 0 <= layer < len(self):

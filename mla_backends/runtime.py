@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mla_backends.allocator import PagedTokenAllocator
-from mla_backends.backends.base import BackendContext
+from mla_backends.backends.base import BackendContext, MLABackend
 from mla_backends.backends.dispatch import DispatchBackend
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.backends.registry import get_backend_class
@@ -14,7 +15,7 @@ from mla_backends.config import Config, ConfigError
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 
 
-def create_backend(ctx: BackendContext) -> AttentionBackend:
+def create_backend(ctx: BackendContext) -> MLABackend[Any] | DispatchBackend:
     """The configured backend(s); one object whatever the per-phase choice."""
     cfg = ctx.config
     decode = get_backend_class(cfg.decode_backend)(ctx)

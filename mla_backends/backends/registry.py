@@ -119,4 +119,4 @@ def resolve_backends(config: Config, where: str = "<config>") -> Config:
                 f"{where}: {key}={name!r} cannot run here: {reason}. "
                 f"Backends that can serve {role} with this config on {cap.describe()}: {ok}"
             )
-    return dataclasses.replace(config, **chosen)
+    return dataclasses.replace(config, **chosen)  # type: ignore[arg-type]  # backend names only

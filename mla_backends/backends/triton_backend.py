@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -93,7 +94,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
 
     def _launch_cfg(
         self, block_m: int, batch_size: int, num_splits: int, dot_dtype: torch.dtype
-    ) -> dict[str, int | bool]:
+    ) -> dict[str, Any]:
         if self._interp:
             return self._tune.INTERP_DECODE
         return self._tune.launch_config(
@@ -153,7 +154,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
 
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> TritonGraphState:
         width = page_table_width(self.req_to_token.shape[1], self.pool.page_size)
-        i32 = {"dtype": torch.int32, "device": self.device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
         return TritonGraphState(
             torch.zeros(max_bs + 1, **i32),
             torch.zeros(max_bs, width, **i32),

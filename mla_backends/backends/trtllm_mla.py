@@ -10,6 +10,7 @@ scale). The workspace is zeroed once at construction, as the kernel's semaphores
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from mla_backends.pool import FP8_MAX
 WORKSPACE_BYTES = 128 << 20
 
 
-def load_kernel() -> Callable[..., object]:
+def load_kernel() -> Callable[..., Any]:
     """flashinfer's trtllm_batch_decode_with_kv_cache_mla; tests substitute the emulation."""
     return require("flashinfer.decode").trtllm_batch_decode_with_kv_cache_mla
 

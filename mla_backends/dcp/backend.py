@@ -228,7 +228,7 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
 
     # ------------------------------------------------------------------ CUDA graphs
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> DCPGraphState:
-        i32 = {"dtype": torch.int32, "device": self.device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
         # One local row per query token: the wrapped backend's largest batch is max_t.
         self.inner.init_cuda_graph_state(max_num_tokens, max_num_tokens)
         return DCPGraphState(

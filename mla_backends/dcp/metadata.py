@@ -80,7 +80,11 @@ def rows_metadata(
 def extend_metadata(layout: DCPLayout, batch: ForwardBatch) -> DCPMetadata:
     """EXTEND: one local EXTEND row per (request, j mod N) group; built on the host."""
     lay, dev = layout, batch.seq_lens.device
-    sub, q_lens, kv_lens, perm, vis = [], [], [], [], []
+    sub: list[int] = []
+    q_lens: list[int] = []
+    kv_lens: list[int] = []
+    perm: list[int] = []
+    vis: list[int] = []
     start = 0
     for b, (s, n) in enumerate(
         zip(batch.seq_lens_cpu.tolist(), batch.extend_seq_lens_cpu.tolist())

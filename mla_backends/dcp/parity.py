@@ -23,6 +23,7 @@ from torch import Tensor
 
 from mla_backends.arith import cdiv
 from mla_backends.backends.base import MLABackend
+from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import DEEPSEEK_V3, KV_DTYPES, Config, MLADims
 from mla_backends.dcp.runtime import DCPRuntime, build_dcp_runtime
@@ -135,7 +136,7 @@ def gpu_cases(size: int = 2) -> list[DCPCase]:
     (EXTEND through triton, as its runtime would) at their page sizes; decode, verify and
     extend at H 16; H 128 decode and TP-heads verify; FP8 pools where the backend takes them;
     captured CUDA graphs with NCCL collectives inside, replayed over changing batches."""
-    bf16 = {"dtype": "bfloat16", "kv_dtype": "bfloat16", "dims": DEEPSEEK_V3}
+    bf16: dict[str, Any] = {"dtype": "bfloat16", "kv_dtype": "bfloat16", "dims": DEEPSEEK_V3}
     cases = []
     for be, pages, fp8 in (
         ("triton", (16, 64), True),
@@ -145,7 +146,7 @@ def gpu_cases(size: int = 2) -> list[DCPCase]:
         pre = "triton" if be == "flashmla" else None
         for p in pages:
             lens = edge_lens(size, p, long=3001)
-            kw = {"kv_lens": lens, "prefill_backend": pre, **bf16}
+            kw: dict[str, Any] = {"kv_lens": lens, "prefill_backend": pre, **bf16}
             cases += [
                 DCPCase(be, ForwardMode.DECODE, 1, p, 16, **kw),
                 DCPCase(be, ForwardMode.TARGET_VERIFY, 2, p, 16, **kw),
@@ -201,7 +202,9 @@ class DCPPair:
         order = self._order(num_pages, case.seed * 131 + rank + 1)
         self.dcp: DCPRuntime = build_dcp_runtime(dcp_cfg, group, case.heads, order)
         if case.undefined_empty:
-            self.dcp.backend.inner = UndefinedEmptyRows(self.dcp.backend.inner)
+            inner = self.dcp.backend.inner
+            assert isinstance(inner, MLABackend), "undefined_empty wraps one backend"
+            self.dcp.backend.inner = UndefinedEmptyRows(inner)
         for pool in (self.single.kv_pool, self.dcp.kv_pool):
             pool.kv_buffer[0].fill_(float("nan"))
             if pool.is_fp8:
@@ -417,7 +420,7 @@ def _run_empty_batch(
 
 
 def _same_prefix_rows(
-    single: MLABackend[Any], dcp: MLABackend[Any], batches: list[ForwardBatch]
+    single: AttentionBackend, dcp: MLABackend[Any], batches: list[ForwardBatch]
 ) -> str:
     want, got = single.load_prefix(0, batches[0]), dcp.load_prefix(0, batches[1])
     for name, w, g in zip(("latent", "rope"), want, got):

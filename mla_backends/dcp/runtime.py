@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mla_backends.arith import cdiv
-from mla_backends.backends.base import BackendContext
+from mla_backends.backends.base import BackendContext, MLABackend
+from mla_backends.backends.dispatch import DispatchBackend
 from mla_backends.config import Config, ConfigError
 from mla_backends.dcp.backend import HEAD_MODES, DCPBackend
 from mla_backends.dcp.comm import DCPGroup
@@ -66,6 +67,9 @@ def build_dcp_runtime(
         mha = create_backend(
             BackendContext(dataclasses.replace(local, model=config.model), rt.kv_pool, rt.req_pool)
         )
-    backend = DCPBackend(rt.backend, comm, heads, mha)
+    inner = rt.backend
+    if not isinstance(inner, (MLABackend, DispatchBackend)):  # Runtime.build makes one
+        raise TypeError(f"DCP wraps a suite backend, not {type(inner).__name__}")
+    backend = DCPBackend(inner, comm, heads, mha)
     allocator = DCPTokenAllocator(backend.layout, rt.allocator)
     return DCPRuntime(config, rt.kv_pool, rt.req_pool, allocator, backend, comm)

@@ -104,11 +104,13 @@ class LinearAttentionBackend:
             if self.kernels == "fla":
                 rec_l = self.pool.recurrent[layer]
                 if g.dim() == 2:  # GDN: our kernel (fla's GDN kernel cannot index state slots)
+                    assert self._gdn_decode is not None  # set with kernels="fla"
                     return self._gdn_decode(q, k, v, g, beta, rec_l, rows, self.scale)
                 return fla_ops.decode(q, k, v, g, beta, rec_l, rows, self.scale)
             return self._decode(layer, q, k, v, g, beta, rows.long()).to(v.dtype)
         if self.kernels == "fla":
             rows = batch.req_pool_indices.long()
+            assert self._cu is not None  # set by init_forward_metadata for EXTEND
             o, final = fla_ops.prefill(q, k, v, g, beta, rec[layer][rows], self._cu, self.scale)
             rec[layer][rows] = final
             return o

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,8 @@ from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.merge import merge_states
+
+C = TypeVar("C", bound="DeepseekV3Config")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class DeepseekV3Config:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> DeepseekV3Config:
+    def from_hf(cls: type[C], raw: dict[str, Any]) -> C:
         raw = dict(raw)
         # transformers >= 5 writes `rope_parameters`; checkpoints carry `rope_scaling`.
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -330,6 +332,8 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
+    inv_freq: torch.Tensor  # a buffer: [R / 2]
+
     def __init__(self, cfg: DeepseekV3Config, chunked_prefix_min: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -348,6 +352,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = DeepseekV3Model(cfg, chunked_prefix_min)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.extra_tensors: list[str] = []  # checkpoint tensors the loader left unused
 
     @torch.no_grad()
     def forward(

@@ -119,6 +119,8 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3's model with every attention replaced by `MLAttentionV32`; `forward`
     takes a `DSABackend`."""
 
+    cfg: DeepseekV32Config
+
     def __init__(self, cfg: DeepseekV32Config, chunked_prefix_min: int | None = None) -> None:
         super().__init__(cfg, chunked_prefix_min)
         for i, layer in enumerate(self.model.layers):

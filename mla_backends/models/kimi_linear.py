@@ -195,6 +195,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.layers = nn.ModuleList(HybridLayer(cfg, i, k) for i, k in enumerate(cfg.kinds))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.extra_tensors: list[str] = []  # checkpoint tensors the loader left unused
 
     @torch.no_grad()
     def forward(

@@ -81,7 +81,8 @@ def load_kimi_linear(
     tensors = read_tensors(path)
     if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
-    loaded, used = {}, set()
+    loaded: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
     for name, ref in model.state_dict().items():
         if name.endswith(".attn.conv_weight"):
             prefix = hf_name(name).removesuffix(".conv_weight")
@@ -98,7 +99,7 @@ def load_kimi_linear(
             )
         loaded[name] = t.to(dtype)
     model.load_state_dict(loaded, strict=True)
-    model.extra_tensors = sorted(  # type: ignore[attr-defined]
+    model.extra_tensors = sorted(
         k for k in tensors if k not in used and not k.endswith("_scale_inv")
     )
     return model.to(device=device, dtype=dtype).eval()
@@ -114,8 +115,8 @@ def save_kimi_linear(model: KimiLinearForCausalLM, path: str | Path) -> None:
     for name, t in model.state_dict().items():
         if name.endswith(".attn.conv_weight"):
             prefix = hf_name(name).removesuffix(".conv_weight")
-            for c, part in zip(_CONV, t.chunk(3, 0)):
-                out[f"{prefix}.{c}.weight"] = part[:, None].contiguous()
+            for comp, part in zip(_CONV, t.chunk(3, 0)):
+                out[f"{prefix}.{comp}.weight"] = part[:, None].contiguous()
         else:
             out[hf_name(name)] = t.contiguous()
     save_file(out, str(path / "model.safetensors"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -121,7 +121,7 @@ M = TypeVar("M", bound=torch.nn.Module)
 
 def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device | str) -> M:
     """Fill every tensor of `model` (its own state-dict names) from the checkpoint at `path`."""
-    cfg = model.cfg  # type: ignore[attr-defined]
+    cfg = cast(Any, model).cfg  # every model here keeps its HF config as `cfg`
     tensors = read_tensors(path)
     want = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
@@ -138,7 +138,7 @@ def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device 
             )
         loaded[name] = t.to(dtype)
     model.load_state_dict(loaded, strict=True)
-    model.extra_tensors = sorted(  # type: ignore[attr-defined]
+    cast(Any, model).extra_tensors = sorted(
         k for k in tensors if k not in want and not k.endswith("_scale_inv")
     )
     return model.to(device=device, dtype=dtype).eval()

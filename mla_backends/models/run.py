@@ -127,7 +127,9 @@ def random_model(
                 DeepseekV32ForCausalLM,
             )
 
-            model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(raw)).to(dtype)
+            model: DeepseekV3ForCausalLM = DeepseekV32ForCausalLM(
+                DeepseekV32Config.from_hf(raw)
+            ).to(dtype)
         else:
             model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw)).to(dtype)
     gen = torch.Generator(device).manual_seed(seed)

@@ -19,6 +19,7 @@ from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch
 from mla_backends.runtime import Runtime
 from mla_backends.sparse.base import (
+    LatentPool,
     SparseContext,
     SparseMLABackend,
     create_sparse_backend,
@@ -58,7 +59,7 @@ class DSABackend:
         `dense`: the dense batches' backend (default: the runtime's)."""
         cfg, pool = runtime.config, runtime.kv_pool
         dims, dev = cfg.model, pool.device
-        latent = pool
+        latent: LatentPool = pool
         if fp8_rows:
             latent = Fp8RowPool(
                 pool.num_layers,

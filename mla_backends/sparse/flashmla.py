@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ class FlashMLASparseBackend(SparseMLABackend):
         return md
 
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> FlashMLASparseGraphState:
-        i32 = {"dtype": torch.int32, "device": self.device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
         return FlashMLASparseGraphState(
             torch.zeros(max_num_tokens, **i32),
             torch.ones(max_num_tokens, **i32),
@@ -213,6 +214,7 @@ class FlashMLASparseBackend(SparseMLABackend):
             out, lse = self._prefill(q, kv, indices)
         elif md.extend is not None:
             slots, slot_to_row = md.extend
+            assert isinstance(self.pool, Fp8RowPool)  # self._fp8
             rows = dequant_rows(self.pool.fmt, self.pool.kv_buffer[layer][slots.long()])
             remap = torch.where(indices >= 0, slot_to_row[indices.clamp(min=0).long()], -1)
             out, lse = self._prefill(q, rows.bfloat16().view(-1, 1, self.dims.kv_dim), remap)

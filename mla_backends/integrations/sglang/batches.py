@@ -133,8 +133,8 @@ class GraphBuffers:
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device: torch.device) -> GraphBuffers:
-        i32 = {"dtype": torch.int32, "device": device}
-        i64 = {"dtype": torch.int64, "device": device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
+        i64: dict[str, Any] = {"dtype": torch.int64, "device": device}
         return cls(
             rows=torch.zeros(max_bs, **i32),
             seq=torch.ones(max_bs, **i32),
