@@ -75,10 +75,11 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
     ) -> None:
         if heads not in HEAD_MODES:
             raise ValueError(f"DCP heads={heads!r} is not one of {HEAD_MODES}")
-        for side in attending(inner):
+        sides = attending(inner)
+        for side in sides:
             if not side.caps.lse:
                 raise ValueError(f"DCP merges by LSE; backend {side.name!r} returns none")
-        base = attending(inner)[-1]  # dims and context (a DispatchBackend's sides share them)
+        base = sides[-1]  # dims and context (a DispatchBackend's sides share them)
         h = base.dims.num_heads
         if heads == "tp" and h % group.size:
             raise ValueError(f"DCP heads='tp': {h} heads do not split over {group.size} ranks")
