@@ -435,3 +435,19 @@ def test_topk_slots_refuses_non_fp32_logits() -> None:
     r2t = torch.zeros(1, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="2-D fp32"):
         topk_slots(torch.zeros(1, 8, dtype=torch.bfloat16), 4, r2t, torch.zeros(1))
+    with pytest.raises(ValueError, match="path must be"):
+        topk_slots(torch.zeros(1, 8), 4, r2t, torch.zeros(1), path="one")
+
+
+@pytest.mark.interp
+def test_topk_slots_fused_path_is_refused_off_a_gpu() -> None:
+    """The one-launch path spins between passes on programs of the same launch: the
+    interpreter runs programs one after another, so it is refused there (auto takes the
+    launches)."""
+    from mla_backends.sparse import topk_fused
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    assert topk_fused.block_for(1, 4096, torch.device("cpu")) is None
+    r2t = torch.arange(8, dtype=torch.int32).view(1, 8)
+    with pytest.raises(ValueError, match="do not fit one launch"):
+        topk_slots(torch.randn(1, 8), 4, r2t, torch.zeros(1, dtype=torch.int64), path="fused")

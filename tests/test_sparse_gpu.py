@@ -61,11 +61,14 @@ def test_sparse_backend_matches_reference(case: SparseCase) -> None:
     assert not detail, detail
 
 
+@pytest.mark.parametrize("path", ["launches", "fused"])
 @pytest.mark.parametrize("with_visible", [False, True], ids=["masked", "visible"])
 @pytest.mark.parametrize("width", [1500, 16384, 40000, 131072])
-def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool) -> None:
-    """The radix-select top-k on the GPU: the same slot sets as torch.topk + the slot mapping
-    on distinct logits (no ties), rows with more and fewer visible keys than top-k."""
+def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool, path: str) -> None:
+    """The radix-select top-k on the GPU, both paths (six launches; one launch whose programs
+    wait for each other between passes, blocks of 2048-8192 keys): the same slot sets as
+    torch.topk + the slot mapping on distinct logits (no ties), rows with more and fewer
+    visible keys than top-k."""
     from mla_backends.sparse.indexer import positions_to_slots, select_topk
     from mla_backends.sparse.topk_kernel import topk_slots
 
@@ -84,12 +87,50 @@ def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool) ->
     if with_visible:  # past visible: large garbage, which only `visible` keeps out
         limit = vis.clamp(max=width).to(torch.int32)
         past = torch.arange(width, device="cuda")[None] >= limit[:, None]
-        got = topk_slots(logits.masked_fill(past, 1e6), k, r2t, rows, limit)
+        got = topk_slots(logits.masked_fill(past, 1e6), k, r2t, rows, limit, path=path)
     else:
-        got = topk_slots(logits, k, r2t, rows)
+        got = topk_slots(logits, k, r2t, rows, path=path)
     for i in range(t):
         a, b = got[i].tolist(), want[i].tolist()
         assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i
+
+
+@pytest.mark.parametrize("path", ["launches", "fused"])
+def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
+    """Ties at the threshold over many programs: exactly k distinct slots, all at or above the
+    k-th value; repeated calls (fresh counters each) give the same counts."""
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    k, width = 2048, 65536
+    logits = torch.ones(3, width, device="cuda")
+    logits[0, ::7] = 2.0  # 9363 twos: 2048 of them taken
+    logits[2, 5000:] = -torch.inf  # 5000 visible, all ones: every one taken
+    r2t = torch.arange(width, dtype=torch.int32, device="cuda").view(1, width).repeat(3, 1)
+    rows = torch.tensor([0, 1, 2], device="cuda")
+    for _ in range(3):
+        got = topk_slots(logits, k, r2t, rows, path=path).cpu()
+        assert len(set(got[0].tolist())) == k and (got[0] % 7 == 0).all()
+        assert len(set(got[1].tolist())) == k and (got[1] >= 0).all()
+        assert len(set(got[2].tolist())) == k and (got[2] >= 0).all() and (got[2] < 5000).all()
+
+
+def test_topk_slots_auto_takes_one_launch_where_it_fits() -> None:
+    """`auto` picks the one-launch path while T x blocks fits one program per SM (batch 1 at
+    128k keys), the launches beyond it; an explicit `fused` that cannot fit is refused."""
+    from mla_backends.sparse import topk_fused
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert topk_fused.block_for(1, 131072, dev) == 2048
+    assert topk_fused.block_for(16, 32768, dev) == (2048 if 16 * 16 <= sms else 4096)
+    assert topk_fused.block_for(sms + 1, 2048, dev) is None
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    r2t = torch.zeros(1, 8, dtype=torch.int32, device=dev)
+    logits = torch.randn(sms + 1, 8192 * 2, device=dev)
+    rows = torch.zeros(sms + 1, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match="do not fit one launch"):
+        topk_slots(logits, 64, r2t, rows, path="fused")
 
 
 def test_indexer_kernels_match_torch_maths_bf16() -> None:

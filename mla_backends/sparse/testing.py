@@ -41,6 +41,7 @@ class SparseCase:
     dims: MLADims = field(default_factory=lambda: MLADims(16, 128, 16, 16, 16))
     drop: float = 0.0  # share of valid entries turned into -1 (not for exact-count backends)
     empty_row: bool = False  # one token's row all -1
+    joined_q: bool = False  # q_nope / q_rope as column ranges of one [T, H, L + R] buffer
     seed: int = 0
     check_support: bool = True  # False: build the class directly (emulated kernels on CPU)
 
@@ -48,6 +49,7 @@ class SparseCase:
     def id(self) -> str:
         extra = f"-drop{self.drop}" if self.drop else ""
         extra += "-empty" if self.empty_row else ""
+        extra += "-joined" if self.joined_q else ""
         return (
             f"{self.backend}-{self.pool}-{self.dtype}-{self.mode.value}-q{self.q_len}-"
             f"h{self.dims.num_heads}-k{self.topk}-b{len(self.kv_lens)}{extra}"
@@ -64,7 +66,9 @@ def kernel_cases(
     """The parity grid of the kernel backends at DeepSeek's dims: each backend x its pools x
     each mode x H 16 / 128, page 64. Every backend but `flashinfer_mla` also gets dropped
     entries and an all -1 row; `flashinfer_mla` reads exactly min(topk, visible) entries, so
-    its rows keep the indexer's exact count."""
+    its rows keep the indexer's exact count. H 128 passes its query as the two column ranges
+    of one buffer (how a model writing both projections into one buffer calls), H 16 as two
+    tensors."""
     out = []
     for backend, backend_pools in pools.items():
         exact = backend == "flashinfer_mla"
@@ -85,6 +89,7 @@ def kernel_cases(
                             dims,
                             drop=0.0 if exact else 0.2,
                             empty_row=not exact,
+                            joined_q=h == 128,
                             check_support=check_support,
                         )  # fmt: skip
                     )
@@ -157,8 +162,13 @@ def build(case: SparseCase, device: torch.device | str) -> Built:
     if case.empty_row:
         idx[rng.randrange(batch.num_tokens)] = -1
     h = d.num_heads
-    q_nope = torch.randn(batch.num_tokens, h, d.kv_lora_rank, generator=gen).to(device, act)
-    q_rope = torch.randn(batch.num_tokens, h, d.qk_rope_head_dim, generator=gen).to(device, act)
+    if case.joined_q:
+        q = torch.randn(batch.num_tokens, h, d.kv_dim, generator=gen).to(device, act)
+        q_nope, q_rope = q[..., : d.kv_lora_rank], q[..., d.kv_lora_rank :]
+    else:
+        q_nope = torch.randn(batch.num_tokens, h, d.kv_lora_rank, generator=gen).to(device, act)
+        q_rope = torch.randn(batch.num_tokens, h, d.qk_rope_head_dim, generator=gen)
+        q_rope = q_rope.to(device, act)
     ctx = SparseContext(d, pool, req, case.topk, act)
     if case.check_support:
         backend = create_sparse_backend(case.backend, ctx)

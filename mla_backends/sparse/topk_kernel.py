@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_backends.arith import cdiv
+from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting
 
 
@@ -62,18 +62,19 @@ def _masked_histogram(digit, match, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold(Hist, K: tl.constexpr, PASSES: tl.constexpr):
+def _threshold(Hist, K: tl.constexpr, PASSES: tl.constexpr, VOLATILE: tl.constexpr):
     """From the first PASSES digit histograms of a row: (take_all, need, prefix): whether the
     row has at most K visible keys; else the digits so far of the K-th largest key and how
-    many keys sharing them are still to be taken."""
+    many keys sharing them are still to be taken. VOLATILE: read past L1 (other programs of
+    the same launch wrote the counts)."""
     bins = tl.arange(0, 256)
-    h0 = tl.load(Hist + bins)
+    h0 = tl.load(Hist + bins, volatile=VOLATILE)
     total = tl.sum(h0, 0)
     take_all = (total <= K).to(tl.int32)
     need = total * 0 + K
     prefix = (total * 0).to(tl.uint32)
     for p in tl.static_range(PASSES):
-        b, need = _digit_step(tl.load(Hist + p * 256 + bins), bins, need)
+        b, need = _digit_step(tl.load(Hist + p * 256 + bins, volatile=VOLATILE), bins, need)
         prefix = (prefix << 8) | b.to(tl.uint32)
     return take_all, need, prefix
 
@@ -107,10 +108,18 @@ def _hist_kernel(
     limit = _row_limit(Vis, t, width, HAS_VIS)
     if tl.program_id(1) * BLOCK >= limit:
         return
-    hist_row = Hist + t * stride_h
-    _, need, prefix = _threshold(hist_row, K, P)
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
+    _count_digit(x, Hist + t * stride_h, K, P, BLOCK, False)
+
+
+@triton.jit
+def _count_digit(
+    x, hist_row, K: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, VOLATILE: tl.constexpr
+):
+    """Adds digit P's counts of the keys of x [BLOCK] that match the row's threshold so far
+    into hist_row[P]."""
+    _, need, prefix = _threshold(hist_row, K, P, VOLATILE)
     key = _sortable(x)
     match = x > float("-inf")
     if P > 0:
@@ -135,19 +144,41 @@ def _write_kernel(
     stride_r2t,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     HAS_VIS: tl.constexpr,
 ):
     """Every visible key above the threshold, and ties while the row still needs them, as
     pool slots at positions reserved with atomics (Hist[t, 1024:1026] = written, ties
-    claimed)."""
+    claimed); program 0 of each row writes the row's -1 tail."""
     t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _write_tail(Hist + t * stride_h, Out + t * stride_o, K, BLOCK_K, False)
     limit = _row_limit(Vis, t, width, HAS_VIS)
     if tl.program_id(1) * BLOCK >= limit:
         return
-    take_all, need, prefix = _threshold(Hist + t * stride_h, K, 4)
-    count = Hist + t * stride_h + 4 * 256
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
+    _write_keys(x, pos, t, Hist + t * stride_h, Out + t * stride_o, R2T, Rows, stride_r2t, K, False)
+
+
+@triton.jit
+def _write_tail(hist_row, out_row, K: tl.constexpr, BLOCK_K: tl.constexpr, VOLATILE: tl.constexpr):
+    """-1 at the row's positions past the keys it takes (min(K, visible keys), from the first
+    digit's counts): the keys' positions are reserved below that count, so no write overlaps."""
+    total = tl.sum(tl.load(hist_row + tl.arange(0, 256), volatile=VOLATILE), 0)
+    i = tl.arange(0, BLOCK_K)
+    unused = tl.full([BLOCK_K], -1, tl.int32)
+    tl.store(out_row + i, unused, mask=(i >= tl.minimum(total, K)) & (i < K))
+
+
+@triton.jit
+def _write_keys(
+    x, pos, t, hist_row, out_row, R2T, Rows, stride_r2t, K: tl.constexpr, VOLATILE: tl.constexpr
+):
+    """The keys of x [BLOCK] (at row positions pos) that the row takes, as pool slots at
+    positions of out_row reserved with atomics."""
+    take_all, need, prefix = _threshold(hist_row, K, 4, VOLATILE)
+    count = hist_row + 4 * 256
     key = _sortable(x)
     ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
@@ -163,7 +194,7 @@ def _write_kernel(
     at = base + tl.cumsum(take.to(tl.int32), 0) - 1
     row = tl.load(Rows + t).to(tl.int64)
     slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
-    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
+    tl.store(out_row + at, slot.to(tl.int32), mask=take)
 
 
 def topk_slots(
@@ -172,28 +203,43 @@ def topk_slots(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
     visible: torch.Tensor | None = None,
+    path: str = "auto",
 ) -> torch.Tensor:
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
     slots of the k largest logits (any order), -1 for unused entries. No host sync.
     `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
-    programs past them return at once (a CUDA graph's W is the longest context it may see)."""
+    programs past them return at once (a CUDA graph's W is the longest context it may see).
+    `path`: "launches" (six launches, any size), "fused" (two launches, small T x W on a GPU,
+    `sparse.topk_fused`), or "auto" (fused where it fits)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
             f"topk_slots: logits must be 2-D fp32, got {logits.dtype} {logits.dim()}-D"
         )
+    if path not in ("auto", "launches", "fused"):
+        raise ValueError(f"topk_slots: path must be auto, launches or fused, got {path!r}")
     t, width = logits.shape
-    out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     if t == 0 or width == 0:
-        return out
+        return torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    has_vis = visible is not None
+    vis = visible if visible is not None else rows  # not read without HAS_VIS
+    if path != "launches":
+        from mla_backends.sparse import topk_fused
+
+        block = topk_fused.block_for(t, width, logits.device)
+        if block is not None:
+            return topk_fused.run(logits, k, req_to_token, rows, vis, has_vis, block)
+        if path == "fused":
+            raise ValueError(
+                f"topk_slots: {t} rows of {width} logits do not fit one launch on this device"
+            )
+    out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
     block = 256 if interpreting() else 2048
     # per row: 4 x 256 digit counts, then (written, ties claimed); one fill zeroes them all
     hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=logits.device)
     grid = (t, cdiv(width, block))
-    has_vis = visible is not None
-    vis = visible if visible is not None else rows  # not read without HAS_VIS
     for p in range(4):
         _hist_kernel[grid](
             logits,
@@ -221,6 +267,7 @@ def topk_slots(
         req_to_token.stride(0),
         K=k,
         BLOCK=block,
+        BLOCK_K=next_pow2(k),
         HAS_VIS=has_vis,
         num_warps=8,
     )

@@ -1,0 +1,116 @@
+"""The indexer's top-k in one launch (plus the counters' fill) where it fits: every program
+holds one block of its row's logits in registers through the four radix passes and the
+write, and the programs of a row wait for each other's digit counts between passes on a
+counter in global memory. That removes four of the six launches of `topk_kernel`, which at
+batch 1 are most of its time (each pass there is a few microseconds of work between two
+launch gaps).
+
+Hazard: a program spinning on its row's counter waits for programs of the same launch, so
+every program must be resident at once: the grid is kept to one program per SM (T x blocks
+<= SMs; a program of 8-16 warps and little shared memory always fits an SM), and anything
+larger takes the launches. The Triton interpreter runs programs one after another and would
+spin forever: it never takes this path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_backends.arith import cdiv, next_pow2
+from mla_backends.kernels.common import interpreting, num_sms
+from mla_backends.sparse.topk_kernel import _count_digit, _row_limit, _write_keys, _write_tail
+
+BLOCKS = (2048, 4096, 8192)  # keys a program holds (8 / 16 / 32 per thread, up to 16 warps)
+SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, ties claimed), 4 pass counters
+
+
+@triton.jit
+def _row_sync(Counter, target):
+    """Waits until `target` programs arrived at Counter: the counts every program of the row
+    added before it are then complete (release on arrival, acquire while spinning)."""
+    tl.debug_barrier()  # every thread of this program issued its histogram atomics
+    tl.atomic_add(Counter, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _topk_fused_kernel(
+    Logits,
+    Hist,
+    Out,
+    R2T,
+    Rows,
+    Vis,
+    width,
+    stride_l,
+    stride_h,
+    stride_o,
+    stride_r2t,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_VIS: tl.constexpr,
+    SYNC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    progs = tl.num_programs(1)
+    limit = _row_limit(Vis, t, width, HAS_VIS)
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # programs past the row's visible keys hold only -inf (they count nothing) but still
+    # arrive at every pass counter
+    x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
+    hist_row = Hist + t * stride_h
+    for p in tl.static_range(4):
+        _count_digit(x, hist_row, K, p, BLOCK, True)
+        _row_sync(hist_row + SYNC + p, progs)
+    _write_keys(x, pos, t, hist_row, Out + t * stride_o, R2T, Rows, stride_r2t, K, True)
+    if tl.program_id(1) == 0:
+        _write_tail(hist_row, Out + t * stride_o, K, BLOCK_K, True)
+
+
+def block_for(t: int, width: int, device: torch.device) -> int | None:
+    """The smallest block that keeps T x cdiv(width, block) programs within one per SM, or
+    None (too large, not a GPU, or the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return None
+    sms = num_sms(device)
+    return next((b for b in BLOCKS if t * cdiv(width, b) <= sms), None)
+
+
+def run(
+    logits: torch.Tensor,
+    k: int,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    vis: torch.Tensor,
+    has_vis: bool,
+    block: int,
+) -> torch.Tensor:
+    t, width = logits.shape
+    out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
+    hist = torch.zeros(t, SYNC + 4, dtype=torch.int32, device=logits.device)
+    _topk_fused_kernel[(t, cdiv(width, block))](
+        logits,
+        hist,
+        out,
+        req_to_token,
+        rows,
+        vis,
+        width,
+        logits.stride(0),
+        hist.stride(0),
+        out.stride(0),
+        req_to_token.stride(0),
+        K=k,
+        BLOCK=block,
+        BLOCK_K=next_pow2(k),
+        HAS_VIS=has_vis,
+        SYNC=SYNC,
+        num_warps=min(16, block // 256),
+    )
+    return out
