@@ -81,6 +81,16 @@ RULES: list[Rule] = [
     # tests-5
     Rule("tests-5", PARITY, backend="flashmla", seconds=1.5),
     Rule("tests-5", GRAPHS, backend="flashmla", seconds=25.0),
+    Rule(  # the top-k kernel alone: small compiles, milliseconds of GPU work a case
+        "tests-5",
+        "test_sparse_gpu.py",
+        (
+            "test_topk_slots_kernel_matches_torch_topk",
+            "test_topk_slots_kernel_takes_exactly_k_with_ties_gpu",
+            "test_topk_slots_auto_takes_one_launch_where_it_fits",
+        ),
+        seconds=1.5,
+    ),
     Rule("tests-5", "test_sparse_gpu.py", seconds=3.5),
     # tests-6
     Rule("tests-6", "test_linear_hybrid.py", seconds=70.0),
