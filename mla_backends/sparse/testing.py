@@ -163,8 +163,8 @@ def build(case: SparseCase, device: torch.device | str) -> Built:
         idx[rng.randrange(batch.num_tokens)] = -1
     h = d.num_heads
     if case.joined_q:
-        q = torch.randn(batch.num_tokens, h, d.kv_dim, generator=gen).to(device, act)
-        q_nope, q_rope = q[..., : d.kv_lora_rank], q[..., d.kv_lora_rank :]
+        joined = torch.randn(batch.num_tokens, h, d.kv_dim, generator=gen).to(device, act)
+        q_nope, q_rope = joined[..., : d.kv_lora_rank], joined[..., d.kv_lora_rank :]
     else:
         q_nope = torch.randn(batch.num_tokens, h, d.kv_lora_rank, generator=gen).to(device, act)
         q_rope = torch.randn(batch.num_tokens, h, d.qk_rope_head_dim, generator=gen)

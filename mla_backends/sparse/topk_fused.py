@@ -20,9 +20,17 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting, num_sms
-from mla_backends.sparse.topk_kernel import _count_digit, _row_limit, _write_keys, _write_tail
+from mla_backends.sparse.topk_kernel import (
+    _count_digit,
+    _digit_step,
+    _row_limit,
+    _write_keys,
+    _write_tail,
+)
 
-BLOCKS = (2048, 4096, 8192)  # keys a program holds (8 / 16 / 32 per thread, up to 16 warps)
+# keys a program holds, smallest first: more programs a row read and count in parallel (a
+# pass costs a program about its block's histogram plus the counter's round trips)
+BLOCKS = (1024, 2048, 4096, 8192)
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, ties claimed), 4 pass counters
 
 
@@ -65,12 +73,26 @@ def _topk_fused_kernel(
     # arrive at every pass counter
     x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
     hist_row = Hist + t * stride_h
-    for p in tl.static_range(4):
-        _count_digit(x, hist_row, K, p, BLOCK, True)
+    bins = tl.arange(0, 256)
+    # each pass: count, wait for the row's other programs, then read the complete counts
+    # past L1 (other SMs wrote them) and carry the threshold's digits to the next pass
+    _count_digit(x, hist_row, 0, 0, BLOCK)
+    _row_sync(hist_row + SYNC, progs)
+    h = tl.load(hist_row + bins, volatile=True)
+    total = tl.sum(h, 0)
+    b, need = _digit_step(h, bins, total * 0 + K)
+    prefix = b.to(tl.uint32)
+    for p in tl.static_range(1, 4):
+        _count_digit(x, hist_row, p, prefix, BLOCK)
         _row_sync(hist_row + SYNC + p, progs)
-    _write_keys(x, pos, t, hist_row, Out + t * stride_o, R2T, Rows, stride_r2t, K, True)
+        h = tl.load(hist_row + p * 256 + bins, volatile=True)
+        b, need = _digit_step(h, bins, need)
+        prefix = (prefix << 8) | b.to(tl.uint32)
+    out_row, count = Out + t * stride_o, hist_row + 4 * 256
+    take_all = (total <= K).to(tl.int32)
+    _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need, prefix)
     if tl.program_id(1) == 0:
-        _write_tail(hist_row, Out + t * stride_o, K, BLOCK_K, True)
+        _write_tail(out_row, tl.minimum(total, K), K, BLOCK_K)
 
 
 def block_for(t: int, width: int, device: torch.device) -> int | None:
@@ -111,6 +133,6 @@ def run(
         BLOCK_K=next_pow2(k),
         HAS_VIS=has_vis,
         SYNC=SYNC,
-        num_warps=min(16, block // 256),
+        num_warps=max(4, min(16, block // 256)),
     )
     return out

@@ -62,21 +62,20 @@ def _masked_histogram(digit, match, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold(Hist, K: tl.constexpr, PASSES: tl.constexpr, VOLATILE: tl.constexpr):
-    """From the first PASSES digit histograms of a row: (take_all, need, prefix): whether the
-    row has at most K visible keys; else the digits so far of the K-th largest key and how
-    many keys sharing them are still to be taken. VOLATILE: read past L1 (other programs of
-    the same launch wrote the counts)."""
+def _threshold(Hist, K: tl.constexpr, PASSES: tl.constexpr):
+    """From the first PASSES digit histograms of a row: (take_all, need, prefix, total):
+    whether the row has at most K visible keys; else the digits so far of the K-th largest key
+    and how many keys sharing them are still to be taken; the row's visible keys."""
     bins = tl.arange(0, 256)
-    h0 = tl.load(Hist + bins, volatile=VOLATILE)
+    h0 = tl.load(Hist + bins)
     total = tl.sum(h0, 0)
     take_all = (total <= K).to(tl.int32)
     need = total * 0 + K
     prefix = (total * 0).to(tl.uint32)
     for p in tl.static_range(PASSES):
-        b, need = _digit_step(tl.load(Hist + p * 256 + bins, volatile=VOLATILE), bins, need)
+        b, need = _digit_step(tl.load(Hist + p * 256 + bins), bins, need)
         prefix = (prefix << 8) | b.to(tl.uint32)
-    return take_all, need, prefix
+    return take_all, need, prefix, total
 
 
 @triton.jit
@@ -110,16 +109,15 @@ def _hist_kernel(
         return
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
-    _count_digit(x, Hist + t * stride_h, K, P, BLOCK, False)
+    hist_row = Hist + t * stride_h
+    _, _, prefix, _ = _threshold(hist_row, K, P)
+    _count_digit(x, hist_row, P, prefix, BLOCK)
 
 
 @triton.jit
-def _count_digit(
-    x, hist_row, K: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, VOLATILE: tl.constexpr
-):
-    """Adds digit P's counts of the keys of x [BLOCK] that match the row's threshold so far
-    into hist_row[P]."""
-    _, need, prefix = _threshold(hist_row, K, P, VOLATILE)
+def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
+    """Adds digit P's counts of the visible keys of x [BLOCK] whose digits 0..P-1 equal
+    prefix into hist_row[P]."""
     key = _sortable(x)
     match = x > float("-inf")
     if P > 0:
@@ -151,34 +149,33 @@ def _write_kernel(
     pool slots at positions reserved with atomics (Hist[t, 1024:1026] = written, ties
     claimed); program 0 of each row writes the row's -1 tail."""
     t = tl.program_id(0).to(tl.int64)
+    hist_row = Hist + t * stride_h
+    take_all, need, prefix, total = _threshold(hist_row, K, 4)
     if tl.program_id(1) == 0:
-        _write_tail(Hist + t * stride_h, Out + t * stride_o, K, BLOCK_K, False)
+        _write_tail(Out + t * stride_o, tl.minimum(total, K), K, BLOCK_K)
     limit = _row_limit(Vis, t, width, HAS_VIS)
     if tl.program_id(1) * BLOCK >= limit:
         return
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
-    _write_keys(x, pos, t, Hist + t * stride_h, Out + t * stride_o, R2T, Rows, stride_r2t, K, False)
+    out_row, count = Out + t * stride_o, hist_row + 4 * 256
+    _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need, prefix)
 
 
 @triton.jit
-def _write_tail(hist_row, out_row, K: tl.constexpr, BLOCK_K: tl.constexpr, VOLATILE: tl.constexpr):
-    """-1 at the row's positions past the keys it takes (min(K, visible keys), from the first
-    digit's counts): the keys' positions are reserved below that count, so no write overlaps."""
-    total = tl.sum(tl.load(hist_row + tl.arange(0, 256), volatile=VOLATILE), 0)
+def _write_tail(out_row, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-1 at the row's positions from `taken` (min(K, visible keys)) on: the keys' positions
+    are reserved below it, so no write overlaps."""
     i = tl.arange(0, BLOCK_K)
     unused = tl.full([BLOCK_K], -1, tl.int32)
-    tl.store(out_row + i, unused, mask=(i >= tl.minimum(total, K)) & (i < K))
+    tl.store(out_row + i, unused, mask=(i >= taken) & (i < K))
 
 
 @triton.jit
-def _write_keys(
-    x, pos, t, hist_row, out_row, R2T, Rows, stride_r2t, K: tl.constexpr, VOLATILE: tl.constexpr
-):
-    """The keys of x [BLOCK] (at row positions pos) that the row takes, as pool slots at
-    positions of out_row reserved with atomics."""
-    take_all, need, prefix = _threshold(hist_row, K, 4, VOLATILE)
-    count = hist_row + 4 * 256
+def _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need, prefix):
+    """The keys of x [BLOCK] (at row positions pos) that the row takes given its threshold,
+    as pool slots at positions of out_row reserved with atomics (count[0:2] = written, ties
+    claimed)."""
     key = _sortable(x)
     ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
