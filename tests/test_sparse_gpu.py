@@ -121,6 +121,7 @@ def test_topk_slots_auto_takes_one_launch_where_it_fits() -> None:
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert topk_fused.block_for(1, 32768, dev) == 512
     assert topk_fused.block_for(1, 131072, dev) == 1024
     b = topk_fused.block_for(16, 32768, dev)  # the smallest block that fits: 4096 on an H100
     assert b is not None and 16 * -(-32768 // b) <= sms < 16 * -(-32768 // (b // 2))

@@ -28,9 +28,12 @@ from mla_backends.sparse.topk_kernel import (
     _write_tail,
 )
 
-# keys a program holds, smallest first: more programs a row read and count in parallel (a
-# pass costs a program about its block's histogram plus the counter's round trips)
-BLOCKS = (1024, 2048, 4096, 8192)
+# Keys a program holds, smallest first, and its warps. A pass costs a program its histogram,
+# which grows with the keys a thread holds (`tl.histogram`: ~0.5 us a key a thread a pass on
+# an H100), plus the counter's round trips (~20 us for the launch at 2 keys a thread);
+# scripts/bench_topk.py, BENCHMARKS.md.
+BLOCKS = (512, 1024, 2048, 4096, 8192)
+WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, ties claimed), 4 pass counters
 
 
@@ -112,6 +115,7 @@ def run(
     vis: torch.Tensor,
     has_vis: bool,
     block: int,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     t, width = logits.shape
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
@@ -133,6 +137,6 @@ def run(
         BLOCK_K=next_pow2(k),
         HAS_VIS=has_vis,
         SYNC=SYNC,
-        num_warps=max(4, min(16, block // 256)),
+        num_warps=num_warps or WARPS[block],
     )
     return out
