@@ -29,9 +29,9 @@ from mla_backends.sparse.topk_kernel import (
 )
 
 # Keys a program holds, smallest first, and its warps. A pass costs a program its histogram,
-# which grows with the keys a thread holds (`tl.histogram`: ~0.5 us a key a thread a pass on
-# an H100), plus the counter's round trips (~20 us for the launch at 2 keys a thread);
-# scripts/bench_topk.py, BENCHMARKS.md.
+# which grows with the keys a thread holds (`tl.histogram`: 0.25-0.5 us a key a thread a
+# pass on an H100), plus the counter's round trips: ~20 us a launch at 2 keys a thread, 77 us
+# at 32 (scripts/bench_topk.py; BENCHMARKS.md, eleventh DSA run).
 BLOCKS = (512, 1024, 2048, 4096, 8192)
 WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, ties claimed), 4 pass counters
