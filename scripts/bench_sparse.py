@@ -53,7 +53,7 @@ from mla_backends.sparse.indexer import (
     prepare_q,
     select_topk,
 )
-from mla_backends.sparse.indexer_kernels import RawQuery, index_logits, prepare_q_fused
+from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
 from mla_backends.sparse.topk_kernel import topk_slots
 
 PAGE = 64
@@ -130,19 +130,12 @@ def run_one(
     md = ix.metadata
     qp, wp = prepare_q(idims, q_idx, w, cos, sin)
     logits = index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width)
-    raw = RawQuery(cos, sin, idims.weight_scale, idims.quantized)
     indexer = {
         "total": timed(lambda: ix.select(0, q_idx, w, cos, sin), graphs),
         "q_prep": timed(lambda: prepare_q_fused(idims, q_idx, w, cos, sin), graphs),
         "q_prep_torch": timed(lambda: prepare_q(idims, q_idx, w, cos, sin), graphs),
         "logits": timed(
             lambda: index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width),
-            graphs,
-        ),
-        "logits_with_prep": timed(  # the query prepared inside (what select runs at B <= 2)
-            lambda: index_logits(
-                cache, 0, q_idx, w, req.req_to_token, md.rows, md.visible, md.width, raw=raw
-            ),
             graphs,
         ),
         **{
@@ -330,8 +323,7 @@ def markdown(rows: list[dict], mode: str) -> str:
     cols += ["flashmla_fp8row[split_q]", "flashinfer_mla_bf16", "raw_flashmla_bf16"]
     cols += ["raw_flashmla_fp8"] + [f"dense_{n}" for n in DENSE]
     cols = [c for c in cols if any(c in r["attention"] for r in rows)]
-    head = ["context", "B", "H", "indexer", "(q prep", "logits", "topk)", "logits with q prep"]
-    head += cols
+    head = ["context", "B", "H", "indexer", "(q prep", "logits", "topk)"] + cols
     head += ["raw fp8 / triton fp8row", "raw fp8 / best"]
     head += [f"dense {n} / (indexer + best)" for n in DENSE]
     head += ["best step (one graph)"] + [f"dense {n} / step" for n in DENSE]
@@ -348,7 +340,6 @@ def markdown(rows: list[dict], mode: str) -> str:
             f(ix["q_prep"].get(mode)),
             f(ix["logits"].get(mode)),
             f(ix["topk_slots"].get(mode)),
-            f(ix.get("logits_with_prep", {}).get(mode)),
         ]
         cells += [f(a[c].get(mode)) if c in a else "-" for c in cols]
         cells += [f(q["raw_fp8/triton_fp8row"], 2), f(q["raw_fp8/best"], 3)]

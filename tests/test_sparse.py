@@ -165,40 +165,6 @@ def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
 
 
-@pytest.mark.interp
-@pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "fp32"])
-@pytest.mark.parametrize("act", [torch.float32, torch.float16], ids=["f32", "f16"])
-def test_logits_kernel_preparing_the_query_equals_the_two_launches(
-    quantized: bool, act: torch.dtype
-) -> None:
-    """`index_logits(..., raw=)` (the query prepared inside the logits kernel, batch-1 decode)
-    gives the same logits, bit for bit, as `prepare_q_fused` then `index_logits`, over a
-    poisoned cache, keys past a token's context -inf; two tokens, several programs each."""
-    from mla_backends.sparse.indexer_kernels import (
-        RawQuery,
-        index_logits,
-        prepare_q_fused,
-        store_index_k,
-    )
-
-    dims = IndexerDims(4, 32, 16, 8, quantized)
-    k, q, w, cos, sin = _indexer_inputs(dims, 40, 5)
-    k, q, cos, sin = k.to(act), q.to(act), cos.to(act), sin.to(act)
-    cache = IndexKCache(1, 200, 32, quantized, "cpu")
-    cache.buffers[0].fill_(0xFF)
-    loc = torch.randperm(190)[:40] + 2
-    store_index_k(cache, 0, k, cos, sin, loc)
-    r2t = torch.zeros(3, 64, dtype=torch.int32)
-    r2t[1, :40] = loc.int()
-    rows, vis = torch.full((2,), 1), torch.tensor([17, 40], dtype=torch.int32)
-    qp, wp = prepare_q_fused(dims, q[:2], w[:2], cos[:2], sin[:2])
-    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, 48)
-    raw = RawQuery(cos[:2], sin[:2], dims.weight_scale, quantized)
-    got = index_logits(cache, 0, q[:2], w[:2], r2t, rows, vis, 48, raw=raw)
-    assert torch.equal(got, want)
-    assert torch.isfinite(got).sum(1).tolist() == [17, 40]
-
-
 def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
     vis = torch.tensor([1, 3, 8, 20])
     logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)

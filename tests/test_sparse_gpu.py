@@ -17,7 +17,7 @@ import torch
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
-from mla_backends.sparse.indexer import IndexerDims, IndexKCache
+from mla_backends.sparse.indexer import IndexerDims
 from mla_backends.sparse.testing import SparseCase, kernel_cases, run
 
 pytestmark = pytest.mark.gpu
@@ -192,38 +192,6 @@ def test_indexer_kernels_match_torch_maths_bf16() -> None:
     for i in range(8):
         sa, sb = set(a[i].tolist()) - {-1}, set(b[i].tolist()) - {-1}
         assert len(sa) == min(TOPK, int(vis[i])) and len(sa & sb) >= 0.995 * len(sb)
-
-
-@pytest.mark.parametrize("t", [1, 2])
-def test_logits_kernel_preparing_the_query_equals_two_launches_gpu(t: int) -> None:
-    """DeepSeek dims, bf16 query: the logits kernel preparing the query itself (what
-    `Indexer.select` runs for one or two tokens) gives the logits of `prepare_q_fused` +
-    `index_logits` bit for bit (same maths, same e4m3 rounding), over 20k keys."""
-    from mla_backends.sparse.indexer_kernels import (
-        RawQuery,
-        index_logits,
-        prepare_q_fused,
-        store_index_k,
-    )
-
-    dims, n = IndexerDims(), 20000
-    g = torch.Generator(device="cuda").manual_seed(t)
-    k = torch.randn(n, 128, generator=g, device="cuda").bfloat16()
-    ang = torch.rand(n, 32, generator=g, device="cuda") * 6
-    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-    cache = IndexKCache(1, n + 128, 128, True, "cuda")
-    loc = torch.randperm(n, device="cuda") + 64
-    store_index_k(cache, 0, k, cos, sin, loc)
-    r2t = loc.int().view(1, n)
-    rows = torch.zeros(t, dtype=torch.long, device="cuda")
-    vis = torch.tensor([n, 7777][:t], device="cuda").int()
-    q = torch.randn(t, 64, 128, generator=g, device="cuda").bfloat16()
-    w = torch.randn(t, 64, generator=g, device="cuda").bfloat16()
-    qp, wp = prepare_q_fused(dims, q, w, cos[:t], sin[:t])
-    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, n)
-    raw = RawQuery(cos[:t], sin[:t], dims.weight_scale, True)
-    got = index_logits(cache, 0, q, w, r2t, rows, vis, n, raw=raw)
-    assert torch.equal(got, want)
 
 
 def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignore[no-untyped-def]

@@ -53,12 +53,6 @@ __all__ = [
     "token_rows",
 ]
 
-# Up to this many query tokens the logits kernel prepares the query itself: each of its
-# programs repeats the preparation (a 64 x 128 x 128 rotation), cheaper than a launch while a
-# token's programs fit about one wave (batch-1 decode: the separate kernel is 8 µs of a
-# ~50 µs step on an H100).
-PREP_IN_LOGITS_TOKENS = 2
-
 
 # ----------------------------------------------------------------------------- the step
 @dataclass
@@ -210,8 +204,6 @@ class Indexer:
         md = self.metadata
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
-        if self.kernels == "triton" and q.shape[0] <= PREP_IN_LOGITS_TOKENS:
-            return self._select_small(layer, q, w, cos, sin)
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import prepare_q_fused
 
@@ -230,24 +222,3 @@ class Indexer:
             pos = select_topk(logits, self.dims.topk)
             out.append(positions_to_slots(pos, self.req_to_token, rows))
         return out[0] if len(out) == 1 else torch.cat(out)
-
-    def _select_small(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        w: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """A token or two (batch-1 decode): the logits kernel prepares the query itself (one
-        launch less, the same logits bit for bit), then the top-k."""
-        from mla_backends.sparse.indexer_kernels import RawQuery, index_logits
-        from mla_backends.sparse.topk_kernel import topk_slots
-
-        md = self.metadata
-        assert md is not None
-        raw = RawQuery(cos, sin, self.dims.weight_scale, self.dims.quantized)
-        logits = index_logits(
-            self.cache, layer, q, w, self.req_to_token, md.rows, md.visible, md.width, raw=raw
-        )
-        return topk_slots(logits, self.dims.topk, self.req_to_token, md.rows, md.visible)

@@ -5,8 +5,6 @@ index heads in one dot). Same maths as `indexer.prepare_k` / `logits_reference`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -115,31 +113,6 @@ def _store_kernel(
 
 
 @triton.jit
-def _prep_rows(
-    rows,
-    w_ptrs,
-    r_ok,
-    cs_row,
-    Cos,
-    Sin,
-    weight_scale,
-    D: tl.constexpr,
-    HALF: tl.constexpr,
-    QUANT: tl.constexpr,
-    LOWP_DOT: tl.constexpr,
-    EXACT_FP8_ROUND: tl.constexpr,
-):
-    """q rows and their head weights -> (RoPE'd, rotated and quantised rows [BLOCK, D] as
-    fp32 values, not yet rounded to e4m3 off the interpreter; weights with the scales in)."""
-    y, zero = _rope_rows(rows, r_ok, cs_row, Cos, Sin, D, HALF)
-    w = tl.load(w_ptrs, mask=r_ok, other=0.0).to(tl.float32) * weight_scale
-    if QUANT:
-        y, scale = _rotate_quant(y, zero, D, LOWP_DOT, EXACT_FP8_ROUND)
-        w = w * scale
-    return y, w
-
-
-@triton.jit
 def _prep_q_kernel(
     Q,
     W,
@@ -166,20 +139,12 @@ def _prep_q_kernel(
     r_ok = r < n_rows
     t = (r // HI).to(tl.int64)
     h = r % HI
-    y, w = _prep_rows(
-        Q + t * stride_q_t + h * stride_q_h,
-        W + t * stride_w + h,
-        r_ok,
-        t * stride_cs,
-        Cos,
-        Sin,
-        weight_scale,
-        D,
-        HALF,
-        QUANT,
-        LOWP_DOT,
-        EXACT_FP8_ROUND,
-    )
+    rows = Q + t * stride_q_t + h * stride_q_h
+    y, zero = _rope_rows(rows, r_ok, t * stride_cs, Cos, Sin, D, HALF)
+    w = tl.load(W + t * stride_w + h, mask=r_ok, other=0.0).to(tl.float32) * weight_scale
+    if QUANT:
+        y, scale = _rotate_quant(y, zero, D, LOWP_DOT, EXACT_FP8_ROUND)
+        w = w * scale
     d = tl.arange(0, D)
     r64 = r.to(tl.int64)
     tl.store(Out + r64[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=r_ok[:, None])
@@ -305,15 +270,7 @@ def _logits_kernel(
     DOT_F32: tl.constexpr,
     DOT_F16: tl.constexpr,
     PRECISION: tl.constexpr,
-    Prep,
-    PREP: tl.constexpr,
-    HALF: tl.constexpr,
-    QUANT: tl.constexpr,
-    LOWP_DOT: tl.constexpr,
-    EXACT_FP8_ROUND: tl.constexpr,
 ):
-    """PREP: Q / W are the raw query and head weights, prepared here (`_prep_q_kernel`'s
-    maths) by every program of the token; Prep = (Cos, Sin, stride_cs, weight_scale)."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     vis = tl.load(Vis + t)
@@ -332,29 +289,10 @@ def _logits_kernel(
     ks = tl.load(Scale + blk * BLK_S + SCALE_OFF + off, mask=n_ok, other=0.0)
     h = tl.arange(0, BLOCK_H)
     h_ok = h < HI
-    if PREP:
-        Cos, Sin, stride_cs, weight_scale = Prep
-        q, w = _prep_rows(
-            Q + t * stride_q_t + h * stride_q_h,
-            W + t * stride_w + h,
-            h_ok,
-            t * stride_cs + h * 0,  # one cos / sin row, as a column of the rows
-            Cos,
-            Sin,
-            weight_scale,
-            D,
-            HALF,
-            QUANT,
-            LOWP_DOT,
-            EXACT_FP8_ROUND,
-        )
-        if DOT_F16:  # the e4m3 rounding the separate kernel's store does
-            q = q.to(tl.float8e4nv)
-    else:
-        q = tl.load(
-            Q + t * stride_q_t + h[:, None] * stride_q_h + d[None, :], mask=h_ok[:, None], other=0.0
-        )
-        w = tl.load(W + t * stride_w + h, mask=h_ok, other=0.0)
+    q = tl.load(
+        Q + t * stride_q_t + h[:, None] * stride_q_h + d[None, :], mask=h_ok[:, None], other=0.0
+    )
+    w = tl.load(W + t * stride_w + h, mask=h_ok, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -371,17 +309,6 @@ def _logits_kernel(
     tl.store(out, tl.where(n_ok, logit, float("-inf")), mask=n < width)
 
 
-@dataclass(frozen=True)
-class RawQuery:
-    """What the logits kernel needs to prepare the query itself (`index_logits(..., raw=)`):
-    the token's cos / sin [T, R / 2] and the indexer's weight scale and quantisation."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    weight_scale: float
-    quantized: bool
-
-
 def index_logits(
     cache: IndexKCache,
     layer: int,
@@ -392,12 +319,9 @@ def index_logits(
     visible: torch.Tensor,
     width: int,
     block_n: int | None = None,
-    raw: RawQuery | None = None,
 ) -> torch.Tensor:
     """q [T, Hi, D] (e4m3 codes, or fp32 unquantised), w [T, Hi] fp32, rows [T], visible [T]
-    -> logits [T, width] fp32, -inf at keys >= visible. With `raw`, q and w are the query and
-    head weights before `prepare_q_fused`, prepared by every program of their token (one
-    launch less; bit-identical logits; worth it at a token or two, where launches dominate)."""
+    -> logits [T, width] fp32, -inf at keys >= visible."""
     t, hi, d = q.shape
     out = torch.empty(t, width, dtype=torch.float32, device=q.device)
     if t == 0 or width == 0:
@@ -409,14 +333,6 @@ def index_logits(
         block_n = 16 if interp else 128
     data, scale, consts = _flat_views(cache, layer)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    prepared = q.dtype
-    if raw is None:
-        prep: tuple = (q, q, 0, 0.0)  # not read
-        half = 1
-    else:
-        cos, sin = raw.cos.contiguous(), raw.sin.contiguous()
-        prep, half = (cos, sin, cos.stride(0), raw.weight_scale), cos.shape[1]
-        prepared = torch.float8_e4m3fn if raw.quantized else torch.float32
     _logits_kernel[(t, cdiv(width, block_n))](
         q,
         w,
@@ -437,14 +353,8 @@ def index_logits(
         BLOCK_H=max(16, next_pow2(hi)),
         BLOCK_N=block_n,
         DOT_F32=interp,
-        DOT_F16=not interp and prepared == torch.float8_e4m3fn,
-        PRECISION=dot_precision(prepared),
-        Prep=prep,
-        PREP=raw is not None,
-        HALF=half,
-        QUANT=raw is not None and raw.quantized,
-        LOWP_DOT=q.dtype in (torch.bfloat16, torch.float16) and not interp,
-        EXACT_FP8_ROUND=raw is not None and raw.quantized and interp,
+        DOT_F16=not interp and q.dtype == torch.float8_e4m3fn,
+        PRECISION=dot_precision(q.dtype),
         num_warps=4,
         **consts,
     )
