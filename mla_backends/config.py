@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 PAGE_SIZES = (1, 16, 32, 64, 128)
 DCP_HEADS = ("replicated", "tp")
 SPARSE_BACKENDS = ("auto", "flashmla", "flashinfer_mla", "triton", "torch")  # sparse/base.py
+TOPK_PATHS = ("auto", "launches")  # sparse/topk_kernel.py
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -179,6 +180,11 @@ class Config:
     # DeepSeek-V3.2 models (sparse attention): the sparse backend (mla_backends.sparse), or
     # "auto": the first of flashmla, flashinfer_mla, triton, torch that runs here.
     sparse_backend: str = "auto"
+    # The indexer's top-k on a GPU: "auto" runs it in one launch while the batch's logits fit
+    # one program per SM (its programs wait for each other, so all must be resident at once);
+    # "launches" always takes the six-launch form: set it where the process gets fewer SMs
+    # than the device has (MPS thread limits, green contexts), or the launch could hang.
+    indexer_topk: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MLADims):
@@ -213,6 +219,11 @@ class Config:
         if self.sparse_backend not in SPARSE_BACKENDS:
             raise ConfigError(
                 f"sparse_backend={self.sparse_backend!r} is not one of {list(SPARSE_BACKENDS)}"
+            )
+        _check_str("indexer_topk", self.indexer_topk, "auto, launches")
+        if self.indexer_topk not in TOPK_PATHS:
+            raise ConfigError(
+                f"indexer_topk={self.indexer_topk!r} is not one of {list(TOPK_PATHS)}"
             )
         _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -169,6 +169,16 @@ def test_shipped_configs_parse() -> None:
             assert "cannot run here" in str(e) or "no usable CUDA device" in str(e), str(e)
 
 
+def test_indexer_topk_key_is_checked(tmp_path: Path) -> None:
+    """`indexer_topk`: auto (one launch where it fits) or launches; anything else is one
+    line naming the choices."""
+    bad = r"indexer_topk='fused' is not one of \['auto', 'launches'\]"
+    with pytest.raises(ConfigError, match=bad):
+        load_config(_write(tmp_path, "indexer_topk: fused\n"))
+    assert load_config(_write(tmp_path, "indexer_topk: launches\n")).indexer_topk == "launches"
+    assert load_config(_write(tmp_path, "device: cpu\n")).indexer_topk == "auto"
+
+
 def test_dcp_keys_are_checked_and_a_single_process_runtime_refuses_dcp(tmp_path: Path) -> None:
     from mla_backends.runtime import Runtime
 

@@ -451,3 +451,15 @@ def test_topk_slots_fused_path_is_refused_off_a_gpu() -> None:
     r2t = torch.arange(8, dtype=torch.int32).view(1, 8)
     with pytest.raises(ValueError, match="do not fit one launch"):
         topk_slots(torch.randn(1, 8), 4, r2t, torch.zeros(1, dtype=torch.int64), path="fused")
+
+
+def test_indexer_topk_path_is_checked_and_kept() -> None:
+    """`topk_path` ("auto" / "launches", `Config.indexer_topk`) reaches the top-k call; any
+    other value is refused at construction."""
+    dims = IndexerDims(4, 32, 16, 8, True)
+    cache = IndexKCache(1, 64, 32, True, "cpu")
+    r2t = torch.zeros(1, 64, dtype=torch.int32)
+    assert Indexer(dims, cache, r2t, "torch", "launches").topk_path == "launches"
+    assert Indexer(dims, cache, r2t, "torch").topk_path == "auto"
+    with pytest.raises(ValueError, match="topk_path must be 'auto' or 'launches'"):
+        Indexer(dims, cache, r2t, "torch", "fused")

@@ -167,7 +167,9 @@ def _serve(
         backend = ReferenceBackend(BackendContext(config, rt.kv_pool, rt.req_pool))
     if isinstance(model, DeepseekV32ForCausalLM):  # indexer + sparse attention (DSA)
         sparse = ReferenceSparseBackend if reference else config.sparse_backend
-        backend = DSABackend.build(rt, model.cfg.indexer_dims(), sparse, dense=backend)
+        backend = DSABackend.build(
+            rt, model.cfg.indexer_dims(), sparse, dense=backend, topk_path=config.indexer_topk
+        )
     eng = Engine(model, rt, backend)
     rows = eng.new_requests(len(prompts))
     t0 = time.perf_counter()

@@ -53,10 +53,12 @@ class DSABackend:
         fp8_rows: bool = False,
         indexer_kernels: str = "auto",
         dense: AttentionBackend | None = None,
+        topk_path: str = "auto",
     ) -> DSABackend:
         """Index-K cache over the runtime pool's slots, the indexer and the sparse backend;
         with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space.
-        `dense`: the dense batches' backend (default: the runtime's)."""
+        `dense`: the dense batches' backend (default: the runtime's). `topk_path`: the
+        indexer's top-k, "auto" or "launches" (`Config.indexer_topk`)."""
         cfg, pool = runtime.config, runtime.kv_pool
         dims, dev = cfg.model, pool.device
         latent: LatentPool = pool
@@ -73,7 +75,7 @@ class DSABackend:
             pool.num_layers, latent.num_slots, indexer_dims.head_dim, indexer_dims.quantized, dev
         )
         r2t = runtime.req_pool.req_to_token
-        indexer = Indexer(indexer_dims, cache, r2t, indexer_kernels)
+        indexer = Indexer(indexer_dims, cache, r2t, indexer_kernels, topk_path)
         ctx = SparseContext(dims, latent, runtime.req_pool, indexer_dims.topk, cfg.torch_dtype)
         if isinstance(sparse_backend, str):
             sparse = create_sparse_backend(sparse_backend, ctx)

@@ -87,6 +87,7 @@ class Indexer:
         cache: IndexKCache,
         req_to_token: torch.Tensor,
         kernels: str = "auto",
+        topk_path: str = "auto",
     ) -> None:
         from mla_backends.kernels.common import interpreting
 
@@ -94,6 +95,9 @@ class Indexer:
             kernels = "triton" if cache.device.type == "cuda" or interpreting() else "torch"
         if kernels not in ("triton", "torch"):
             raise ValueError(f"indexer kernels must be 'triton' or 'torch', got {kernels!r}")
+        if topk_path not in ("auto", "launches"):
+            raise ValueError(f"indexer topk_path must be 'auto' or 'launches', got {topk_path!r}")
+        self.topk_path = topk_path  # "launches": never the one-launch top-k (topk_fused.py)
         if cache.quantized != dims.quantized or cache.head_dim != dims.head_dim:
             raise ValueError("IndexKCache and IndexerDims disagree on head_dim / quantisation")
         self.dims, self.cache, self.req_to_token, self.kernels = dims, cache, req_to_token, kernels
@@ -217,7 +221,8 @@ class Indexer:
                 from mla_backends.sparse.topk_kernel import topk_slots
 
                 vis = md.visible[start:end]
-                out.append(topk_slots(logits, self.dims.topk, self.req_to_token, rows, vis))
+                k, r2t = self.dims.topk, self.req_to_token
+                out.append(topk_slots(logits, k, r2t, rows, vis, path=self.topk_path))
                 continue
             pos = select_topk(logits, self.dims.topk)
             out.append(positions_to_slots(pos, self.req_to_token, rows))

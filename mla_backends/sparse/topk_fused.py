@@ -8,8 +8,9 @@ launch gaps).
 Hazard: a program spinning on its row's counter waits for programs of the same launch, so
 every program must be resident at once: the grid is kept to one program per SM (T x blocks
 <= SMs; a program of 8-16 warps and little shared memory always fits an SM), and anything
-larger takes the launches. The Triton interpreter runs programs one after another and would
-spin forever: it never takes this path.
+larger takes the launches. The SM count is the device's: a process given fewer (MPS thread
+limits, green contexts) must run the launches (`Config.indexer_topk: launches`). The Triton
+interpreter runs programs one after another and would spin forever: it never takes this path.
 """
 
 from __future__ import annotations
