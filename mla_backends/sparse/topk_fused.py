@@ -24,9 +24,10 @@ from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.sparse.topk_kernel import (
     _count_digit,
     _digit_step,
-    _row_limit,
+    _row_block,
     _write_keys,
     _write_tail,
+    row_args,
 )
 
 # Keys a program holds, smallest first, and its warps. A pass costs a program its histogram,
@@ -52,17 +53,8 @@ def _row_sync(Counter, target):
 
 @triton.jit
 def _topk_fused_kernel(
-    Logits,
-    Hist,
-    Out,
-    R2T,
-    Rows,
-    Vis,
-    width,
-    stride_l,
-    stride_h,
-    stride_o,
-    stride_r2t,
+    Src,
+    Dst,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,12 +63,9 @@ def _topk_fused_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     progs = tl.num_programs(1)
-    limit = _row_limit(Vis, t, width, HAS_VIS)
-    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     # programs past the row's visible keys hold only -inf (they count nothing) but still
     # arrive at every pass counter
-    x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
-    hist_row = Hist + t * stride_h
+    x, pos, _, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
     bins = tl.arange(0, 256)
     # each pass: count, wait for the row's other programs, then read the complete counts
     # past L1 (other SMs wrote them) and carry the threshold's digits to the next pass
@@ -92,11 +81,10 @@ def _topk_fused_kernel(
         h = tl.load(hist_row + p * 256 + bins, volatile=True)
         b, need = _digit_step(h, bins, need)
         prefix = (prefix << 8) | b.to(tl.uint32)
-    out_row, count = Out + t * stride_o, hist_row + 4 * 256
     take_all = (total <= K).to(tl.int32)
-    _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need, prefix)
+    _write_keys(x, pos, t, hist_row + 4 * 256, Dst, take_all, need, prefix)
     if tl.program_id(1) == 0:
-        _write_tail(out_row, tl.minimum(total, K), K, BLOCK_K)
+        _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
 
 
 def block_for(t: int, width: int, device: torch.device) -> int | None:
@@ -121,18 +109,10 @@ def run(
     t, width = logits.shape
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
     hist = torch.zeros(t, SYNC + 4, dtype=torch.int32, device=logits.device)
+    src, dst = row_args(logits, vis, hist, out, req_to_token, rows)
     _topk_fused_kernel[(t, cdiv(width, block))](
-        logits,
-        hist,
-        out,
-        req_to_token,
-        rows,
-        vis,
-        width,
-        logits.stride(0),
-        hist.stride(0),
-        out.stride(0),
-        req_to_token.stride(0),
+        src,
+        dst,
         K=k,
         BLOCK=block,
         BLOCK_K=next_pow2(k),

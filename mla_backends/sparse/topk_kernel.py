@@ -89,12 +89,7 @@ def _row_limit(Vis, t, width, HAS_VIS: tl.constexpr):
 
 @triton.jit
 def _hist_kernel(
-    Logits,
-    Hist,
-    Vis,
-    width,
-    stride_l,
-    stride_h,
+    Src,
     K: tl.constexpr,
     P: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -104,12 +99,9 @@ def _hist_kernel(
     threshold so far, added into Hist[t, P] (rows that take all their keys count too, and
     nobody reads those counts). Programs past the row's visible keys return at once."""
     t = tl.program_id(0).to(tl.int64)
-    limit = _row_limit(Vis, t, width, HAS_VIS)
+    x, pos, limit, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
     if tl.program_id(1) * BLOCK >= limit:
         return
-    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
-    hist_row = Hist + t * stride_h
     _, _, prefix, _ = _threshold(hist_row, K, P)
     _count_digit(x, hist_row, P, prefix, BLOCK)
 
@@ -129,17 +121,8 @@ def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
 
 @triton.jit
 def _write_kernel(
-    Logits,
-    Hist,
-    Out,
-    R2T,
-    Rows,
-    Vis,
-    width,
-    stride_l,
-    stride_h,
-    stride_o,
-    stride_r2t,
+    Src,
+    Dst,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -149,33 +132,42 @@ def _write_kernel(
     pool slots at positions reserved with atomics (Hist[t, 1024:1026] = written, ties
     claimed); program 0 of each row writes the row's -1 tail."""
     t = tl.program_id(0).to(tl.int64)
-    hist_row = Hist + t * stride_h
+    x, pos, limit, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
     take_all, need, prefix, total = _threshold(hist_row, K, 4)
     if tl.program_id(1) == 0:
-        _write_tail(Out + t * stride_o, tl.minimum(total, K), K, BLOCK_K)
-    limit = _row_limit(Vis, t, width, HAS_VIS)
+        _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
     if tl.program_id(1) * BLOCK >= limit:
         return
+    _write_keys(x, pos, t, hist_row + 4 * 256, Dst, take_all, need, prefix)
+
+
+@triton.jit
+def _row_block(Src, t, BLOCK: tl.constexpr, HAS_VIS: tl.constexpr):
+    """This program's block of row t: (logits, -inf past the row's visible keys; their row
+    positions; the row's visible limit; the row's counts)."""
+    Logits, Vis, Hist, width, stride_l, stride_h = Src
+    limit = _row_limit(Vis, t, width, HAS_VIS)
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(Logits + t * stride_l + pos, mask=pos < limit, other=float("-inf"))
-    out_row, count = Out + t * stride_o, hist_row + 4 * 256
-    _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need, prefix)
+    return x, pos, limit, Hist + t * stride_h
 
 
 @triton.jit
-def _write_tail(out_row, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """-1 at the row's positions from `taken` (min(K, visible keys)) on: the keys' positions
+def _write_tail(Dst, t, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-1 at row t's positions from `taken` (min(K, visible keys)) on: the keys' positions
     are reserved below it, so no write overlaps."""
+    Out, _, _, stride_o, _ = Dst
     i = tl.arange(0, BLOCK_K)
     unused = tl.full([BLOCK_K], -1, tl.int32)
-    tl.store(out_row + i, unused, mask=(i >= taken) & (i < K))
+    tl.store(Out + t * stride_o + i, unused, mask=(i >= taken) & (i < K))
 
 
 @triton.jit
-def _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need, prefix):
-    """The keys of x [BLOCK] (at row positions pos) that the row takes given its threshold,
-    as pool slots at positions of out_row reserved with atomics (count[0:2] = written, ties
-    claimed)."""
+def _write_keys(x, pos, t, count, Dst, take_all, need, prefix):
+    """The keys of x [BLOCK] (at row positions pos) that row t takes given its threshold, as
+    pool slots at positions of its output row reserved with atomics (count[0:2] = written,
+    ties claimed)."""
+    Out, R2T, Rows, stride_o, stride_r2t = Dst
     key = _sortable(x)
     ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
@@ -191,7 +183,21 @@ def _write_keys(x, pos, t, count, out_row, R2T, Rows, stride_r2t, take_all, need
     at = base + tl.cumsum(take.to(tl.int32), 0) - 1
     row = tl.load(Rows + t).to(tl.int64)
     slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
-    tl.store(out_row + at, slot.to(tl.int32), mask=take)
+    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
+
+
+def row_args(
+    logits: torch.Tensor,
+    vis: torch.Tensor,
+    hist: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+) -> tuple[tuple, tuple]:
+    """The kernels' (Src, Dst) argument tuples: (logits, visible counts, digit counts, width,
+    their row strides) and (output, req_to_token, request rows, their row strides)."""
+    src = (logits, vis, hist, logits.shape[1], logits.stride(0), hist.stride(0))
+    return src, (out, req_to_token, rows, out.stride(0), req_to_token.stride(0))
 
 
 def topk_slots(
@@ -236,36 +242,11 @@ def topk_slots(
     block = 256 if interpreting() else 2048
     # per row: 4 x 256 digit counts, then (written, ties claimed); one fill zeroes them all
     hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=logits.device)
+    src, dst = row_args(logits, vis, hist, out, req_to_token, rows)
     grid = (t, cdiv(width, block))
     for p in range(4):
-        _hist_kernel[grid](
-            logits,
-            hist,
-            vis,
-            width,
-            logits.stride(0),
-            hist.stride(0),
-            K=k,
-            P=p,
-            BLOCK=block,
-            HAS_VIS=has_vis,
-        )
+        _hist_kernel[grid](src, K=k, P=p, BLOCK=block, HAS_VIS=has_vis)
     _write_kernel[grid](
-        logits,
-        hist,
-        out,
-        req_to_token,
-        rows,
-        vis,
-        width,
-        logits.stride(0),
-        hist.stride(0),
-        out.stride(0),
-        req_to_token.stride(0),
-        K=k,
-        BLOCK=block,
-        BLOCK_K=next_pow2(k),
-        HAS_VIS=has_vis,
-        num_warps=8,
+        src, dst, K=k, BLOCK=block, BLOCK_K=next_pow2(k), HAS_VIS=has_vis, num_warps=8
     )
     return out
