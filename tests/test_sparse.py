@@ -463,3 +463,25 @@ def test_indexer_topk_path_is_checked_and_kept() -> None:
     assert Indexer(dims, cache, r2t, "torch").topk_path == "auto"
     with pytest.raises(ValueError, match="topk_path must be 'auto' or 'launches'"):
         Indexer(dims, cache, r2t, "torch", "fused")
+
+
+def test_dsa_build_passes_the_topk_path_to_its_indexer() -> None:
+    from mla_backends.config import Config
+    from mla_backends.runtime import Runtime
+    from mla_backends.sparse.dsa import DSABackend
+
+    dims = MLADims(16, 128, 16, 16, 16)
+    rt = Runtime.build(
+        Config(
+            model=dims,
+            prefill_backend="torch",
+            decode_backend="torch",
+            device="cpu",
+            kv_dtype="float32",
+            dtype="float32",
+        )
+    )
+    idims = IndexerDims(4, 32, 16, 8, True)
+    dsa = DSABackend.build(rt, idims, "torch", indexer_kernels="torch", topk_path="launches")
+    assert dsa.indexer.topk_path == "launches"
+    assert DSABackend.build(rt, idims, "torch", indexer_kernels="torch").indexer.topk_path == "auto"
