@@ -2,7 +2,7 @@
 what the compiled kernel uses, as JSON: registers, local memory and stack frame (spills go
 to either), shared memory, and the wgmma shapes in its PTX.
 
-python3 scripts/compile_gluon_sm90.py [bf16|fp16]
+python3 scripts/compile_gluon_sm90.py [bf16|fp16] [gluon|seesaw]
 
 Run without TRITON_INTERPRET=1: under the interpreter the nested @gluon.jit helpers become
 interpreted functions the compiler cannot call.
@@ -14,14 +14,16 @@ import json
 import sys
 
 import torch
+import triton
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from mla_backends.kernels import mla_attention_gluon as mg
 from mla_backends.kernels import offline
 
 
-def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-untyped-def]
-    """The kernel as the backend launches it at DeepSeek dims (H128, page 64)."""
+def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"):  # type: ignore[no-untyped-def]
+    """The kernel as the backend launches it at DeepSeek dims (H128, page 64); `kernel`
+    "seesaw": the warp-specialised prototype (`mla_attention_seesaw`, 4 warps + 4)."""
     gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
     descs = {
         name: f"tensordesc<{dtype}[{mg.BLOCK_N}, {w}],{mg._smem_layout((mg.BLOCK_N, w), gl_dt)!r}>"
@@ -30,15 +32,23 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2):  # type: ignore[no-u
     sig = offline.decode_signature(dtype, descs["KDesc"], descs["KRDesc"])
     sig["qk_scale_log2"] = "fp32"
     const = dict(H=128, L=512, R=64, PAGE=64, BLOCK_M=mg.BLOCK_M, BLOCK_N=mg.BLOCK_N)
-    const.update(NUM_SPLITS=num_splits, STAGES=mg.STAGES)
+    const.update(NUM_SPLITS=num_splits)
+    if kernel == "seesaw":
+        from mla_backends.kernels import mla_attention_seesaw as ms
+
+        sig.update({k: "constexpr" for k in const})
+        src = GluonASTSource(ms._seesaw_kernel, sig, const)
+        return triton.compile(src, target=offline.SM90, options={"num_warps": 4, "maxnreg": 240})
+    const.update(STAGES=mg.STAGES)
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(mg._mla_attn_gluon_kernel, sig, const)
     return offline.compile_sm90(src, num_warps=8)
 
 
-def usage(dtype: str = "bf16") -> dict:  # type: ignore[type-arg]
-    return offline.usage(compile_sm90(dtype))
+def usage(dtype: str = "bf16", kernel: str = "gluon") -> dict:  # type: ignore[type-arg]
+    return offline.usage(compile_sm90(dtype, kernel=kernel))
 
 
 if __name__ == "__main__":
-    print(json.dumps(usage(sys.argv[1] if len(sys.argv) > 1 else "bf16")))
+    args = sys.argv[1:] + ["bf16", "gluon"][len(sys.argv) - 1 :]
+    print(json.dumps(usage(args[0], args[1])))
