@@ -4,12 +4,15 @@ shuffled pages, H128, bf16), output and LSE compared, then timed against each ot
 raw FlashMLA (CUDA-graph replay, µs). Whole 64-key tiles only (the prototype's limit).
 
     python3 scripts/probe_seesaw.py            # H100 / H200; JSON on stdout
+    python3 scripts/probe_seesaw.py --mblocks  # one of H128's two head blocks against both
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -18,31 +21,51 @@ from mla_backends.kernels import mla_attention_gluon as glu
 from mla_backends.kernels import mla_attention_seesaw as see
 from mla_backends.kernels.mla_attention import _merge
 
+KERNELS = {"gluon": (None, None), "seesaw": (see.KERNEL, see.EXTRA)}
 SHAPES = [(64, 4096, 1), (128, 8192, 1), (256, 1024, 1), (16, 32768, 4), (64, 16384, 1)]
+
+
+@dataclass
+class Setup:
+    """One random decode batch: H128 queries over a paged bf16 pool (page 64, shuffled)."""
+
+    pool: torch.Tensor
+    table: torch.Tensor
+    qn: torch.Tensor
+    qr: torch.Tensor
+    qo: torch.Tensor
+    lens: torch.Tensor
+
+
+def paged_setup(b: int, kv: int, seed: int, h: int = 128, page: int = 64) -> Setup:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    n_pages = b * (kv // page) + 1
+    return Setup(
+        torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16(),
+        (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1),
+        torch.randn(b, h, 512, generator=g, device=dev).bfloat16(),
+        torch.randn(b, h, 64, generator=g, device=dev).bfloat16(),
+        torch.arange(b + 1, device=dev, dtype=torch.int32),
+        torch.full((b,), kv, device=dev, dtype=torch.int32),
+    )
 
 
 def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
     dev, h, page = torch.device("cuda"), 128, 64
-    g = torch.Generator(device=dev).manual_seed(b + kv)
-    per = kv // page
-    n_pages = b * per + 1
-    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
-    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, per)
-    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
-    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
-    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
+    st = paged_setup(b, kv, b + kv)
+    pool, table, qn, qr, qo, lens = st.pool, st.table, st.qn, st.qr, st.qo, st.lens
     scale = 1.0 / math.sqrt(192)
     outs = {}
-    for name, mod in (("gluon", glu), ("seesaw", see)):
+    for name, kern in KERNELS.items():
         out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
         lse = torch.empty(b, h, device=dev)
         po = torch.empty(b * h * splits, 512, device=dev)
         pl = torch.empty(b * h * splits, device=dev)
 
-        def call(mod=mod, out=out, lse=lse, po=po, pl=pl) -> None:  # type: ignore[no-untyped-def]
+        def call(kern=kern, out=out, lse=lse, po=po, pl=pl) -> None:  # type: ignore[no-untyped-def]
             args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), 2, splits)
-            mod.launch(*args, out, lse, po, pl)
+            glu.launch(*args, out, lse, po, pl, *kern)
             _merge(po, pl, out, lse, splits)
 
         call()
@@ -74,13 +97,38 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
     return res
 
 
+def mblocks() -> dict[str, float]:
+    """One of H128's two 64-head blocks launched (half the CTAs, the same work a CTA)
+    against both: a kernel bound per CTA takes the same time; one bound by HBM or L2
+    shared between CTAs takes less with half of them."""
+    res = {}
+    for b, kv in ((64, 4096), (128, 8192)):
+        st = paged_setup(b, kv, 0)
+        dev = st.pool.device
+        out = torch.empty(b, 128, 512, device=dev, dtype=torch.bfloat16)
+        lse = torch.empty(b, 128, device=dev)
+        po, pl = torch.empty(1, 512, device=dev), torch.empty(1, device=dev)
+        for name, kern in KERNELS.items():
+            for mb in (1, 2):
+                args = (st.qn, st.qr, st.pool, st.table, st.qo, st.lens, 64, 0.1, mb, 1)
+                t = graph_us(lambda k=kern, a=args: glu.launch(*a, out, lse, po, pl, *k))
+                res[f"B{b} kv{kv} {name} m_blocks={mb}"] = round(t, 1)
+                print(f"B{b} kv{kv} {name} m_blocks={mb}: {t:.1f} us", flush=True)
+    return res
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mblocks", action="store_true", help="one head block against both")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if p.parse_args().mblocks:
+        print(json.dumps({"meta": meta, "mblocks": mblocks()}))
+        return
     rows = []
     for b, kv, splits in SHAPES:
         r = {"batch": b, "kv": kv, "splits": splits, **run_shape(b, kv, splits)}
         print(json.dumps(r), flush=True)
         rows.append(r)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps({"meta": meta, "rows": rows}))
 
 

@@ -26,20 +26,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str) -> None:
-    # A subprocess without TRITON_INTERPRET: the interpreter would wrap the jit helpers.
+def _compile_sm90(dtype: str, kernel: str) -> dict:  # type: ignore[type-arg]
+    """scripts/compile_gluon_sm90.py's usage JSON, from a subprocess without TRITON_INTERPRET
+    (the interpreter would wrap the jit helpers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_gluon_sm90.py"), dtype],
+        [sys.executable, str(ROOT / "scripts" / "compile_gluon_sm90.py"), dtype, kernel],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    use = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str) -> None:
+    use = _compile_sm90(dtype, "gluon")
     # The numbers may move between Triton versions (3.6: 255 registers, 3.9: 254); the hazards
     # may not: no spills (ptxas puts them in the stack frame or local memory), shared memory
     # within one block's limit, only the intended wgmma shapes.
@@ -55,17 +60,7 @@ def test_seesaw_prototype_compiles_for_sm90_with_its_wgmma_shapes() -> None:
     P over the rope columns keeps Q and two tiles within one block's shared memory, and each
     warpgroup scores whole tiles (`m64n64`) and keeps half the output (`m64n256`). Its small
     spill (144-200 B of stack) is recorded in BENCHMARKS.md, not asserted away."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_gluon_sm90.py"), "bf16", "seesaw"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    use = json.loads(run.stdout.strip().splitlines()[-1])
+    use = _compile_sm90("bf16", "seesaw")
     assert use["shared"] <= SMEM_LIMIT and use["local"] == 0, use
     assert use["wgmma"] == ["m64n256k16", "m64n64k16"], use
 

@@ -19,6 +19,7 @@ Measured: BENCHMARKS.md, "Triton backend with a Gluon kernel".
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -416,21 +417,46 @@ def _mla_attn_gluon_kernel(
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-    ok_o = rows_o < q_len * H
     offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    _store_rows(
+        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True
+    )
+
+
+@gluon.jit
+def _store_rows(
+    Dest,
+    out,
+    lse,
+    rows_o,
+    offs_o,
+    rows_s,
+    q_start,
+    q_len,
+    split,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    WITH_LSE: gl.constexpr,
+):
+    """This program's output columns `offs_o` of rows `rows_o` (and, WITH_LSE, the LSE of rows
+    `rows_s`): into out / lse with one split, else into the split partials."""
+    ok_o = rows_o < q_len * H
     ok_s = rows_s < q_len * H
     Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
     if NUM_SPLITS == 1:
         t_o = (q_start + rows_o // H).to(gl.int64)
         o_ptr = Out + t_o[:, None] * stride_o_t + (rows_o % H)[:, None] * stride_o_h
         gl.store(o_ptr + offs_o[None, :], out.to(Out.dtype.element_ty), mask=ok_o[:, None])
-        t_s = (q_start + rows_s // H).to(gl.int64)
-        gl.store(Lse + t_s * stride_lse_t + rows_s % H, lse, mask=ok_s)
+        if WITH_LSE:
+            t_s = (q_start + rows_s // H).to(gl.int64)
+            gl.store(Lse + t_s * stride_lse_t + rows_s % H, lse, mask=ok_s)
     else:
         prow_o = (q_start * H + rows_o).to(gl.int64) * NUM_SPLITS + split
         gl.store(PartOut + prow_o[:, None] * L + offs_o[None, :], out, mask=ok_o[:, None])
-        prow_s = (q_start * H + rows_s).to(gl.int64) * NUM_SPLITS + split
-        gl.store(PartLse + prow_s, lse, mask=ok_s)
+        if WITH_LSE:
+            prow_s = (q_start * H + rows_s).to(gl.int64) * NUM_SPLITS + split
+            gl.store(PartLse + prow_s, lse, mask=ok_s)
 
 
 @functools.cache
@@ -453,9 +479,12 @@ def launch(
     lse: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    kernel: Any = None,
+    extra: dict[str, int] | None = None,
 ) -> None:
     """One launch over (m_blocks, batch, num_splits); arguments as `mla_attention`'s.
-    Check `gluon_ok` first."""
+    Check `gluon_ok` first. `kernel` / `extra`: another 64-row Gluon kernel of the same
+    contract and its other constexprs and launch options (`mla_attention_seesaw`)."""
     lat, r = q_nope.shape[2], q_rope.shape[2]
     dt = _GL_DTYPES[kv.dtype]
     shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
@@ -465,7 +494,9 @@ def launch(
         for w in (lat, r)
     )
     outs = (out, lse, part_out, part_lse)
-    _mla_attn_gluon_kernel[(m_blocks, seq_lens.numel(), num_splits)](
+    if kernel is None:
+        kernel, extra = _mla_attn_gluon_kernel, {"STAGES": STAGES, "num_warps": 8}
+    kernel[(m_blocks, seq_lens.numel(), num_splits)](
         *decode_args(q_nope, q_rope, kv, (k_desc, kr_desc), table, qo_indptr, seq_lens, outs),
         qk_scale_log2,
         H=q_nope.shape[1],
@@ -475,6 +506,5 @@ def launch(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
-        STAGES=STAGES,
-        num_warps=8,
+        **(extra or {}),
     )

@@ -7,7 +7,8 @@ the running max and P to the other warpgroup through shared memory; each warpgro
 half of the 512 output columns. P is written over the tile's 64 rope columns, dead once its
 scores are computed (P @ V reads the latent only), so Q + two tiles fit in 216 KB.
 
-Limits of the prototype: decode and verify rows as the Gluon kernel's contract, but whole
+Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA)`. Limits of the
+prototype: decode and verify rows as the Gluon kernel's contract, but whole
 64-key tiles only (every split's key range a multiple of 64: the caller checks), and no
 overlap of one tile's scores with the previous tile's P @ V beyond what the two warpgroups
 give by running apart. `scripts/probe_seesaw.py` checks it against the Gluon kernel: equal
@@ -18,7 +19,6 @@ warpgroup's P) was slower still (0.84-0.87x: it waits for that tile's load, and 
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -26,15 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     warpgroup_mma,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mla_backends.kernels.mla_attention import decode_args
-from mla_backends.kernels.mla_attention_gluon import (
-    _GL_DTYPES,
-    _bounds,
-    _issue_tile,
-    _smem_layout,
-)
+from mla_backends.kernels.mla_attention_gluon import _bounds, _issue_tile, _store_rows
 
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -150,24 +143,11 @@ def _warpgroup(
     l_safe = gl.where(empty, 1.0, l_tot)
     out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-    ok_o = rows_o < q_len * H
     offs_o = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    ok_s = rows_s < q_len * H
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
-    if NUM_SPLITS == 1:
-        t_o = (q_start + rows_o // H).to(gl.int64)
-        o_ptr = Out + t_o[:, None] * stride_o_t + (rows_o % H)[:, None] * stride_o_h
-        gl.store(o_ptr + offs_o[None, :], out.to(Out.dtype.element_ty), mask=ok_o[:, None])
-        if WG == 0:
-            t_s = (q_start + rows_s // H).to(gl.int64)
-            gl.store(Lse + t_s * stride_lse_t + rows_s % H, lse, mask=ok_s)
-    else:
-        prow_o = (q_start * H + rows_o).to(gl.int64) * NUM_SPLITS + split
-        gl.store(PartOut + prow_o[:, None] * L + offs_o[None, :], out, mask=ok_o[:, None])
-        if WG == 0:
-            prow_s = (q_start * H + rows_s).to(gl.int64) * NUM_SPLITS + split
-            gl.store(PartLse + prow_s, lse, mask=ok_s)
+    _store_rows(
+        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, WG == 0
+    )
 
 
 @gluon.jit
@@ -271,41 +251,7 @@ def _seesaw_kernel(
     )  # fmt: skip
 
 
-def launch(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    kv: torch.Tensor,
-    table: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    qk_scale_log2: float,
-    m_blocks: int,
-    num_splits: int,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-) -> None:
-    """`mla_attention_gluon.launch`'s contract; whole 64-key tiles only (see the module)."""
-    lat, r = q_nope.shape[2], q_rope.shape[2]
-    dt = _GL_DTYPES[kv.dtype]
-    shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
-    k_desc, kr_desc = (
-        TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout((BLOCK_N, w), dt))
-        for w in (lat, r)
-    )
-    outs = (out, lse, part_out, part_lse)
-    _seesaw_kernel[(m_blocks, seq_lens.numel(), num_splits)](
-        *decode_args(q_nope, q_rope, kv, (k_desc, kr_desc), table, qo_indptr, seq_lens, outs),
-        qk_scale_log2,
-        H=q_nope.shape[1],
-        L=lat,
-        R=r,
-        PAGE=page_size,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits,
-        num_warps=4,
-        maxnreg=240,
-    )
+# `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA)` launches it: four warps a
+# partition, the default one and one worker (`gl.warp_specialize`), 240 registers a thread.
+KERNEL = _seesaw_kernel
+EXTRA = {"num_warps": 4, "maxnreg": 240}
