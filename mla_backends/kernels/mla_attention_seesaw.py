@@ -8,13 +8,12 @@ half of the 512 output columns. P is written over the tile's 64 rope columns, de
 scores are computed (P @ V reads the latent only), so Q + two tiles fit in 216 KB.
 
 Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA)`. Limits of the
-prototype: decode and verify rows as the Gluon kernel's contract, but whole
-64-key tiles only (every split's key range a multiple of 64: the caller checks), and no
-overlap of one tile's scores with the previous tile's P @ V beyond what the two warpgroups
-give by running apart. `scripts/probe_seesaw.py` checks it against the Gluon kernel: equal
-out and LSE, but 0.87-0.96x its speed on an H100 (BENCHMARKS.md, "Issue 19: a warp-
-specialised prototype"); scoring the next tile early (before waiting for the other
-warpgroup's P) was slower still (0.84-0.87x: it waits for that tile's load, and spills).
+prototype: decode and verify rows as the Gluon kernel's contract, but an even number of
+whole 64-key tiles per split (every split's key range a multiple of 128: the caller checks),
+and a 2-slot ring whose refills wait for both warpgroups' P @ V of a whole tile.
+`scripts/probe_seesaw.py` checks it against the Gluon kernel: equal out and LSE, 0.87-0.98x
+its speed on an H100 (BENCHMARKS.md, "Issue 19: a warp-specialised prototype"; earlier
+versions 0.84-0.96x); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 
 from mla_backends.kernels.mla_attention_gluon import _bounds, _issue_tile, _store_rows
@@ -33,7 +33,7 @@ BLOCK_M, BLOCK_N = 64, 64
 
 
 @gluon.jit
-def _tile_scores(
+def _tile_scores_async(
     q_smem,
     qr_smem,
     k_smem,
@@ -44,11 +44,58 @@ def _tile_scores(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """S = Q K_j^T over the latent and rope columns of tile j (slot j % 2), once it landed."""
+    """S = Q K_j^T over the latent and rope columns of tile j (slot j % 2), issued once the
+    tile landed, not waited."""
     mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    sc = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), sc, use_acc=False)
-    return warpgroup_mma(qr_smem, kr_smem.index(j % 2).permute((1, 0)), sc)
+    sc = warpgroup_mma(
+        q_smem, k_smem.index(j % 2).permute((1, 0)), sc, use_acc=False, is_async=True
+    )
+    return warpgroup_mma(qr_smem, kr_smem.index(j % 2).permute((1, 0)), sc, is_async=True)
+
+
+@gluon.jit
+def _v_half(k_smem, slot, WG: gl.constexpr, HALF: gl.constexpr):
+    """This warpgroup's half of the latent columns of a slot: V for P @ V."""
+    return k_smem.index(slot).slice(WG * HALF, HALF, dim=1)
+
+
+@gluon.jit
+def _take_max(m_buf, m_i, ROW: gl.constexpr):
+    """The running max the other warpgroup published, and the factor that rescales ours."""
+    m_new = m_buf.load(ROW)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, gl.exp2(m_i - m_safe)
+
+
+@gluon.jit
+def _softmax_tile(
+    sc,
+    m_i,
+    l_i,
+    left,
+    qk_scale_log2,
+    p_buf,
+    m_buf,
+    p_bar,
+    S_L: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Online softmax of a scored tile (keys >= `left` per row masked): P over the tile's
+    rope columns and the new max published, p_bar signalled; (m_new, alpha, l_new)."""
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    sc = gl.where(n[None, :] < left[:, None], sc * qk_scale_log2, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(sc - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    # Hazard: P goes over this tile's rope columns, which its scores (waited) were the last
+    # to read; the other warpgroup reads P and m only after p_bar.
+    p_buf.store(p.to(p_buf.dtype))
+    m_buf.store(m_new)
+    fence_async_shared()
+    mbarrier.arrive(p_bar, count=1)
+    return m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -91,46 +138,64 @@ def _warpgroup(
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW)
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
-    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_L)
-    for j in range(n_full):
-        s = j % 2
-        ph = (j // 2) & 1
-        if j % 2 == WG:  # this warpgroup scores tile j
-            sc = _tile_scores(q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, S_L, BLOCK_M, BLOCK_N)
-            start = lo + j * BLOCK_N
-            sc = gl.where(
-                n[None, :] < (visible - start)[:, None], sc * qk_scale_log2, -float("inf")
+    # Tiles in pairs: warpgroup 0 scores tile 2i (slot 0), warpgroup 1 tile 2i + 1 (slot 1);
+    # each multiplies both tiles' P by its half of V. Warpgroup 1 issues its scores before
+    # waiting for P(2i) and runs its softmax while its P(2i) @ V runs; warpgroup 0 waits for
+    # P(2i + 1) while its P(2i) @ V runs. Prototype limit: an even number of whole tiles.
+    for i in range(n_full // 2):
+        ph = i & 1
+        if WG == 0:
+            sc = _tile_scores_async(
+                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i, S_L, BLOCK_M, BLOCK_N
             )
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(sc - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            # Hazard: P goes over this tile's rope columns, which its scores (waited) were
-            # the last to read; the other warpgroup reads P and m only after p_ready.
-            kr_smem.index(s).store(p.to(kr_smem.dtype))
-            m_smem.index(s).store(m_new)
-            fence_async_shared()
-            mbarrier.arrive(p_ready.index(s), count=1)
-        else:
-            mbarrier.wait(p_ready.index(s), ph)
-            m_new = m_smem.index(s).load(ROW)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
+            sc = warpgroup_mma_wait(0, deps=[sc])  # nothing else is in flight here
+            m_i, alpha, l_i = _softmax_tile(
+                sc, m_i, l_i, visible - (lo + 2 * i * BLOCK_N), qk_scale_log2,
+                kr_smem.index(0), m_smem.index(0), p_ready.index(0), S_L, BLOCK_N,
+            )  # fmt: skip
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            pv = warpgroup_mma(kr_smem.index(0), _v_half(k_smem, 0, WG, HALF), acc, is_async=True)
+            mbarrier.wait(p_ready.index(1), ph)
+            acc = warpgroup_mma_wait(0, deps=[pv])
+            mbarrier.arrive(kv_free.index(0), count=1)
+            m_i, alpha = _take_max(m_smem.index(1), m_i, ROW)
             l_i = l_i * alpha
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        v_half = k_smem.index(s).slice(WG * HALF, HALF, dim=1)
-        acc = warpgroup_mma(kr_smem.index(s), v_half, acc)
-        mbarrier.arrive(kv_free.index(s), count=1)
-        if j % 2 == WG:  # the scorer of tile j scores tile j + 2 too: it refills the slot
-            if j + 2 < n_full:
-                mbarrier.wait(kv_free.index(s), ph)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            pv = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc, is_async=True)
+            if 2 * i + 2 < n_full:  # slot 0 is free once both P(2i) @ V retired
+                mbarrier.wait(kv_free.index(0), ph)
                 _issue_tile(
-                    KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, j + 2, n_full,
+                    KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
+                    L, PAGE, BLOCK_N, 2,
+                )  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=[pv])
+            mbarrier.arrive(kv_free.index(1), count=1)
+        else:
+            sc = _tile_scores_async(
+                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i + 1, S_L, BLOCK_M, BLOCK_N
+            )
+            mbarrier.wait(p_ready.index(0), ph)
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            m_i, alpha = _take_max(m_smem.index(0), m_i, ROW)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            pv = warpgroup_mma(kr_smem.index(0), _v_half(k_smem, 0, WG, HALF), acc, is_async=True)
+            m_i, alpha, l_i = _softmax_tile(
+                sc, m_i, l_i, visible - (lo + (2 * i + 1) * BLOCK_N), qk_scale_log2,
+                kr_smem.index(1), m_smem.index(1), p_ready.index(1), S_L, BLOCK_N,
+            )  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=[pv])
+            mbarrier.arrive(kv_free.index(0), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            acc = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc)
+            mbarrier.arrive(kv_free.index(1), count=1)
+            if 2 * i + 3 < n_full:  # slot 1 is free once both P(2i + 1) @ V retired
+                mbarrier.wait(kv_free.index(1), ph)
+                _issue_tile(
+                    KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
                     L, PAGE, BLOCK_N, 2,
                 )  # fmt: skip
 
