@@ -25,9 +25,10 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
     """The kernel as the backend launches it at DeepSeek dims (H128, page 64); `kernel`
     "seesaw": the warp-specialised prototype (`mla_attention_seesaw`, 4 warps + 4)."""
     gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
+    k_box = 512 if kernel == "gluon" else 256  # the prototype loads half-row pieces
     descs = {
         name: f"tensordesc<{dtype}[{mg.BLOCK_N}, {w}],{mg._smem_layout((mg.BLOCK_N, w), gl_dt)!r}>"
-        for name, w in (("KDesc", 512), ("KRDesc", 64))
+        for name, w in (("KDesc", k_box), ("KRDesc", 64))
     }
     sig = offline.decode_signature(dtype, descs["KDesc"], descs["KRDesc"])
     sig["qk_scale_log2"] = "fp32"

@@ -21,7 +21,7 @@ from mla_backends.kernels import mla_attention_gluon as glu
 from mla_backends.kernels import mla_attention_seesaw as see
 from mla_backends.kernels.mla_attention import _merge
 
-KERNELS = {"gluon": (None, None), "seesaw": (see.KERNEL, see.EXTRA)}
+KERNELS = {"gluon": (None, None, None), "seesaw": (see.KERNEL, see.EXTRA, see.K_BOX)}
 SHAPES = [(64, 4096, 1), (128, 8192, 1), (256, 1024, 1), (16, 32768, 4), (64, 16384, 1)]
 
 

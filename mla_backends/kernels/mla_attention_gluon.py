@@ -481,17 +481,19 @@ def launch(
     part_lse: torch.Tensor,
     kernel: Any = None,
     extra: dict[str, int] | None = None,
+    k_box: int | None = None,
 ) -> None:
     """One launch over (m_blocks, batch, num_splits); arguments as `mla_attention`'s.
     Check `gluon_ok` first. `kernel` / `extra`: another 64-row Gluon kernel of the same
-    contract and its other constexprs and launch options (`mla_attention_seesaw`)."""
+    contract and its other constexprs and launch options (`mla_attention_seesaw`), `k_box`
+    the width of its latent TMA box (default: the whole latent row)."""
     lat, r = q_nope.shape[2], q_rope.shape[2]
     dt = _GL_DTYPES[kv.dtype]
     shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
     # built per call: a cached descriptor would keep a freed pool alive
     k_desc, kr_desc = (
         TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout((BLOCK_N, w), dt))
-        for w in (lat, r)
+        for w in (k_box or lat, r)
     )
     outs = (out, lse, part_out, part_lse)
     if kernel is None:

@@ -7,13 +7,12 @@ the running max and P to the other warpgroup through shared memory; each warpgro
 half of the 512 output columns. P is written over the tile's 64 rope columns, dead once its
 scores are computed (P @ V reads the latent only), so Q + two tiles fit in 216 KB.
 
-Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA)`. Limits of the
-prototype: decode and verify rows as the Gluon kernel's contract, but an even number of
-whole 64-key tiles per split (every split's key range a multiple of 128: the caller checks),
-and a 2-slot ring whose refills wait for both warpgroups' P @ V of a whole tile.
-`scripts/probe_seesaw.py` checks it against the Gluon kernel: equal out and LSE, 0.87-0.98x
-its speed on an H100 (BENCHMARKS.md, "Issue 19: a warp-specialised prototype"; earlier
-versions 0.84-0.96x); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
+Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)`.
+Limits of the prototype: the Gluon kernel's contract, but an even number of whole 64-key
+tiles per split (every split's key range a multiple of 128: the caller checks). Tiles come
+in three TMA pieces (latent halves, rope), each refilled as soon as its last reader retired.
+`scripts/probe_seesaw.py` checks it against the Gluon kernel (BENCHMARKS.md, "Issue 19: a
+warp-specialised prototype"); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_backends.kernels.mla_attention_gluon import _bounds, _issue_tile, _store_rows
+from mla_backends.kernels.mla_attention_gluon import _bounds, _store_rows, _tma_load
 
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -44,14 +43,57 @@ def _tile_scores_async(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """S = Q K_j^T over the latent and rope columns of tile j (slot j % 2), issued once the
-    tile landed, not waited."""
-    mbarrier.wait(kv_ready.index(j % 2), (j // 2) & 1)
+    """S = Q K_j^T of tile j (slot j % 2), issued and not waited: each of the tile's three
+    TMA pieces (latent columns 0-255, 256-511, rope) is multiplied as soon as it landed."""
+    s = j % 2
+    ph = (j // 2) & 1
+    HALF: gl.constexpr = q_smem.shape[1] // 2
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    sc = warpgroup_mma(
-        q_smem, k_smem.index(j % 2).permute((1, 0)), sc, use_acc=False, is_async=True
-    )
-    return warpgroup_mma(qr_smem, kr_smem.index(j % 2).permute((1, 0)), sc, is_async=True)
+    mbarrier.wait(kv_ready.index(3 * s), ph)
+    k_lo = k_smem.index(s).slice(0, HALF, dim=1).permute((1, 0))
+    sc = warpgroup_mma(q_smem.slice(0, HALF, dim=1), k_lo, sc, use_acc=False, is_async=True)
+    mbarrier.wait(kv_ready.index(3 * s + 1), ph)
+    k_hi = k_smem.index(s).slice(HALF, HALF, dim=1).permute((1, 0))
+    sc = warpgroup_mma(q_smem.slice(HALF, HALF, dim=1), k_hi, sc, is_async=True)
+    mbarrier.wait(kv_ready.index(3 * s + 2), ph)
+    return warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
+
+
+@gluon.jit
+def _issue_piece(
+    KDesc,
+    KRDesc,
+    Batch,
+    k_smem,
+    kr_smem,
+    kv_ready,
+    b,
+    lo,
+    j,
+    n_full,
+    PIECE: gl.constexpr,
+    L: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """TMA for one piece of tile j into slot j % 2 (skipped past n_full): PIECE 0 / 1 the
+    latent columns 0-255 / 256-511 (KDesc's box is half a row), 2 the rope columns."""
+    Table, stride_tab, _, _ = Batch
+    pred = j < n_full
+    start = lo + j * BLOCK_N
+    page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
+    row = page * PAGE + start % PAGE
+    s = j % 2
+    bar = kv_ready.index(3 * s + PIECE)
+    if PIECE == 2:
+        mbarrier.expect(bar, KRDesc.block_type.nbytes, pred)
+        _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+    else:
+        HALF: gl.constexpr = L // 2
+        mbarrier.expect(bar, KDesc.block_type.nbytes, pred)
+        _tma_load(
+            KDesc, [row, PIECE * HALF], bar, k_smem.index(s).slice(PIECE * HALF, HALF, dim=1), pred
+        )
 
 
 @gluon.jit
@@ -165,14 +207,26 @@ def _warpgroup(
             l_i = l_i * alpha
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             pv = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc, is_async=True)
-            if 2 * i + 2 < n_full:  # slot 0 is free once both P(2i) @ V retired
+            # slot 0's left latent half was read only by this warpgroup (scores, P @ V): refill
+            # it for tile 2i + 2 now; its rope columns (P) once both P(2i) @ V retired
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full, 0,
+                L, PAGE, BLOCK_N,
+            )  # fmt: skip
+            if 2 * i + 2 < n_full:
                 mbarrier.wait(kv_free.index(0), ph)
-                _issue_tile(
-                    KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
-                    L, PAGE, BLOCK_N, 2,
-                )  # fmt: skip
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full, 2,
+                L, PAGE, BLOCK_N,
+            )  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(kv_free.index(1), count=1)
+            # slot 1's left half: read by warpgroup 1's scores (done before P(2i + 1)) and by
+            # this P(2i + 1) @ V, now retired
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full, 0,
+                L, PAGE, BLOCK_N,
+            )  # fmt: skip
         else:
             sc = _tile_scores_async(
                 q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i + 1, S_L, BLOCK_M, BLOCK_N
@@ -189,15 +243,27 @@ def _warpgroup(
             )  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(kv_free.index(0), count=1)
+            # slot 0's right half: read by warpgroup 0's scores (before P(2i)) and this
+            # P(2i) @ V, now retired
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full, 1,
+                L, PAGE, BLOCK_N,
+            )  # fmt: skip
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             acc = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc)
             mbarrier.arrive(kv_free.index(1), count=1)
-            if 2 * i + 3 < n_full:  # slot 1 is free once both P(2i + 1) @ V retired
+            # slot 1's right half was read only by this warpgroup; its rope columns (P) once
+            # both P(2i + 1) @ V retired
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full, 1,
+                L, PAGE, BLOCK_N,
+            )  # fmt: skip
+            if 2 * i + 3 < n_full:
                 mbarrier.wait(kv_free.index(1), ph)
-                _issue_tile(
-                    KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
-                    L, PAGE, BLOCK_N, 2,
-                )  # fmt: skip
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full, 2,
+                L, PAGE, BLOCK_N,
+            )  # fmt: skip
 
     # each warpgroup summed P over the tiles it scored, with the same rescaling: add them
     l_smem.index(WG).store(l_i)
@@ -246,12 +312,13 @@ def _seesaw_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], KDesc.layout)
     kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], KRDesc.layout)
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [6, 1], bar_l)  # slot x piece
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_l)
-    for i in gl.static_range(2):
+    for i in gl.static_range(6):
         mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=2)
     mbarrier.init(l_bar.index(0), count=2)
@@ -260,10 +327,11 @@ def _seesaw_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec)
     fence_async_shared()
     for i in gl.static_range(2):
-        _issue_tile(
-            KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, i, n_full, L, PAGE,
-            BLOCK_N, 2,
-        )  # fmt: skip
+        for piece in gl.static_range(3):
+            _issue_piece(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, i, n_full, piece, L,
+                PAGE, BLOCK_N,
+            )  # fmt: skip
 
     # Query rows (token, head), head fastest; rows past the request are zero.
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -316,7 +384,9 @@ def _seesaw_kernel(
     )  # fmt: skip
 
 
-# `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA)` launches it: four warps a
-# partition, the default one and one worker (`gl.warp_specialize`), 240 registers a thread.
+# `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)` launches it:
+# four warps a partition, the default one and one worker (`gl.warp_specialize`), 240
+# registers a thread.
 KERNEL = _seesaw_kernel
 EXTRA = {"num_warps": 4, "maxnreg": 240}
+K_BOX = 256  # the latent TMA box: half a row (two pieces a tile, refilled apart)
