@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,9 @@ from mla_backends.kernels import mla_attention_gluon as glu
 from mla_backends.kernels import mla_attention_seesaw as see
 from mla_backends.kernels.mla_attention import _merge
 
-KERNELS = {"gluon": (None, None, None), "seesaw": (see.KERNEL, see.EXTRA, see.K_BOX)}
+# SEESAW_K_BOX: the prototype's latent TMA box (columns a piece), default its K_BOX
+K_BOX = int(os.environ.get("SEESAW_K_BOX", see.K_BOX))
+KERNELS = {"gluon": (None, None, None), "seesaw": (see.KERNEL, see.EXTRA, K_BOX)}
 SHAPES = [(64, 4096, 1), (128, 8192, 1), (256, 1024, 1), (16, 32768, 4), (64, 16384, 1)]
 
 

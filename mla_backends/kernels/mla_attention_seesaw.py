@@ -42,20 +42,19 @@ def _tile_scores_async(
     S_L: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    NP: gl.constexpr,
 ):
-    """S = Q K_j^T of tile j (slot j % 2), issued and not waited: each of the tile's three
-    TMA pieces (latent columns 0-255, 256-511, rope) is multiplied as soon as it landed."""
+    """S = Q K_j^T of tile j (slot j % 2), issued and not waited: each of the tile's TMA
+    pieces (NP latent column ranges, then the rope) is multiplied as soon as it landed."""
     s = j % 2
     ph = (j // 2) & 1
-    HALF: gl.constexpr = q_smem.shape[1] // 2
+    W: gl.constexpr = k_smem.shape[2] // NP
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    mbarrier.wait(kv_ready.index(3 * s), ph)
-    k_lo = k_smem.index(s).slice(0, HALF, dim=1).permute((1, 0))
-    sc = warpgroup_mma(q_smem.slice(0, HALF, dim=1), k_lo, sc, use_acc=False, is_async=True)
-    mbarrier.wait(kv_ready.index(3 * s + 1), ph)
-    k_hi = k_smem.index(s).slice(HALF, HALF, dim=1).permute((1, 0))
-    sc = warpgroup_mma(q_smem.slice(HALF, HALF, dim=1), k_hi, sc, is_async=True)
-    mbarrier.wait(kv_ready.index(3 * s + 2), ph)
+    for c in gl.static_range(NP):
+        mbarrier.wait(kv_ready.index((NP + 1) * s + c), ph)
+        k_c = k_smem.index(s).slice(c * W, W, dim=1).permute((1, 0))
+        sc = warpgroup_mma(q_smem.slice(c * W, W, dim=1), k_c, sc, use_acc=c > 0, is_async=True)
+    mbarrier.wait(kv_ready.index((NP + 1) * s + NP), ph)
     return warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
 
 
@@ -72,28 +71,54 @@ def _issue_piece(
     j,
     n_full,
     PIECE: gl.constexpr,
+    NP: gl.constexpr,
     L: gl.constexpr,
     PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """TMA for one piece of tile j into slot j % 2 (skipped past n_full): PIECE 0 / 1 the
-    latent columns 0-255 / 256-511 (KDesc's box is half a row), 2 the rope columns."""
+    """TMA for one piece of tile j into slot j % 2 (skipped past n_full): PIECE < NP a
+    latent column range (KDesc's box), PIECE == NP the rope columns."""
     Table, stride_tab, _, _ = Batch
     pred = j < n_full
     start = lo + j * BLOCK_N
     page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
     row = page * PAGE + start % PAGE
     s = j % 2
-    bar = kv_ready.index(3 * s + PIECE)
-    if PIECE == 2:
+    bar = kv_ready.index((NP + 1) * s + PIECE)
+    if PIECE == NP:
         mbarrier.expect(bar, KRDesc.block_type.nbytes, pred)
         _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
     else:
-        HALF: gl.constexpr = L // 2
+        W: gl.constexpr = L // NP
         mbarrier.expect(bar, KDesc.block_type.nbytes, pred)
-        _tma_load(
-            KDesc, [row, PIECE * HALF], bar, k_smem.index(s).slice(PIECE * HALF, HALF, dim=1), pred
-        )
+        _tma_load(KDesc, [row, PIECE * W], bar, k_smem.index(s).slice(PIECE * W, W, dim=1), pred)
+
+
+@gluon.jit
+def _issue_pieces(
+    KDesc,
+    KRDesc,
+    Batch,
+    k_smem,
+    kr_smem,
+    kv_ready,
+    b,
+    lo,
+    j,
+    n_full,
+    FIRST: gl.constexpr,
+    LAST: gl.constexpr,
+    NP: gl.constexpr,
+    L: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Pieces FIRST..LAST - 1 of tile j (NP latent pieces, then the rope piece NP)."""
+    for c in gl.static_range(FIRST, LAST):
+        _issue_piece(
+            KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, j, n_full, c, NP, L, PAGE,
+            BLOCK_N,
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -170,6 +195,7 @@ def _warpgroup(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
     )
     ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+    NP: gl.constexpr = L // KDesc.block_type.shape[1]  # latent pieces a tile
     kv_ready, p_ready, kv_free, l_bar = bars
     mblk = gl.program_id(0)
     b = gl.program_id(1)
@@ -191,7 +217,7 @@ def _warpgroup(
         ph = i & 1
         if WG == 0:
             sc = _tile_scores_async(
-                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i, S_L, BLOCK_M, BLOCK_N
+                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i, S_L, BLOCK_M, BLOCK_N, NP
             )
             sc = warpgroup_mma_wait(0, deps=[sc])  # nothing else is in flight here
             m_i, alpha, l_i = _softmax_tile(
@@ -209,27 +235,27 @@ def _warpgroup(
             pv = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc, is_async=True)
             # slot 0's left latent half was read only by this warpgroup (scores, P @ V): refill
             # it for tile 2i + 2 now; its rope columns (P) once both P(2i) @ V retired
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full, 0,
-                L, PAGE, BLOCK_N,
+            _issue_pieces(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
+                0, NP // 2, NP, L, PAGE, BLOCK_N,
             )  # fmt: skip
             if 2 * i + 2 < n_full:
                 mbarrier.wait(kv_free.index(0), ph)
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full, 2,
-                L, PAGE, BLOCK_N,
+            _issue_pieces(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
+                NP, NP + 1, NP, L, PAGE, BLOCK_N,
             )  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(kv_free.index(1), count=1)
             # slot 1's left half: read by warpgroup 1's scores (done before P(2i + 1)) and by
             # this P(2i + 1) @ V, now retired
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full, 0,
-                L, PAGE, BLOCK_N,
+            _issue_pieces(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
+                0, NP // 2, NP, L, PAGE, BLOCK_N,
             )  # fmt: skip
         else:
             sc = _tile_scores_async(
-                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i + 1, S_L, BLOCK_M, BLOCK_N
+                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i + 1, S_L, BLOCK_M, BLOCK_N, NP
             )
             mbarrier.wait(p_ready.index(0), ph)
             sc = warpgroup_mma_wait(0, deps=[sc])
@@ -245,24 +271,24 @@ def _warpgroup(
             mbarrier.arrive(kv_free.index(0), count=1)
             # slot 0's right half: read by warpgroup 0's scores (before P(2i)) and this
             # P(2i) @ V, now retired
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full, 1,
-                L, PAGE, BLOCK_N,
+            _issue_pieces(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
+                NP // 2, NP, NP, L, PAGE, BLOCK_N,
             )  # fmt: skip
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             acc = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc)
             mbarrier.arrive(kv_free.index(1), count=1)
             # slot 1's right half was read only by this warpgroup; its rope columns (P) once
             # both P(2i + 1) @ V retired
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full, 1,
-                L, PAGE, BLOCK_N,
+            _issue_pieces(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
+                NP // 2, NP, NP, L, PAGE, BLOCK_N,
             )  # fmt: skip
             if 2 * i + 3 < n_full:
                 mbarrier.wait(kv_free.index(1), ph)
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full, 2,
-                L, PAGE, BLOCK_N,
+            _issue_pieces(
+                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
+                NP, NP + 1, NP, L, PAGE, BLOCK_N,
             )  # fmt: skip
 
     # each warpgroup summed P over the tiles it scored, with the same rescaling: add them
@@ -312,11 +338,12 @@ def _seesaw_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], KDesc.layout)
     kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], KRDesc.layout)
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
-    kv_ready = gl.allocate_shared_memory(gl.int64, [6, 1], bar_l)  # slot x piece
+    NP: gl.constexpr = L // KDesc.block_type.shape[1]  # latent pieces a tile
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2 * (NP + 1), 1], bar_l)  # slot x piece
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     l_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_l)
-    for i in gl.static_range(6):
+    for i in gl.static_range(2 * (NP + 1)):
         mbarrier.init(kv_ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
@@ -327,11 +354,10 @@ def _seesaw_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec)
     fence_async_shared()
     for i in gl.static_range(2):
-        for piece in gl.static_range(3):
-            _issue_piece(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, i, n_full, piece, L,
-                PAGE, BLOCK_N,
-            )  # fmt: skip
+        _issue_pieces(
+            KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, i, n_full, 0, NP + 1, NP,
+            L, PAGE, BLOCK_N,
+        )  # fmt: skip
 
     # Query rows (token, head), head fastest; rows past the request are zero.
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
