@@ -59,42 +59,6 @@ def _tile_scores_async(
 
 
 @gluon.jit
-def _issue_piece(
-    KDesc,
-    KRDesc,
-    Batch,
-    k_smem,
-    kr_smem,
-    kv_ready,
-    b,
-    lo,
-    j,
-    n_full,
-    PIECE: gl.constexpr,
-    NP: gl.constexpr,
-    L: gl.constexpr,
-    PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """TMA for one piece of tile j into slot j % 2 (skipped past n_full): PIECE < NP a
-    latent column range (KDesc's box), PIECE == NP the rope columns."""
-    Table, stride_tab, _, _ = Batch
-    pred = j < n_full
-    start = lo + j * BLOCK_N
-    page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
-    row = page * PAGE + start % PAGE
-    s = j % 2
-    bar = kv_ready.index((NP + 1) * s + PIECE)
-    if PIECE == NP:
-        mbarrier.expect(bar, KRDesc.block_type.nbytes, pred)
-        _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
-    else:
-        W: gl.constexpr = L // NP
-        mbarrier.expect(bar, KDesc.block_type.nbytes, pred)
-        _tma_load(KDesc, [row, PIECE * W], bar, k_smem.index(s).slice(PIECE * W, W, dim=1), pred)
-
-
-@gluon.jit
 def _issue_pieces(
     KDesc,
     KRDesc,
@@ -113,12 +77,23 @@ def _issue_pieces(
     PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """Pieces FIRST..LAST - 1 of tile j (NP latent pieces, then the rope piece NP)."""
+    """TMA for pieces FIRST..LAST - 1 of tile j into slot j % 2 (skipped past n_full): piece
+    c < NP a latent column range (KDesc's box), c == NP the rope columns."""
+    W: gl.constexpr = L // NP
     for c in gl.static_range(FIRST, LAST):
-        _issue_piece(
-            KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, j, n_full, c, NP, L, PAGE,
-            BLOCK_N,
-        )  # fmt: skip
+        Table, stride_tab, _, _ = Batch
+        pred = j < n_full
+        start = lo + j * BLOCK_N
+        page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
+        row = page * PAGE + start % PAGE
+        s = j % 2
+        bar = kv_ready.index((NP + 1) * s + c)
+        if c == NP:
+            mbarrier.expect(bar, KRDesc.block_type.nbytes, pred)
+            _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+        else:
+            mbarrier.expect(bar, KDesc.block_type.nbytes, pred)
+            _tma_load(KDesc, [row, c * W], bar, k_smem.index(s).slice(c * W, W, dim=1), pred)
 
 
 @gluon.jit
