@@ -61,6 +61,22 @@ def test_sparse_backend_matches_reference(case: SparseCase) -> None:
     assert not detail, detail
 
 
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("act", ["bfloat16", "float32"])
+def test_triton_sparse_backend_at_tiny_dims(mode: str, act: str) -> None:
+    """The `triton` sparse kernel at the tiny random V3.2's dims (`run --random tiny-v32`:
+    latent 32, rope 16, 4 heads, top-k 8, page 16) against the fp64 reference, poisoned pool,
+    dropped entries and an empty row: the whole-model run in bf16 disagrees with its fp64
+    reference (BENCHMARKS, seventh session), and this rules the kernel in or out."""
+    fm, q = MODES[mode]
+    dims = MLADims(4, 32, 16, 16, 16)
+    case = SparseCase(
+        "triton", act, act, fm, q, (1, 5, 14, 25, 40), 8, 16, dims, drop=0.2, empty_row=True
+    )
+    _, _, detail = run(case, "cuda")
+    assert not detail, detail
+
+
 @pytest.mark.parametrize("path", ["launches", "fused"])
 @pytest.mark.parametrize("with_visible", [False, True], ids=["masked", "visible"])
 @pytest.mark.parametrize("width", [1500, 16384, 40000, 131072])

@@ -11,7 +11,9 @@ import dataclasses
 import json
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -152,24 +154,69 @@ def save_random(size: str, path: Path, seed: int) -> None:
     )
 
 
+@dataclass
+class Selections:
+    """A DeepSeek-V3.2 run's index selections in call order, which the reference run follows.
+    Hazard: past layer 0 the indexer reads activations that the two runs' attention rounds
+    differently, so in bf16 a near-tie can flip a selected slot, and the logits would then
+    measure that flip, not the attention backends. Layer 0 reads the same inputs in both
+    runs: there the reference must pick the same sets on its own (`layer0_same` of
+    `layer0_calls`)."""
+
+    picked: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    layer0_calls: int = 0
+    layer0_same: int = 0
+
+    def record(self, indexer: Any) -> None:
+        own = indexer.select
+
+        def select(layer: int, *args: Any) -> torch.Tensor:
+            out = own(layer, *args)
+            self.picked.append((layer, out.clone()))
+            return out
+
+        indexer.select = select
+
+    def follow(self, indexer: Any) -> None:
+        own = indexer.select
+
+        def select(layer: int, *args: Any) -> torch.Tensor:
+            mine = own(layer, *args)
+            lead_layer, theirs = self.picked.pop(0)
+            if lead_layer != layer or theirs.shape != mine.shape:
+                raise RuntimeError("run: the reference run's indexer calls do not line up")
+            if layer == 0:
+                self.layer0_calls += 1
+                same = torch.equal(mine.sort(-1).values, theirs.sort(-1).values)
+                self.layer0_same += int(same)
+            return theirs
+
+        indexer.select = select
+
+
 def _serve(
     model: DeepseekV3ForCausalLM,
     config: Config,
     prompts: list[list[int]],
     max_new: int,
     reference: bool = False,
+    selections: Selections | None = None,
 ) -> tuple[list[torch.Tensor], float, list[list[int]]]:
     """Prefill all prompts, then greedy decode; (logits per step, tokens/s, generated ids).
-    reference: attention by the fp64 `ReferenceBackend` instead of the configured backends."""
+    reference: attention by the fp64 `ReferenceBackend` instead of the configured backends.
+    selections (DeepSeek-V3.2): recorded by the served run, followed by the reference run."""
     rt = Runtime.build(config)
     backend: AttentionBackend | None = None
     if reference:
         backend = ReferenceBackend(BackendContext(config, rt.kv_pool, rt.req_pool))
     if isinstance(model, DeepseekV32ForCausalLM):  # indexer + sparse attention (DSA)
         sparse = ReferenceSparseBackend if reference else config.sparse_backend
-        backend = DSABackend.build(
+        dsa = DSABackend.build(
             rt, model.cfg.indexer_dims(), sparse, dense=backend, topk_path=config.indexer_topk
         )
+        if selections is not None:
+            (selections.follow if reference else selections.record)(dsa.indexer)
+        backend = dsa
     eng = Engine(model, rt, backend)
     rows = eng.new_requests(len(prompts))
     t0 = time.perf_counter()
@@ -215,8 +262,9 @@ def run(args: argparse.Namespace) -> int:
         torch.randint(0, c.vocab_size, (n,), generator=gen).tolist()
         for n in prompt_lengths(args.requests)
     ]
-    steps, tps, out = _serve(model, config, prompts, args.max_new)
-    ref_steps, _, ref_out = _serve(model, config, prompts, args.max_new, reference=True)
+    sel = Selections()
+    steps, tps, out = _serve(model, config, prompts, args.max_new, selections=sel)
+    ref_steps, _, ref_out = _serve(model, config, prompts, args.max_new, True, sel)
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(steps, ref_steps))
     print(
         f"model {path if args.model else 'random:' + args.random}: {c.num_hidden_layers} "
@@ -232,7 +280,13 @@ def run(args: argparse.Namespace) -> int:
         f"{args.max_new} new tokens each: {tps:.1f} tokens/s"
     )
     tol = AGREE[config.dtype]
-    ok = diff <= tol
+    ok = diff <= tol and sel.layer0_same == sel.layer0_calls
+    if sel.layer0_calls:
+        print(
+            f"index selections: the reference run follows the served run's; at layer 0 (same "
+            f"inputs) it picked the same sets on its own in {sel.layer0_same} of "
+            f"{sel.layer0_calls} calls"
+        )
     print(
         f"logits vs the same model with fp64 reference attention: max relative difference "
         f"{diff:.2e} (tolerance {tol:g}): {'agree' if ok else 'DISAGREE'}; greedy tokens "
