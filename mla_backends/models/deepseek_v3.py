@@ -12,6 +12,7 @@ Token-major throughout: hidden [T, D] for all tokens of a ForwardBatch. Attentio
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -163,6 +164,9 @@ class Gate(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+        # `run`'s hook: maps this call's chosen experts [T, k] to the ones used (records them,
+        # or substitutes another run's); None in serving.
+        self.routes: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -174,6 +178,8 @@ class Gate(nn.Module):
             ~keep.bool().repeat_interleave(c.n_routed_experts // c.n_group, 1), float("-inf")
         )
         idx = choice.topk(c.num_experts_per_tok, dim=-1)[1]  # [T, k]
+        if self.routes is not None:
+            idx = self.routes(idx)
         w = scores.gather(1, idx)
         if c.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

@@ -24,7 +24,7 @@ from mla_backends.backends.reference_backend import ReferenceBackend
 from mla_backends.backends.registry import resolve_backends
 from mla_backends.cli import UsageError, add_config_argument, existing_dir, int_at_least
 from mla_backends.config import Config, load_config
-from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, Gate
 from mla_backends.models.deepseek_v32 import DeepseekV32ForCausalLM
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import load_model
@@ -156,16 +156,22 @@ def save_random(size: str, path: Path, seed: int) -> None:
 
 @dataclass
 class Selections:
-    """A DeepSeek-V3.2 run's index selections in call order, which the reference run follows.
-    Hazard: past layer 0 the indexer reads activations that the two runs' attention rounds
-    differently, so in bf16 a near-tie can flip a selected slot, and the logits would then
-    measure that flip, not the attention backends. Layer 0 reads the same inputs in both
-    runs: there the reference must pick the same sets on its own (`layer0_same` of
-    `layer0_calls`)."""
+    """A run's discrete choices in call order, which the reference run follows: the
+    DeepSeek-V3.2 indexer's selections and the MoE gates' expert routes. Hazard: past layer
+    0 both read activations that the two runs' attention rounds differently, so in bf16 a
+    near-tie can flip a selected slot or an expert, and the logits would then measure that
+    flip, not the attention backends (one flipped route of 96 in the tiny random V3.2 moves
+    its logits by ~100 %: BENCHMARKS, seventh session). Layer 0's indexer reads the same
+    inputs in both runs: there the reference must pick the same sets on its own
+    (`layer0_same` of `layer0_calls`); route flips are counted (`routes_differ` of
+    `routes`), not refused."""
 
     picked: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)
     layer0_calls: int = 0
     layer0_same: int = 0
+    routes: int = 0
+    routes_differ: int = 0
 
     def record(self, indexer: Any) -> None:
         own = indexer.select
@@ -193,6 +199,28 @@ class Selections:
 
         indexer.select = select
 
+    def gates(self, model: torch.nn.Module, follow: bool) -> None:
+        """Record (the served run) or follow (the reference run) every MoE gate's routes."""
+        for gate in (m for m in model.modules() if isinstance(m, Gate)):
+            gate.routes = self._follow_route if follow else self._record_route
+
+    def ungate(self, model: torch.nn.Module) -> None:
+        for gate in (m for m in model.modules() if isinstance(m, Gate)):
+            gate.routes = None
+
+    def _record_route(self, idx: torch.Tensor) -> torch.Tensor:
+        self.routed.append(idx.clone())
+        return idx
+
+    def _follow_route(self, idx: torch.Tensor) -> torch.Tensor:
+        theirs = self.routed.pop(0)
+        if theirs.shape != idx.shape:
+            raise RuntimeError("run: the reference run's expert routes do not line up")
+        self.routes += idx.shape[0]
+        same = (idx.sort(-1).values == theirs.sort(-1).values).all(-1)
+        self.routes_differ += int((~same).sum())
+        return theirs
+
 
 def _serve(
     model: DeepseekV3ForCausalLM,
@@ -201,10 +229,13 @@ def _serve(
     max_new: int,
     reference: bool = False,
     selections: Selections | None = None,
+    feed: list[list[int]] | None = None,
 ) -> tuple[list[torch.Tensor], float, list[list[int]]]:
     """Prefill all prompts, then greedy decode; (logits per step, tokens/s, generated ids).
     reference: attention by the fp64 `ReferenceBackend` instead of the configured backends.
-    selections (DeepSeek-V3.2): recorded by the served run, followed by the reference run."""
+    selections: the discrete choices (index selections, expert routes), recorded by the
+    served run and followed by the reference run. feed: the tokens to decode from (the
+    served run's), so both runs see the same inputs; its own greedy picks are still returned."""
     rt = Runtime.build(config)
     backend: AttentionBackend | None = None
     if reference:
@@ -217,6 +248,8 @@ def _serve(
         if selections is not None:
             (selections.follow if reference else selections.record)(dsa.indexer)
         backend = dsa
+    if selections is not None:
+        selections.gates(model, follow=reference)
     eng = Engine(model, rt, backend)
     rows = eng.new_requests(len(prompts))
     t0 = time.perf_counter()
@@ -224,13 +257,15 @@ def _serve(
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
     nxt = steps[0][ends].argmax(-1).tolist()
     out = [[t] for t in nxt]
-    for _ in range(max_new - 1):
-        steps.append(eng.decode(rows, nxt))
+    for step in range(max_new - 1):
+        steps.append(eng.decode(rows, [f[step] for f in feed] if feed else nxt))
         nxt = steps[-1].argmax(-1).tolist()
         for o, t in zip(out, nxt):
             o.append(t)
     if config.torch_device.type == "cuda":
         torch.cuda.synchronize()
+    if selections is not None:
+        selections.ungate(model)
     tokens = sum(len(p) for p in prompts) + len(prompts) * (max_new - 1)
     return steps, tokens / (time.perf_counter() - t0), out
 
@@ -264,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     sel = Selections()
     steps, tps, out = _serve(model, config, prompts, args.max_new, selections=sel)
-    ref_steps, _, ref_out = _serve(model, config, prompts, args.max_new, True, sel)
+    ref_steps, _, ref_out = _serve(model, config, prompts, args.max_new, True, sel, feed=out)
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(steps, ref_steps))
     print(
         f"model {path if args.model else 'random:' + args.random}: {c.num_hidden_layers} "
@@ -287,9 +322,15 @@ def run(args: argparse.Namespace) -> int:
             f"inputs) it picked the same sets on its own in {sel.layer0_same} of "
             f"{sel.layer0_calls} calls"
         )
+    if sel.routes:
+        print(
+            f"expert routes: the reference run follows the served run's; it would have routed "
+            f"{sel.routes_differ} of {sel.routes} token-layer routes differently on its own"
+        )
     print(
         f"logits vs the same model with fp64 reference attention: max relative difference "
         f"{diff:.2e} (tolerance {tol:g}): {'agree' if ok else 'DISAGREE'}; greedy tokens "
-        f"{'identical' if out == ref_out else 'differ'}"
+        f"{'identical' if out == ref_out else 'differ'} (the reference decodes the served "
+        f"run's tokens)"
     )
     return 0 if ok else 1
