@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import TOPK_PATHS
 from mla_backends.sparse.index_k import (  # re-exported: the indexer's public names
     LOGITS_BUDGET,
     PAGE,
@@ -95,7 +96,7 @@ class Indexer:
             kernels = "triton" if cache.device.type == "cuda" or interpreting() else "torch"
         if kernels not in ("triton", "torch"):
             raise ValueError(f"indexer kernels must be 'triton' or 'torch', got {kernels!r}")
-        if topk_path not in ("auto", "launches"):
+        if topk_path not in TOPK_PATHS:  # the choices of `Config.indexer_topk`
             raise ValueError(f"indexer topk_path must be 'auto' or 'launches', got {topk_path!r}")
         self.topk_path = topk_path  # "launches": never the one-launch top-k (topk_fused.py)
         if cache.quantized != dims.quantized or cache.head_dim != dims.head_dim:
