@@ -17,7 +17,7 @@ from mla_backends.arith import cdiv
 from mla_backends.bench.timing import graph_us
 from mla_backends.kernels.common import num_sms
 from mla_backends.sparse import topk_fused
-from mla_backends.sparse.topk_kernel import topk_slots
+from mla_backends.sparse.topk_kernel import new_counts, topk_slots
 
 
 def main() -> None:
@@ -46,7 +46,9 @@ def main() -> None:
                         continue
 
                     def fused(block: int = block, warps: int = warps) -> object:
-                        return topk_fused.run(logits, a.k, r2t, rows, rows, False, block, warps)
+                        return topk_fused.run(
+                            logits, a.k, r2t, rows, rows, False, block, new_counts(t, dev), warps
+                        )
 
                     row[f"fused[{block}x{warps}w]"] = graph_us(fused)
             best = min((k for k in row if k.startswith("fused")), key=row.get, default=None)

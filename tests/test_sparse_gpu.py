@@ -130,6 +130,37 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
         assert len(set(got[2].tolist())) == k and (got[2] >= 0).all() and (got[2] < 5000).all()
 
 
+@pytest.mark.parametrize("path", ["launches", "fused"])
+def test_topk_slots_kernel_stops_after_any_pass(path: str) -> None:
+    """The one-launch top-k stops once the threshold's bucket holds exactly the keys still
+    needed: rows built to be resolved by the first 8, 16, 24 and all 32 bits of their keys
+    (powers of four, powers of two, 1 + i 2^-15, 1 + i 2^-23), and a row with fewer keys than
+    k, each the same set as torch.topk (no ties)."""
+    from mla_backends.sparse.indexer import positions_to_slots, select_topk
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    k, width = 16, 4096
+    rows_vals = [
+        4.0 ** torch.arange(-30, 30).double(),  # exponents differ in their top 7 bits
+        2.0 ** torch.arange(-60, 60).double(),  # pairs share the top 7, the 8th tells
+        1 + torch.arange(4096).double() * 2**-15,  # 256 a 16-bit bucket, 1 a 24-bit one
+        1 + torch.arange(4096).double() * 2**-23,  # 256 a 24-bit bucket: all four passes
+        torch.arange(10).double(),  # fewer than k: every key, after the first pass
+    ]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.full((len(rows_vals), width), -torch.inf)
+    for i, v in enumerate(rows_vals):
+        logits[i, torch.randperm(width, generator=g)[: len(v)]] = v.float()
+    logits = logits.cuda()
+    r2t = torch.arange(width, dtype=torch.int32, device="cuda").view(1, width)
+    rows = torch.zeros(len(rows_vals), dtype=torch.int64, device="cuda")
+    want = positions_to_slots(select_topk(logits, k), r2t, rows)
+    got = topk_slots(logits, k, r2t, rows, path=path)
+    for i in range(len(rows_vals)):
+        a, b = got[i].tolist(), want[i].tolist()
+        assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i
+
+
 def test_topk_slots_auto_takes_one_launch_where_it_fits() -> None:
     """`auto` picks the one-launch path while T x blocks fits one program per SM (batch 1 at
     128k keys), the launches beyond it; an explicit `fused` that cannot fit is refused."""

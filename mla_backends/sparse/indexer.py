@@ -209,9 +209,13 @@ class Indexer:
         md = self.metadata
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
+        counts = None
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import prepare_q_fused
+            from mla_backends.sparse.topk_kernel import new_counts
 
+            # the top-k's counters zeroed first: no fill between the logits and the top-k
+            counts = new_counts(q.shape[0], q.device)
             qp, wp = prepare_q_fused(self.dims, q, w, cos, sin)
         else:
             qp, wp = prepare_q(self.dims, q, w, cos, sin)
@@ -221,9 +225,10 @@ class Indexer:
             if self.kernels == "triton":
                 from mla_backends.sparse.topk_kernel import topk_slots
 
-                vis = md.visible[start:end]
+                assert counts is not None
+                vis, c = md.visible[start:end], counts[start:end]
                 k, r2t = self.dims.topk, self.req_to_token
-                out.append(topk_slots(logits, k, r2t, rows, vis, path=self.topk_path))
+                out.append(topk_slots(logits, k, r2t, rows, vis, self.topk_path, c))
                 continue
             pos = select_topk(logits, self.dims.topk)
             out.append(positions_to_slots(pos, self.req_to_token, rows))

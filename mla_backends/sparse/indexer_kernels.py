@@ -11,6 +11,7 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import dot_precision, interpreting
+from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
 
@@ -133,8 +134,11 @@ def _prep_q_kernel(
     QUANT: tl.constexpr,
     LOWP_DOT: tl.constexpr,
     EXACT_FP8_ROUND: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """One program: BLOCK_R (token, head) rows of q, row r = token * HI + head."""
+    launch_next(USE_GDC)
+    wait_previous(USE_GDC)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
     t = (r // HI).to(tl.int64)
@@ -188,6 +192,7 @@ def prepare_q_fused(
         LOWP_DOT=q.dtype in (torch.bfloat16, torch.float16) and not interpreting(),
         EXACT_FP8_ROUND=dims.quantized and interpreting(),
         num_warps=4,
+        **pdl_args(q.device),
     )
     return out, w_out
 
@@ -270,13 +275,16 @@ def _logits_kernel(
     DOT_F32: tl.constexpr,
     DOT_F16: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_previous(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     vis = tl.load(Vis + t)
     out = Out + t * stride_o + n
     if tl.program_id(1) * BLOCK_N >= vis:
         tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < width)
+        launch_next(USE_GDC)
         return
     n_ok = n < vis
     row = tl.load(Rows + t)
@@ -307,6 +315,9 @@ def _logits_kernel(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
     logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * ks
     tl.store(out, tl.where(n_ok, logit, float("-inf")), mask=n < width)
+    # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
+    # programs released early would sit on the SMs the later waves need.
+    launch_next(USE_GDC)
 
 
 def index_logits(
@@ -357,5 +368,6 @@ def index_logits(
         PRECISION=dot_precision(q.dtype),
         num_warps=4,
         **consts,
+        **pdl_args(q.device),
     )
     return out

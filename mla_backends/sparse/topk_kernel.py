@@ -138,7 +138,7 @@ def _write_kernel(
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
     if tl.program_id(1) * BLOCK >= limit:
         return
-    _write_keys(x, pos, t, hist_row + 4 * 256, Dst, take_all, need, prefix)
+    _write_keys(x, pos, t, hist_row + 4 * 256, Dst, take_all, need, prefix, 0)
 
 
 @triton.jit
@@ -163,12 +163,12 @@ def _write_tail(Dst, t, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _write_keys(x, pos, t, count, Dst, take_all, need, prefix):
-    """The keys of x [BLOCK] (at row positions pos) that row t takes given its threshold, as
-    pool slots at positions of its output row reserved with atomics (count[0:2] = written,
-    ties claimed)."""
+def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
+    """The keys of x [BLOCK] (at row positions pos) that row t takes given its threshold (the
+    leading 32 - shift bits of the need-th key still to take: `prefix`), as pool slots at
+    positions of its output row reserved with atomics (count[0:2] = written, ties claimed)."""
     Out, R2T, Rows, stride_o, stride_r2t = Dst
-    key = _sortable(x)
+    key = _sortable(x) >> shift
     ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
     all_keys = (pos * 0 + take_all) != 0
@@ -184,6 +184,18 @@ def _write_keys(x, pos, t, count, Dst, take_all, need, prefix):
     row = tl.load(Rows + t).to(tl.int64)
     slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
     tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
+
+
+# Per row: 4 x 256 digit counts, (written, ties claimed), then the one-launch path's four
+# pass counters. Zeroed before the top-k; one fill for the whole batch.
+COUNTS = 4 * 256 + 2 + 4
+
+
+def new_counts(rows: int, device: torch.device) -> torch.Tensor:
+    """The top-k's zeroed counters [rows, COUNTS] int32. A decode step allocates them before
+    its first indexer kernel, so that the fill does not sit between the logits and the
+    top-k (a plain launch there would break their programmatic dependent launch)."""
+    return torch.zeros(rows, COUNTS, dtype=torch.int32, device=device)
 
 
 def row_args(
@@ -207,13 +219,15 @@ def topk_slots(
     rows: torch.Tensor,
     visible: torch.Tensor | None = None,
     path: str = "auto",
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
     slots of the k largest logits (any order), -1 for unused entries. No host sync.
     `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
     programs past them return at once (a CUDA graph's W is the longest context it may see).
     `path`: "launches" (six launches, any size), "fused" (two launches, small T x W on a GPU,
-    `sparse.topk_fused`), or "auto" (fused where it fits)."""
+    `sparse.topk_fused`), or "auto" (fused where it fits). `counts`: zeroed counters from
+    `new_counts` (allocated here when not given)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
@@ -226,6 +240,10 @@ def topk_slots(
         return torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if counts is None:
+        counts = new_counts(t, logits.device)
+    elif counts.dtype != torch.int32 or counts.shape[0] < t or counts.shape[1] < COUNTS:
+        raise ValueError(f"topk_slots: counts must be int32 [>= {t}, >= {COUNTS}] (new_counts)")
     has_vis = visible is not None
     vis = visible if visible is not None else rows  # not read without HAS_VIS
     if path != "launches":
@@ -233,16 +251,14 @@ def topk_slots(
 
         block = topk_fused.block_for(t, width, logits.device)
         if block is not None:
-            return topk_fused.run(logits, k, req_to_token, rows, vis, has_vis, block)
+            return topk_fused.run(logits, k, req_to_token, rows, vis, has_vis, block, counts)
         if path == "fused":
             raise ValueError(
                 f"topk_slots: {t} rows of {width} logits do not fit one launch on this device"
             )
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
     block = 256 if interpreting() else 2048
-    # per row: 4 x 256 digit counts, then (written, ties claimed); one fill zeroes them all
-    hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=logits.device)
-    src, dst = row_args(logits, vis, hist, out, req_to_token, rows)
+    src, dst = row_args(logits, vis, counts, out, req_to_token, rows)
     grid = (t, cdiv(width, block))
     for p in range(4):
         _hist_kernel[grid](src, K=k, P=p, BLOCK=block, HAS_VIS=has_vis)

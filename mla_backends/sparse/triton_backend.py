@@ -19,10 +19,12 @@ from mla_backends.sparse.base import (
 from mla_backends.sparse.fp8_row import Fp8RowPool
 
 
-def choose_splits(programs: int, topk: int, sms: int, max_splits: int = 16) -> int:
-    """Split the index list until the grid fills the GPU about twice, >= 128 entries per
-    split; a power of two (the merge kernel's arange needs one)."""
-    want = max(1, min(round(2 * sms / max(programs, 1)), topk // 128, max_splits))
+def choose_splits(programs: int, topk: int, sms: int, block_n: int, max_splits: int = 64) -> int:
+    """Split the index list until the grid fills the GPU about twice, down to one key block
+    a split; a power of two (the merge kernel's arange needs one). At batch 1 a program's time
+    is a chain of dependent loads (indices, then the rows they name) per block, so one block a
+    program is the shortest chain; the merge then reads splits x heads partial rows."""
+    want = max(1, min(round(2 * sms / max(programs, 1)), topk // block_n, max_splits))
     return 1 << (want.bit_length() - 1)
 
 
@@ -56,7 +58,8 @@ class TritonSparseBackend(SparseMLABackend):
         self._interp = interpreting()
         self._sms = num_sms(self.device)
         self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
-        self.launch: dict[str, int] | None = None  # a launch config instead of LAUNCH's
+        # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
+        self.launch: dict[str, int] | None = None
 
     # Launch configurations from SM90 offline compiles (registers / spill bytes per thread,
     # ptxas via Triton 3.9; not yet timed on a GPU: scripts/bench_sparse.py --triton-configs
@@ -76,8 +79,13 @@ class TritonSparseBackend(SparseMLABackend):
         if self._interp:
             return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
         cfg = dict(self.launch or self.LAUNCH[(16 if h <= 16 else 64, self._fmt is not None)])
+        if "splits" in cfg:  # a sweep's fixed split count
+            return cfg
         programs = tokens * -(-h // cfg["block_m"])
-        return {**cfg, "splits": choose_splits(programs, self.topk, self._sms)}
+        # <= 4096 partial rows a token (8 MB of fp32 partials to write and merge at H128)
+        cap = max(1, min(64, 4096 // h))
+        splits = choose_splits(programs, self.topk, self._sms, cfg["block_n"], cap)
+        return {**cfg, "splits": splits}
 
     def _attend(
         self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv
 from mla_backends.kernels.mla_attention import LOG2E, _merge, _online_softmax
+from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat
 
 
@@ -62,7 +63,9 @@ def _sparse_mla_kernel(
     TILE_C: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_previous(USE_GDC)  # q and the indices come from the kernels before this one
     hblk = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -127,6 +130,7 @@ def _sparse_mla_kernel(
         acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
         acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
 
+    launch_next(USE_GDC)  # the merge, during this epilogue (not while the gathers run)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (out_scale / l_safe)[:, None]
@@ -228,5 +232,6 @@ def sparse_mla(
         num_warps=num_warps,
         num_stages=num_stages,
         **rows,
+        **pdl_args(q_nope.device),
     )
     _merge(part_out, part_lse, out, lse, num_splits)
