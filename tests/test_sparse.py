@@ -439,6 +439,37 @@ def test_topk_slots_refuses_non_fp32_logits() -> None:
         topk_slots(torch.zeros(1, 8), 4, r2t, torch.zeros(1), path="one")
 
 
+def test_topk_slots_checks_its_counters() -> None:
+    from mla_backends.sparse.topk_kernel import COUNTS, topk_slots
+
+    r2t = torch.zeros(1, 8, dtype=torch.int32)
+    rows = torch.zeros(2, dtype=torch.int64)
+    for bad in (torch.zeros(1, COUNTS, dtype=torch.int32), torch.zeros(2, COUNTS)):
+        with pytest.raises(ValueError, match="counts must be int32"):
+            topk_slots(torch.zeros(2, 8), 4, r2t, rows, counts=bad)
+
+
+def test_sparse_splits_reach_one_key_block_a_program() -> None:
+    """Batch 1: the index list split until a program holds one key block (its time is a
+    chain of dependent gathers per block), capped; larger batches split less; powers of two."""
+    from mla_backends.sparse.triton_backend import choose_splits
+
+    assert choose_splits(1, 2048, 132, 32, 64) == 64  # H16 batch 1: 32 keys a program
+    assert choose_splits(4, 2048, 132, 64, 32) == 32  # H128 batch 1 (4 head blocks), cap 32
+    assert choose_splits(64, 2048, 132, 64, 32) == 4  # H128 batch 16: ~2 programs an SM
+    assert choose_splits(1, 256, 132, 64, 64) == 4  # never below one key block a split
+    assert choose_splits(1000, 2048, 132, 64, 64) == 1
+
+
+def test_pdl_is_off_off_a_gpu() -> None:
+    """Programmatic dependent launch only on an SM90+ GPU outside the interpreter: CPU tests
+    launch the kernels without it (the interpreter has no grid-dependency ops)."""
+    from mla_backends.kernels.pdl import pdl_args, use_pdl
+
+    assert not use_pdl(torch.device("cpu"))
+    assert pdl_args(torch.device("cpu")) == {"USE_GDC": False}
+
+
 @pytest.mark.interp
 def test_topk_slots_fused_path_is_refused_off_a_gpu() -> None:
     """The one-launch path spins between passes on programs of the same launch: the

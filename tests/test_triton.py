@@ -76,6 +76,32 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
         assert r.ok, r.detail
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize("sms", [1, 8, 64])  # column blocks: 1, 2 (8 // 3 rows), 4 (L / 64)
+def test_interpreter_merge_over_column_blocks(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
+    """The split merge with its columns spread over programs where rows are few: out and LSE
+    equal log-sum-exp weighting of the partials, empty splits and an all-empty row included."""
+    from mla_backends.kernels import mla_attention as ma
+
+    monkeypatch.setattr(ma, "num_sms", lambda device: sms)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(sms)
+    t, h, lat, splits = 3, 1, 256, 4
+    part_out = torch.randn(t * h * splits, lat, generator=g)
+    part_lse = torch.randn(t * h * splits, generator=g) * 3
+    part_lse[1] = -torch.inf  # an empty split
+    part_lse[8:12] = -torch.inf  # token 2: every split empty
+    out = torch.empty(t, h, lat, device=dev)
+    lse = torch.empty(t, h, device=dev)
+    ma._merge(part_out.to(dev), part_lse.to(dev), out, lse, splits)
+    pl = part_lse.view(t * h, splits).double()
+    want_lse = torch.logsumexp(pl, dim=1)
+    w = torch.exp(pl - want_lse[:, None]).nan_to_num(0.0)
+    want = (w[:, :, None] * part_out.view(t * h, splits, lat).double()).sum(1)
+    torch.testing.assert_close(lse.cpu().double().view(-1), want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu().double().view(t * h, lat), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("sms", [4, 78, 114, 132, 148])
 def test_split_rows_bound_holds_for_every_grid(sms: int) -> None:
     """The graph workspace (tuning.split_rows_bound) holds the partials of every grid the
