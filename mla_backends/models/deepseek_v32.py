@@ -98,19 +98,21 @@ class MLAttentionV32(MLAttention):
         c, t = self.cfg, x.shape[0]
         h, p, lat = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
         q_lora = self.q_a_layernorm(self.q_a_proj(x))
+        if dense:  # FP8 rows: the sparse backend over every visible key
+            slots = dsa.dense_slots(batch)
+            selected = lambda: slots  # noqa: E731
+        else:  # on its own stream on a GPU, beside the projections below (DSABackend)
+            query = lambda: self.indexer.query(q_lora, x)  # noqa: E731
+            selected = dsa.begin_select(self.layer_id, query, cos, sin)
         q = self.q_b_proj(q_lora).view(t, h, -1)
         q_nope, q_pe = q[..., :p], apply_rope(q[..., p:], cos, sin, c.rope_interleave)
         kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, :lat])
         k_pe = apply_rope(kv[:, lat:], cos, sin, c.rope_interleave)
-        if dense:  # FP8 rows: the sparse backend over every visible key
-            slots = dsa.dense_slots(batch)
-        else:
-            slots = dsa.indexer.select(self.layer_id, *self.indexer.query(q_lora, x), cos, sin)
         dsa.sparse.store_kv(self.layer_id, batch.out_cache_loc, c_kv, k_pe)
         w_kc, w_vc = self.absorbed_weights()
         q_abs = torch.einsum("thp,hpl->thl", q_nope, w_kc)
-        o_lat = dsa.sparse.forward_sparse(self.layer_id, q_abs, q_pe, slots, batch)
+        o_lat = dsa.sparse.forward_sparse(self.layer_id, q_abs, q_pe, selected(), batch)
         out = torch.einsum("thl,hlv->thv", o_lat, w_vc)
         return self.o_proj(out.reshape(t, -1))
 

@@ -10,7 +10,7 @@ FP8 rows, so with them a dense batch runs the sparse backend over all visible ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,13 +36,22 @@ class DSABackend:
     itself (`models/deepseek_v32.py`)."""
 
     def __init__(
-        self, dense: AttentionBackend | None, indexer: Indexer, sparse: SparseMLABackend
+        self,
+        dense: AttentionBackend | None,
+        indexer: Indexer,
+        sparse: SparseMLABackend,
+        overlap_indexer: bool = True,
     ) -> None:
         self.dense, self.indexer, self.sparse = dense, indexer, sparse
         self.topk = indexer.dims.topk
         if sparse.topk != self.topk:
             raise ValueError(f"indexer topk {self.topk} != sparse backend topk {sparse.topk}")
         self._dense_batch = False
+        # The indexer's own stream on a GPU (`begin_select`), None: it runs inline.
+        dev = indexer.cache.device
+        self.side: torch.cuda.Stream | None = None
+        if overlap_indexer and dev.type == "cuda":
+            self.side = torch.cuda.Stream(dev)
 
     @classmethod
     def build(
@@ -54,11 +63,14 @@ class DSABackend:
         indexer_kernels: str = "auto",
         dense: AttentionBackend | None = None,
         topk_path: str = "auto",
+        overlap_indexer: bool = True,
     ) -> DSABackend:
         """Index-K cache over the runtime pool's slots, the indexer and the sparse backend;
         with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space.
         `dense`: the dense batches' backend (default: the runtime's). `topk_path`: the
-        indexer's top-k, "auto" or "launches" (`Config.indexer_topk`)."""
+        indexer's top-k, "auto" or "launches" (`Config.indexer_topk`). `overlap_indexer`:
+        on a GPU the indexer runs on its own stream beside the layer's projections
+        (`begin_select`)."""
         cfg, pool = runtime.config, runtime.kv_pool
         dims, dev = cfg.model, pool.device
         latent: LatentPool = pool
@@ -82,8 +94,8 @@ class DSABackend:
         else:  # a class the registry does not hold (the fp64 reference)
             sparse = sparse_backend(ctx)
         if fp8_rows:
-            return cls(None, indexer, sparse)
-        return cls(runtime.backend if dense is None else dense, indexer, sparse)
+            return cls(None, indexer, sparse, overlap_indexer)
+        return cls(runtime.backend if dense is None else dense, indexer, sparse, overlap_indexer)
 
     @property
     def name(self) -> str:
@@ -165,6 +177,39 @@ class DSABackend:
 
     def load_prefix(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self._dense_backend().load_prefix(layer, batch)
+
+    def begin_select(
+        self,
+        layer: int,
+        query: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> Callable[[], torch.Tensor]:
+        """Starts the indexer of `layer` (`query()` gives its q and head weights) and returns
+        the call that gives its slots. With a side stream the indexer's kernels (its
+        projections, q prep, logits, top-k: a chain of short latency-bound kernels) run
+        there, beside what the caller enqueues before that call (the layer's q and KV
+        projections); the call makes the current stream wait for them. CUDA graphs capture
+        the fork and the join.
+
+        Hazards: everything the indexer reads (its K cache with this batch's keys stored,
+        the caller's inputs) must be written before this call on the current stream, and
+        must stay alive until the returned call ran (a caller's locals do); the slots are
+        handed to the current stream with `record_stream`."""
+        if self.side is None:
+            slots = self.indexer.select(layer, *query(), cos, sin)
+            return lambda: slots
+        main = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            slots = self.indexer.select(layer, *query(), cos, sin)
+
+        def join() -> torch.Tensor:
+            main.wait_stream(self.side)  # type: ignore[arg-type]
+            slots.record_stream(main)
+            return slots
+
+        return join
 
     def dense_slots(self, batch: ForwardBatch) -> torch.Tensor:
         """Every visible key's slot per query token: the sparse backend's dense path."""
