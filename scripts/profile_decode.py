@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import capture, profile  # noqa: E402
+from profile_step import profile  # noqa: E402
 
 from mla_backends.bench.fixtures import decode_setup  # noqa: E402
 from mla_backends.bench.hopper import _ours  # noqa: E402
 from mla_backends.bench.peers import PEER_CALLS  # noqa: E402
+from mla_backends.bench.timing import capture_graph  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
         makers = {"ours": partial(_ours, s)}
         makers |= {peer: partial(PEER_CALLS[peer], s) for peer in a.peers.split(",") if peer}
         for name, make in makers.items():
-            row = {"shape": spec, "call": name, **profile(capture(make()))}
+            row = {"shape": spec, "call": name, **profile(capture_graph(make()))}
             res.append(row)
             print(json.dumps(row), flush=True)
         del s

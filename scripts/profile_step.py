@@ -26,25 +26,12 @@ from bench_sparse import PAGE, build_pools  # noqa: E402
 from mla_backends.backends.base import BackendContext  # noqa: E402
 from mla_backends.backends.registry import get_backend_class  # noqa: E402
 from mla_backends.batch import ForwardBatch, ForwardMode  # noqa: E402
-from mla_backends.bench.timing import graph_us  # noqa: E402
+from mla_backends.bench.timing import capture_graph, graph_us  # noqa: E402
 from mla_backends.config import Config, MLADims  # noqa: E402
 from mla_backends.sparse.base import SparseContext, create_sparse_backend  # noqa: E402
 from mla_backends.sparse.indexer import Indexer, IndexerDims  # noqa: E402
 
 FLUSH = 256 << 20  # bytes zeroed before each replay (do_bench's L2 flush)
-
-
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def profile(g: torch.cuda.CUDAGraph, reps: int = 30) -> dict:
@@ -162,7 +149,7 @@ def main() -> None:
                     sp, b, s, qn, qr, slots, batch
                 )
             for name, fn in fns.items():
-                g = capture(fn)
+                g = capture_graph(fn)
                 row = {"context": ctx, "batch": b, "heads": h, "graph": name}
                 row.update(profile(g))
                 row["graph_us"] = round(graph_us(fn), 2)

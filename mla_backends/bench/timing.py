@@ -35,19 +35,25 @@ def bench_us(
     return 1e6 * sorted(times)[len(times) // 2]
 
 
-def graph_us(fn: Callable[[], object]) -> float:
-    """Median replay time of `fn` captured in a CUDA graph: the GPU time a serving engine's
-    decode graph pays (host launch overhead removed). GPU only."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after two warm-up calls outside the capture (JIT
+    compiles, allocator growth) on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (JIT, allocator)
+    with torch.cuda.stream(side):
         fn()
         fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return bench_us(g.replay, device=torch.device("cuda"))
+    return g
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """Median replay time of `fn` captured in a CUDA graph: the GPU time a serving engine's
+    decode graph pays (host launch overhead removed). GPU only."""
+    return bench_us(capture_graph(fn).replay, device=torch.device("cuda"))
 
 
 def host_us(fn: Callable[[], object], n: int = 50) -> float:
