@@ -1,9 +1,10 @@
-"""The indexer's top-k in one launch (plus the counters' fill) where it fits: every program
-holds one block of its row's logits in registers through the four radix passes and the
-write, and the programs of a row wait for each other's digit counts between passes on a
-counter in global memory. That removes four of the six launches of `topk_kernel`, which at
-batch 1 are most of its time (each pass there is a few microseconds of work between two
-launch gaps).
+"""The indexer's top-k in one launch where it fits (its counters zeroed by the caller,
+`topk_kernel.new_counts`): every program holds one block of its row's logits in registers
+through the radix passes and the write, and the programs of a row wait for each other's
+digit counts between passes on a counter in global memory. That removes four of the five
+launches of `topk_kernel`, which at batch 1 are most of its time (each pass there is a few
+microseconds of work between two launch gaps). The passes stop early once the threshold's
+bucket holds exactly the keys still needed (on random logits usually after three).
 
 Hazard: a program spinning on its row's counter waits for programs of the same launch, so
 every program must be resident at once: the grid is kept to one program per SM (T x blocks

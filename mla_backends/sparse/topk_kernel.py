@@ -6,8 +6,8 @@ significant first): a histogram of the digit over the keys that still match the 
 digits so far, then the digit holding the k-th largest key. The last step writes every key
 above the threshold and as many of its ties as are still needed. The row is split over
 programs of 2048 keys; the histograms accumulate in global memory (atomics) and every program
-of the next pass re-derives the threshold from them. Seven launches (two fills, four
-histograms, the write), the last five over T x cdiv(W, 2048) programs.
+of the next pass re-derives the threshold from them. Five launches (four histograms, the
+write) over T x cdiv(W, 2048) programs, after the counters' fill (`new_counts`).
 
 History (H100, BENCHMARKS.md): one program a row streaming its keys from memory, ~3.6 ns a
 key (0.48 ms at 128k keys, latency-bound; DSA third run); one program a row holding a row of
