@@ -62,15 +62,17 @@ class TritonSparseBackend(SparseMLABackend):
         self.launch: dict[str, int] | None = None
 
     # Launch configurations from SM90 offline compiles (registers / spill bytes per thread,
-    # ptxas via Triton 3.9; not yet timed on a GPU: scripts/bench_sparse.py --triton-configs
-    # times the alternatives). bf16 rows: 16 x 32 keys, 4 warps, 236 regs, no spill (16 x 64:
-    # 504 B spilled); 32 heads x 64 keys, 8 warps: 246 regs, no spill (64 x 64 wgmma: 1112 B).
-    # FP8 rows spill in every H128 shape tried (in-register dequantisation): 64 x 16, 8 warps,
-    # 408 B is the least; 16 x 32, 4 warps: 250 regs, no spill.
+    # ptxas via Triton 3.9) and H100 timings (`scripts/bench_sparse.py --triton-configs`).
+    # bf16 rows: 16 x 32 keys, 4 warps, 236 regs, no spill (16 x 64: 504 B spilled); H128:
+    # 64 heads x 64 keys, 8 warps (one wgmma row block; 1112 B spilled offline) timed faster
+    # than 32 x 64 (246 regs, no spill) at batch 16 (74 against 96 us) and 64 (187-191
+    # against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows spill in every H128
+    # shape tried (in-register dequantisation): 64 x 16, 8 warps, 408 B is the least;
+    # 16 x 32, 4 warps: 250 regs.
     LAUNCH = {
         (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
         (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
-        (64, False): {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        (64, False): {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
         (64, True): {"block_m": 64, "block_n": 16, "num_warps": 8, "num_stages": 2},
     }
 
