@@ -220,7 +220,7 @@ class Config:
             raise ConfigError(
                 f"sparse_backend={self.sparse_backend!r} is not one of {list(SPARSE_BACKENDS)}"
             )
-        _check_str("indexer_topk", self.indexer_topk, "auto, launches")
+        _check_str("indexer_topk", self.indexer_topk, ", ".join(TOPK_PATHS))
         if self.indexer_topk not in TOPK_PATHS:
             raise ConfigError(
                 f"indexer_topk={self.indexer_topk!r} is not one of {list(TOPK_PATHS)}"

@@ -97,7 +97,8 @@ class Indexer:
         if kernels not in ("triton", "torch"):
             raise ValueError(f"indexer kernels must be 'triton' or 'torch', got {kernels!r}")
         if topk_path not in TOPK_PATHS:  # the choices of `Config.indexer_topk`
-            raise ValueError(f"indexer topk_path must be 'auto' or 'launches', got {topk_path!r}")
+            paths = " or ".join(map(repr, TOPK_PATHS))
+            raise ValueError(f"indexer topk_path must be {paths}, got {topk_path!r}")
         self.topk_path = topk_path  # "launches": never the one-launch top-k (topk_fused.py)
         if cache.quantized != dims.quantized or cache.head_dim != dims.head_dim:
             raise ValueError("IndexKCache and IndexerDims disagree on head_dim / quantisation")

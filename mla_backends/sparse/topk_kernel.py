@@ -225,9 +225,9 @@ def topk_slots(
     slots of the k largest logits (any order), -1 for unused entries. No host sync.
     `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
     programs past them return at once (a CUDA graph's W is the longest context it may see).
-    `path`: "launches" (six launches, any size), "fused" (two launches, small T x W on a GPU,
-    `sparse.topk_fused`), or "auto" (fused where it fits). `counts`: zeroed counters from
-    `new_counts` (allocated here when not given)."""
+    `path`: "launches" (five launches, any size), "fused" (one launch, small T x W on a GPU,
+    `sparse.topk_fused`), or "auto" (fused where it fits); either after the counters' fill.
+    `counts`: zeroed counters from `new_counts` (allocated here when not given)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
