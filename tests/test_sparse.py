@@ -5,6 +5,11 @@ TRITON_INTERPRET=1) against the fp64 sparse reference."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +32,8 @@ from mla_backends.sparse.indexer import (
 from mla_backends.sparse.quant import block_quant, hadamard, hadamard_matrix, ue8m0_scale
 from mla_backends.sparse.reference import sparse_attention, sparse_reference
 from mla_backends.sparse.testing import SparseCase, build, run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -427,6 +434,45 @@ def test_topk_slots_kernel_reads_only_visible_keys() -> None:
     want = positions_to_slots(select_topk(logits.masked_fill(garbage, -torch.inf), k), r2t, rows)
     assert _slot_sets(got) == _slot_sets(want)
     assert [int((r == -1).sum()) for r in got] == [0, 0, k - 40, k]
+
+
+@pytest.mark.interp
+def test_topk_slots_launches_refine_only_the_threshold_bucket() -> None:
+    """The launches settle every key outside the threshold's 16-bit bucket in one scan and
+    hand only the bucket's keys to the per-row resolve: few on spread logits (here under
+    1 %), all of them on near-equal ones; both give torch.topk's set."""
+    from mla_backends.sparse.topk_kernel import new_counts, topk_slots
+
+    g = torch.Generator().manual_seed(3)
+    t, width, k = 2, 3000, 256
+    logits = 5 + torch.randn(t, width, generator=g) * torch.tensor([[1.0], [1e-3]])
+    r2t = torch.randperm(width, generator=g).to(torch.int32).view(1, width)
+    rows = torch.zeros(t, dtype=torch.int64)
+    counts = new_counts(t, logits.device)
+    got = topk_slots(logits, k, r2t, rows, path="launches", counts=counts)
+    assert _slot_sets(got) == _slot_sets(positions_to_slots(select_topk(logits, k), r2t, rows))
+    appended = counts[:, 4 * 256 + 1].tolist()
+    assert appended[0] < width // 100 and appended[1] > width // 4, appended
+
+
+def test_topk_kernels_compile_for_sm90_without_spills() -> None:
+    """Every top-k kernel builds for SM90 as launched (CI runs them only in the interpreter,
+    which compiles nothing: a loop-carried variable changing type passed every CPU test and
+    failed on the GPU), within one block's shared memory, without spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_topk_sm90.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    uses = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [u["kernel"] for u in uses] == ["hist", "split", "resolve", "fused"], run.stdout
+    for use in uses:
+        assert use["local"] == 0 and use["stack"] == 0 and use["shared"] <= 48 * 1024, use
 
 
 def test_topk_slots_refuses_non_fp32_logits() -> None:

@@ -1,22 +1,30 @@
 """The indexer's top-k as a radix select over each row's logits, the selected positions
 written as pool slots (-1 for unused entries).
 
-A radix select takes four passes, one per 8-bit digit of an order-preserving 32-bit key (most
-significant first): a histogram of the digit over the keys that still match the threshold's
-digits so far, then the digit holding the k-th largest key. The last step writes every key
-above the threshold and as many of its ties as are still needed. The row is split over
-programs of 2048 keys; the histograms accumulate in global memory (atomics) and every program
-of the next pass re-derives the threshold from them. Five launches (four histograms, the
-write) over T x cdiv(W, 2048) programs, after the counters' fill (`new_counts`).
+A radix select takes up to four passes, one per 8-bit digit of an order-preserving 32-bit key
+(most significant first): a histogram of the digit over the keys that still match the
+threshold's digits so far, then the digit holding the k-th largest key. Here only the first
+two passes run over the whole row (programs of 2048 keys, histograms accumulated in global
+memory with atomics, every program re-deriving the threshold from them); a third launch then
+writes every key above the threshold's 16-bit bucket and appends the bucket's own keys, the
+only ones still undecided, to a candidate list, unless the bucket holds exactly the keys
+still needed; a fourth, one program a row, finishes the digits over the candidates alone
+and writes them. Four launches over T x cdiv(W, 2048) programs (the last over T), after the
+counters' fill (`new_counts`). On random logits a 16-bit bucket holds about W / 256 keys
+near the threshold or fewer, so the last two digits cost almost nothing; a row whose keys
+share their leading 16 bits (near-equal logits) puts all of them in the list, which one
+program then scans four times: correct, and slow only for such rows.
 
 History (H100, BENCHMARKS.md): one program a row streaming its keys from memory, ~3.6 ns a
 key (0.48 ms at 128k keys, latency-bound; DSA third run); one program a row holding a row of
-up to 32k keys in registers, all in one launch, 0.083-0.091 ms at 16k and ~0.2 ms at 32k,
-against 0.033-0.052 ms for these seven launches (DSA sixth run): on one SM the four passes'
-histograms and the scans cost more than six launches save. Three passes of 11 / 11 / 10-bit
-digits (2048-bin histograms, the -1 tail written by the write kernel: five launches) measured
-0.056-0.058 ms at batch 1 and 0.86 ms at B64 / 128k against 0.033 and 0.235 (DSA eighth run):
-a 2048-bin `tl.histogram` and its scan cost far more per program than a 256-bin one.
+up to 32k keys in registers, all in one launch, 0.083-0.091 ms at 16k and ~0.2 ms at 32k
+(DSA sixth run): on one SM the four passes' histograms (`tl.histogram`, ~1.6 keys a clock
+an SM) and the scans cost more than launches save. Three passes of 11 / 11 / 10-bit digits
+measured 0.056-0.058 ms at batch 1 and 0.86 ms at B64 / 128k against 0.033 and 0.235 (DSA
+eighth run): a 2048-bin `tl.histogram` and its scan cost far more per program than a
+256-bin one. All four passes over the whole row and a write (five launches, until the ninth
+session): 0.050 / 0.233 ms at B64 16k / 128k, 2.6x SGLang's one-block-a-row CUDA top-k
+(`sgl_kernel.fast_topk_v2`, which also refines only its threshold bucket's candidates).
 
 Result contract (as `indexer.select_topk` + `positions_to_slots`, up to order): the set of the
 k largest finite logits, in no particular order, then -1; rows with fewer than k finite logits
@@ -120,25 +128,127 @@ def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(
+def _split_kernel(
     Src,
     Dst,
+    Cand,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_VIS: tl.constexpr,
 ):
-    """Every visible key above the threshold, and ties while the row still needs them, as
-    pool slots at positions reserved with atomics (Hist[t, 1024:1026] = written, ties
-    claimed); program 0 of each row writes the row's -1 tail."""
+    """After the first two digit passes: every visible key above the threshold's 16-bit
+    bucket as a pool slot (positions reserved with atomics, Hist[t, 1024] = written), and the
+    bucket's keys too where it holds exactly the keys still needed or the row takes every key;
+    otherwise the bucket's row positions appended to the row's candidates (Hist[t, 1025] =
+    appended) for `_resolve_kernel`. Program 0 of each row writes the row's -1 tail."""
     t = tl.program_id(0).to(tl.int64)
     x, pos, limit, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
-    take_all, need, prefix, total = _threshold(hist_row, K, 4)
+    take_all, need, prefix, total = _threshold(hist_row, K, 2)
     if tl.program_id(1) == 0:
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
     if tl.program_id(1) * BLOCK >= limit:
         return
-    _write_keys(x, pos, t, hist_row + 4 * 256, Dst, take_all, need, prefix, 0)
+    exact = (take_all != 0) | (tl.load(hist_row + 256 + (prefix & 255).to(tl.int32)) == need)
+    count = hist_row + 4 * 256
+    key = _sortable(x) >> 16
+    ok = x > float("-inf")
+    # scalars as blocks: scalar | block gives int32 in the interpreter
+    all_keys = (pos * 0 + take_all) != 0
+    settled = (pos * 0 + exact.to(tl.int32)) != 0
+    eq = ok & (key == prefix) & ~all_keys
+    take = (ok & ((key > prefix) | all_keys)) | (eq & settled)
+    # One atomic a key, not a block's cumsum and one atomic: a program takes few of its keys
+    # (~k / W of them), and the scans and the scalar atomics' round trips made this kernel
+    # 2.7x slower a key than a histogram pass (B64 128k: 97 us against 36, H100).
+    Out, R2T, Rows, stride_o, stride_r2t = Dst
+    at = tl.atomic_add(count + pos * 0, 1, mask=take)
+    row = tl.load(Rows + t).to(tl.int64)
+    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
+    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
+    cand = eq & ~settled
+    Cands, stride_c = Cand
+    at = tl.atomic_add(count + 1 + pos * 0, 1, mask=cand)
+    tl.store(Cands + t * stride_c + at, pos, mask=cand)
+
+
+@triton.jit
+def _resolve_kernel(Src, Dst, Cand, K: tl.constexpr, CB: tl.constexpr):
+    """One program a row whose threshold's 16-bit bucket holds more keys than still needed:
+    digits 2 and 3 over the bucket's candidates alone (CB at a time, stopping once the
+    bucket is exact), then the candidates above the threshold and as many of its ties as are
+    still needed, written after the keys `_split_kernel` wrote."""
+    t = tl.program_id(0).to(tl.int64)
+    Logits, Vis, Hist, width, stride_l, stride_h = Src
+    hist_row = Hist + t * stride_h
+    take_all, need, prefix, total = _threshold(hist_row, K, 2)
+    if (take_all != 0) | (tl.load(hist_row + 256 + (prefix & 255).to(tl.int32)) == need):
+        return  # settled by the split
+    count = hist_row + 4 * 256
+    n = tl.load(count + 1)
+    Cands, stride_c = Cand
+    cands = Cands + t * stride_c
+    bins = tl.arange(0, 256)
+    shift = (n * 0 + 16).to(tl.uint32)  # a tensor: it changes inside a runtime branch
+    done = n * 0
+    # the first CB candidates (on spread logits, all of them) gathered once for every pass
+    x0, pos0 = _candidates(Logits + t * stride_l, cands, 0, n, CB)
+    for p in tl.static_range(2, 4):
+        if done == 0:
+            h = tl.zeros([256], tl.int32)
+            for c in range(0, n, CB):
+                x, pos = _chunk(Logits + t * stride_l, cands, c, n, x0, pos0, CB)
+                key = _sortable(x)
+                match = (x > float("-inf")) & ((key >> (32 - 8 * p)) == prefix)
+                h += _masked_histogram(((key >> (24 - 8 * p)) & 255).to(tl.int32), match, CB)
+            b, need = _digit_step(h, bins, need)
+            prefix = (prefix << 8) | b.to(tl.uint32)
+            shift -= 8
+            done = (tl.sum(tl.where(bins == b, h, 0), 0) == need).to(tl.int32)
+    ties = n * 0  # ties at the threshold taken by earlier chunks
+    at = tl.load(count)  # after the keys the split wrote; this program writes the rest alone
+    Out, R2T, Rows, stride_o, stride_r2t = Dst
+    row = tl.load(Rows + t).to(tl.int64)
+    for c in range(0, n, CB):
+        x, pos = _chunk(Logits + t * stride_l, cands, c, n, x0, pos0, CB)
+        key = _sortable(x) >> shift
+        ok = x > float("-inf")
+        eq = ok & (key == prefix)
+        take = (ok & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
+        tl.store(Out + t * stride_o + at + tl.cumsum(take.to(tl.int32), 0) - 1, slot, mask=take)
+        at += tl.sum(take.to(tl.int32), 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
+def _candidates(row_logits, cands, c, n, CB: tl.constexpr):
+    """Candidates c .. c + CB of a row: (their logits, -inf past the n appended; their row
+    positions)."""
+    i = c + tl.arange(0, CB)
+    pos = tl.load(cands + i, mask=i < n, other=0)
+    return tl.load(row_logits + pos, mask=i < n, other=float("-inf")), pos
+
+
+@triton.jit
+def _chunk(row_logits, cands, c, n, x0, pos0, CB: tl.constexpr):
+    """`_candidates` at c, the ones already held (x0, pos0) when c is 0."""
+    if c == 0:
+        x, pos = x0, pos0
+    else:
+        x, pos = _candidates(row_logits, cands, c, n, CB)
+    return x, pos
+
+
+@triton.jit
+def _write_slots(take, pos, t, count, Dst):
+    """The pool slots of row t's keys at row positions pos where `take`, at positions of its
+    output row reserved with an atomic on count[0] (written so far)."""
+    Out, R2T, Rows, stride_o, stride_r2t = Dst
+    at = tl.atomic_add(count, tl.sum(take.to(tl.int32), 0)) + tl.cumsum(take.to(tl.int32), 0) - 1
+    row = tl.load(Rows + t).to(tl.int64)
+    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
+    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
 
 
 @triton.jit
@@ -167,7 +277,6 @@ def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
     """The keys of x [BLOCK] (at row positions pos) that row t takes given its threshold (the
     leading 32 - shift bits of the need-th key still to take: `prefix`), as pool slots at
     positions of its output row reserved with atomics (count[0:2] = written, ties claimed)."""
-    Out, R2T, Rows, stride_o, stride_r2t = Dst
     key = _sortable(x) >> shift
     ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
@@ -177,16 +286,11 @@ def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
     n_eq = tl.sum(eq.to(tl.int32), 0)
     tie0 = tl.atomic_add(count + 1, n_eq)  # ties claimed before this program
     tie_rank = tie0 + tl.cumsum(eq.to(tl.int32), 0) - 1
-    take = gt | (eq & (tie_rank < need))
-    n_take = tl.sum(take.to(tl.int32), 0)
-    base = tl.atomic_add(count, n_take)
-    at = base + tl.cumsum(take.to(tl.int32), 0) - 1
-    row = tl.load(Rows + t).to(tl.int64)
-    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
-    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
+    _write_slots(gt | (eq & (tie_rank < need)), pos, t, count, Dst)
 
 
-# Per row: 4 x 256 digit counts, (written, ties claimed), then the one-launch path's four
+# Per row: 4 x 256 digit counts (the launches fill the first two), (written, ties claimed by
+# the one-launch path / candidates appended by the launches), then the one-launch path's four
 # pass counters. Zeroed before the top-k; one fill for the whole batch.
 COUNTS = 4 * 256 + 2 + 4
 
@@ -225,7 +329,7 @@ def topk_slots(
     slots of the k largest logits (any order), -1 for unused entries. No host sync.
     `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
     programs past them return at once (a CUDA graph's W is the longest context it may see).
-    `path`: "launches" (five launches, any size), "fused" (one launch, small T x W on a GPU,
+    `path`: "launches" (four launches, any size), "fused" (one launch, small T x W on a GPU,
     `sparse.topk_fused`), or "auto" (fused where it fits); either after the counters' fill.
     `counts`: zeroed counters from `new_counts` (allocated here when not given)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
@@ -257,12 +361,14 @@ def topk_slots(
                 f"topk_slots: {t} rows of {width} logits do not fit one launch on this device"
             )
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
+    # a row's undecided keys: as many as its keys at worst (near-equal logits)
+    cand = torch.empty((t, width), dtype=torch.int32, device=logits.device)
     block = 256 if interpreting() else 2048
     src, dst = row_args(logits, vis, counts, out, req_to_token, rows)
     grid = (t, cdiv(width, block))
-    for p in range(4):
+    for p in range(2):
         _hist_kernel[grid](src, K=k, P=p, BLOCK=block, HAS_VIS=has_vis)
-    _write_kernel[grid](
-        src, dst, K=k, BLOCK=block, BLOCK_K=next_pow2(k), HAS_VIS=has_vis, num_warps=8
-    )
+    consts = {"K": k, "BLOCK": block, "BLOCK_K": next_pow2(k), "HAS_VIS": has_vis}
+    _split_kernel[grid](src, dst, (cand, cand.stride(0)), **consts, num_warps=8)
+    _resolve_kernel[(t,)](src, dst, (cand, cand.stride(0)), K=k, CB=256 if interpreting() else 1024)
     return out
