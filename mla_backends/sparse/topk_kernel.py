@@ -158,18 +158,19 @@ def _split_kernel(
     settled = (pos * 0 + exact.to(tl.int32)) != 0
     eq = ok & (key == prefix) & ~all_keys
     take = (ok & ((key > prefix) | all_keys)) | (eq & settled)
-    # One atomic a key, not a block's cumsum and one atomic: a program takes few of its keys
-    # (~k / W of them), and the scans and the scalar atomics' round trips made this kernel
-    # 2.7x slower a key than a histogram pass (B64 128k: 97 us against 36, H100).
-    Out, R2T, Rows, stride_o, stride_r2t = Dst
-    at = tl.atomic_add(count + pos * 0, 1, mask=take)
-    row = tl.load(Rows + t).to(tl.int64)
-    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
-    tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
+    # Positions by a cumsum and one atomic a program, so that a row of one program (every
+    # prefill row up to 2048 keys) comes out in the same order on every run: one atomic a key
+    # was faster at B64 128k (57 us against 97, H100) but reordered prefill rows run to run,
+    # and attention over another order rounds differently. Programs with nothing to write
+    # (most of them, for the candidates) skip the scan and the atomic.
+    if tl.sum(take.to(tl.int32), 0) > 0:
+        _write_slots(take, pos, t, count, Dst)
     cand = eq & ~settled
-    Cands, stride_c = Cand
-    at = tl.atomic_add(count + 1 + pos * 0, 1, mask=cand)
-    tl.store(Cands + t * stride_c + at, pos, mask=cand)
+    n_cand = tl.sum(cand.to(tl.int32), 0)
+    if n_cand > 0:
+        at = tl.atomic_add(count + 1, n_cand) + tl.cumsum(cand.to(tl.int32), 0) - 1
+        Cands, stride_c = Cand
+        tl.store(Cands + t * stride_c + at, pos, mask=cand)
 
 
 @triton.jit
