@@ -182,7 +182,7 @@ class Config:
     sparse_backend: str = "auto"
     # The indexer's top-k on a GPU: "auto" runs it in one launch while the batch's logits fit
     # one program per SM (its programs wait for each other, so all must be resident at once);
-    # "launches" always takes the six-launch form: set it where the process gets fewer SMs
+    # "launches" always takes the four-launch form: set it where the process gets fewer SMs
     # than the device has (MPS thread limits, green contexts), or the launch could hang.
     indexer_topk: str = "auto"
 

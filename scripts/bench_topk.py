@@ -1,4 +1,4 @@
-"""The indexer's top-k alone on a GPU (CUDA-graph replay, ms): the six-launch radix select
+"""The indexer's top-k alone on a GPU (CUDA-graph replay, µs): the launches' radix select
 against the one-launch path at each block size and warp count that fits, and torch.topk, on
 random fp32 logits of DSA's decode shapes (T rows of W keys, k 2048). Where sgl_kernel is
 installed, SGLang's own DSA top-k is timed beside them as a peer: `fast_topk_v2` (row

@@ -180,8 +180,9 @@ def test_topk_slots_kernel_stops_after_any_pass(path: str) -> None:
 
 
 def test_topk_slots_auto_takes_one_launch_where_it_fits() -> None:
-    """`auto` picks the one-launch path while T x blocks fits one program per SM (batch 1 at
-    128k keys), the launches beyond it; an explicit `fused` that cannot fit is refused."""
+    """`auto` picks the one-launch path while T x blocks of up to 4096 keys fit one program
+    per SM (batch 1 at 128k keys), the launches beyond it; an explicit `fused` that cannot
+    fit is refused."""
     from mla_backends.sparse import topk_fused
 
     dev = torch.device("cuda")
@@ -191,6 +192,10 @@ def test_topk_slots_auto_takes_one_launch_where_it_fits() -> None:
     b = topk_fused.block_for(16, 32768, dev)  # the smallest block that fits: 4096 on an H100
     assert b is not None and 16 * -(-32768 // b) <= sms < 16 * -(-32768 // (b // 2))
     assert topk_fused.block_for(sms + 1, 2048, dev) is None
+    # auto stops at 4096-key blocks: B16 at 64k fits one launch only in 8192-key blocks,
+    # where the launches are faster
+    assert topk_fused.block_for(16, 65536, dev) == 8192
+    assert topk_fused.block_for(16, 65536, dev, topk_fused.AUTO_LARGEST) is None
     from mla_backends.sparse.topk_kernel import topk_slots
 
     r2t = torch.zeros(1, 8, dtype=torch.int32, device=dev)

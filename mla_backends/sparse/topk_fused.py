@@ -38,6 +38,10 @@ from mla_backends.sparse.topk_kernel import (
 # at 32 (scripts/bench_topk.py; BENCHMARKS.md, eleventh DSA run).
 BLOCKS = (512, 1024, 2048, 4096, 8192)
 WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
+# The largest block `auto` takes: with 8192-key blocks (B16 at 64k, B64 at 16k) the launches
+# are faster since they refine only the threshold bucket (41 against 45 us, H100, ninth
+# session, BENCHMARKS.md); an explicit `fused` still takes them.
+AUTO_LARGEST = 4096
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, ties claimed), 4 pass counters
 
 
@@ -106,13 +110,15 @@ def _topk_fused_kernel(
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
 
 
-def block_for(t: int, width: int, device: torch.device) -> int | None:
-    """The smallest block that keeps T x cdiv(width, block) programs within one per SM, or
-    None (too large, not a GPU, or the interpreter)."""
+def block_for(
+    t: int, width: int, device: torch.device, largest: int = BLOCKS[-1]
+) -> int | None:
+    """The smallest block up to `largest` that keeps T x cdiv(width, block) programs within
+    one per SM, or None (too large, not a GPU, or the interpreter)."""
     if device.type != "cuda" or interpreting():
         return None
     sms = num_sms(device)
-    return next((b for b in BLOCKS if t * cdiv(width, b) <= sms), None)
+    return next((b for b in BLOCKS if b <= largest and t * cdiv(width, b) <= sms), None)
 
 
 def run(

@@ -331,7 +331,8 @@ def topk_slots(
     `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
     programs past them return at once (a CUDA graph's W is the longest context it may see).
     `path`: "launches" (four launches, any size), "fused" (one launch, small T x W on a GPU,
-    `sparse.topk_fused`), or "auto" (fused where it fits); either after the counters' fill.
+    `sparse.topk_fused`), or "auto" (fused where it fits in blocks of up to
+    `topk_fused.AUTO_LARGEST` keys, the faster one there); either after the counters' fill.
     `counts`: zeroed counters from `new_counts` (allocated here when not given)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
@@ -354,7 +355,8 @@ def topk_slots(
     if path != "launches":
         from mla_backends.sparse import topk_fused
 
-        block = topk_fused.block_for(t, width, logits.device)
+        largest = topk_fused.AUTO_LARGEST if path == "auto" else topk_fused.BLOCKS[-1]
+        block = topk_fused.block_for(t, width, logits.device, largest)
         if block is not None:
             return topk_fused.run(logits, k, req_to_token, rows, vis, has_vis, block, counts)
         if path == "fused":
