@@ -110,9 +110,7 @@ def _topk_fused_kernel(
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
 
 
-def block_for(
-    t: int, width: int, device: torch.device, largest: int = BLOCKS[-1]
-) -> int | None:
+def block_for(t: int, width: int, device: torch.device, largest: int = BLOCKS[-1]) -> int | None:
     """The smallest block up to `largest` that keeps T x cdiv(width, block) programs within
     one per SM, or None (too large, not a GPU, or the interpreter)."""
     if device.type != "cuda" or interpreting():
