@@ -18,6 +18,7 @@ min(topk, pos(t) + 1) entries are valid.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -210,27 +211,25 @@ class Indexer:
         md = self.metadata
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
-        counts = None
+        k, r2t = self.dims.topk, self.req_to_token
+        pick: Callable[[torch.Tensor, int, int], torch.Tensor]
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import prepare_q_fused
-            from mla_backends.sparse.topk_kernel import new_counts
+            from mla_backends.sparse.topk_kernel import new_counts, topk_slots
 
             # the top-k's counters zeroed first: no fill between the logits and the top-k
             counts = new_counts(q.shape[0], q.device)
             qp, wp = prepare_q_fused(self.dims, q, w, cos, sin)
+
+            def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+                rows, vis = md.rows[start:end], md.visible[start:end]
+                return topk_slots(logits, k, r2t, rows, vis, self.topk_path, counts[start:end])
+
         else:
             qp, wp = prepare_q(self.dims, q, w, cos, sin)
-        out = []
-        for start, end in md.chunks:
-            logits, rows = self.logits(layer, qp, wp, start, end), md.rows[start:end]
-            if self.kernels == "triton":
-                from mla_backends.sparse.topk_kernel import topk_slots
 
-                assert counts is not None
-                vis, c = md.visible[start:end], counts[start:end]
-                k, r2t = self.dims.topk, self.req_to_token
-                out.append(topk_slots(logits, k, r2t, rows, vis, self.topk_path, c))
-                continue
-            pos = select_topk(logits, self.dims.topk)
-            out.append(positions_to_slots(pos, self.req_to_token, rows))
+            def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+                return positions_to_slots(select_topk(logits, k), r2t, md.rows[start:end])
+
+        out = [pick(self.logits(layer, qp, wp, s, e), s, e) for s, e in md.chunks]
         return out[0] if len(out) == 1 else torch.cat(out)

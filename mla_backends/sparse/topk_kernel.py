@@ -144,10 +144,15 @@ def _split_kernel(
     appended) for `_resolve_kernel`. Program 0 of each row writes the row's -1 tail."""
     t = tl.program_id(0).to(tl.int64)
     x, pos, limit, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
+    # programs past the visible keys (a graph's logits are as wide as its longest context)
+    # leave before reading the counts; program 0 stays for the tail
+    past = tl.program_id(1) * BLOCK >= limit
+    if past & (tl.program_id(1) > 0):
+        return
     take_all, need, prefix, total = _threshold(hist_row, K, 2)
     if tl.program_id(1) == 0:
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
-    if tl.program_id(1) * BLOCK >= limit:
+    if past:
         return
     exact = (take_all != 0) | (tl.load(hist_row + 256 + (prefix & 255).to(tl.int32)) == need)
     count = hist_row + 4 * 256
