@@ -13,7 +13,7 @@ and writes them. Four launches over T x cdiv(W, 2048) programs (the last over T)
 counters' fill (`new_counts`). On random logits a 16-bit bucket holds about W / 256 keys
 near the threshold or fewer, so the last two digits cost almost nothing; a row whose keys
 share their leading 16 bits (near-equal logits) puts all of them in the list, which one
-program then scans four times: correct, and slow only for such rows.
+program then scans three times: correct, and slow only for such rows.
 
 History (H100, BENCHMARKS.md): one program a row streaming its keys from memory, ~3.6 ns a
 key (0.48 ms at 128k keys, latency-bound; DSA third run); one program a row holding a row of
