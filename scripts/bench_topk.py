@@ -23,7 +23,7 @@ from profile_step import profile  # noqa: E402
 from mla_backends.arith import cdiv
 from mla_backends.bench.timing import capture_graph, graph_us
 from mla_backends.kernels.common import num_sms
-from mla_backends.sparse import topk_fused
+from mla_backends.sparse import topk_fused, topk_kernel
 from mla_backends.sparse.topk_kernel import new_counts, topk_slots
 
 
@@ -62,6 +62,11 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
+        "--launch-blocks",
+        default="",
+        help="the launches at HIST:SPLIT block sizes too, e.g. 4096:4096,2048:8192",
+    )
+    p.add_argument(
         "--profile", action="store_true", help="the launches' kernels under the torch profiler"
     )
     a = p.parse_args()
@@ -81,6 +86,14 @@ def main() -> None:
                 print(f"T {t:>2} W {w:>6} launches, profiler spans (us): {prof['kernels_us']}")
             row["torch.topk"] = graph_us(lambda: torch.topk(logits, a.k, dim=-1))
             row.update(sgl_peers(logits, a.k, r2t))
+            for sizes in filter(None, a.launch_blocks.split(",")):
+                hb, sb = map(int, sizes.split(":"))
+
+                def sized(hb: int = hb, sb: int = sb) -> object:
+                    counts = new_counts(t, dev)
+                    return topk_kernel.launches(logits, a.k, r2t, rows, rows, False, counts, hb, sb)
+
+                row[f"launches[{hb}:{sb}]"] = graph_us(sized)
             for block in (512, *topk_fused.BLOCKS):
                 if t * cdiv(w, block) > num_sms(dev):
                     continue

@@ -368,15 +368,41 @@ def topk_slots(
             raise ValueError(
                 f"topk_slots: {t} rows of {width} logits do not fit one launch on this device"
             )
+    return launches(logits, k, req_to_token, rows, vis, has_vis, counts)
+
+
+# Keys a program of the launches' histogram passes and split holds (and its warps): the
+# interpreter's small blocks keep CPU tests to a few programs a row.
+HIST_BLOCK, SPLIT_BLOCK = 2048, 2048
+
+
+def launches(
+    logits: torch.Tensor,
+    k: int,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    vis: torch.Tensor,
+    has_vis: bool,
+    counts: torch.Tensor,
+    hist_block: int = HIST_BLOCK,
+    split_block: int = SPLIT_BLOCK,
+) -> torch.Tensor:
+    """The four launches (`topk_slots` path "launches"); counts zeroed (`new_counts`)."""
+    t, width = logits.shape
+    if interpreting():
+        hist_block = split_block = 256
     out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
     # a row's undecided keys: as many as its keys at worst (near-equal logits)
     cand = torch.empty((t, width), dtype=torch.int32, device=logits.device)
-    block = 256 if interpreting() else 2048
     src, dst = row_args(logits, vis, counts, out, req_to_token, rows)
-    grid = (t, cdiv(width, block))
+    grid = (t, cdiv(width, hist_block))
     for p in range(2):
-        _hist_kernel[grid](src, K=k, P=p, BLOCK=block, HAS_VIS=has_vis)
-    consts = {"K": k, "BLOCK": block, "BLOCK_K": next_pow2(k), "HAS_VIS": has_vis}
-    _split_kernel[grid](src, dst, (cand, cand.stride(0)), **consts, num_warps=8)
+        _hist_kernel[grid](
+            src, K=k, P=p, BLOCK=hist_block, HAS_VIS=has_vis, num_warps=max(4, hist_block // 512)
+        )
+    consts = {"K": k, "BLOCK": split_block, "BLOCK_K": next_pow2(k), "HAS_VIS": has_vis}
+    _split_kernel[(t, cdiv(width, split_block))](
+        src, dst, (cand, cand.stride(0)), **consts, num_warps=max(8, split_block // 512)
+    )
     _resolve_kernel[(t,)](src, dst, (cand, cand.stride(0)), K=k, CB=256 if interpreting() else 1024)
     return out
