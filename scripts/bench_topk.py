@@ -79,6 +79,10 @@ def main() -> None:
             r2t = torch.randperm(w, generator=g, device=dev).to(torch.int32).view(1, w)
             rows = torch.zeros(t, dtype=torch.int64, device=dev)
             row: dict[str, float] = {}
+
+            def call() -> topk_kernel.TopkCall:  # fresh zeroed counters each replay
+                return topk_kernel.TopkCall(logits, a.k, r2t, rows, rows, False, new_counts(t, dev))
+
             launches = lambda: topk_slots(logits, a.k, r2t, rows, path="launches")  # noqa: E731
             row["launches"] = graph_us(launches)
             if a.profile:
@@ -90,8 +94,7 @@ def main() -> None:
                 hb, sb = map(int, sizes.split(":"))
 
                 def sized(hb: int = hb, sb: int = sb) -> object:
-                    counts = new_counts(t, dev)
-                    return topk_kernel.launches(logits, a.k, r2t, rows, rows, False, counts, hb, sb)
+                    return topk_kernel.launches(call(), hb, sb)
 
                 row[f"launches[{hb}:{sb}]"] = graph_us(sized)
             for block in (512, *topk_fused.BLOCKS):
@@ -102,9 +105,7 @@ def main() -> None:
                         continue
 
                     def fused(block: int = block, warps: int = warps) -> object:
-                        return topk_fused.run(
-                            logits, a.k, r2t, rows, rows, False, block, new_counts(t, dev), warps
-                        )
+                        return topk_fused.run(call(), block, warps)
 
                     row[f"fused[{block}x{warps}w]"] = graph_us(fused)
             best = min((k for k in row if k.startswith("fused")), key=row.get, default=None)

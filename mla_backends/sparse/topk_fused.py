@@ -24,12 +24,12 @@ from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.topk_kernel import (
+    TopkCall,
     _count_digit,
     _digit_step,
     _row_block,
     _write_keys,
     _write_tail,
-    row_args,
 )
 
 # Keys a program holds, smallest first, and its warps. A pass costs a program its histogram,
@@ -119,30 +119,19 @@ def block_for(t: int, width: int, device: torch.device, largest: int = BLOCKS[-1
     return next((b for b in BLOCKS if b <= largest and t * cdiv(width, b) <= sms), None)
 
 
-def run(
-    logits: torch.Tensor,
-    k: int,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    vis: torch.Tensor,
-    has_vis: bool,
-    block: int,
-    counts: torch.Tensor,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """counts: zeroed int32 [T, >= SYNC + 4] (`topk_kernel.new_counts`)."""
-    t, width = logits.shape
-    out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
-    src, dst = row_args(logits, vis, counts, out, req_to_token, rows)
+def run(call: TopkCall, block: int, num_warps: int | None = None) -> torch.Tensor:
+    """The one launch in blocks of `block` keys (T x blocks <= SMs: `block_for`)."""
+    (t, width), k = call.logits.shape, call.k
+    out, src, dst = call.kernel_args()
     _topk_fused_kernel[(t, cdiv(width, block))](
         src,
         dst,
         K=k,
         BLOCK=block,
         BLOCK_K=next_pow2(k),
-        HAS_VIS=has_vis,
+        HAS_VIS=call.has_vis,
         SYNC=SYNC,
         num_warps=num_warps or WARPS[block],
-        **pdl_args(logits.device),
+        **pdl_args(out.device),
     )
     return out

@@ -34,6 +34,8 @@ NaN counts as not visible.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -308,18 +310,28 @@ def new_counts(rows: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(rows, COUNTS, dtype=torch.int32, device=device)
 
 
-def row_args(
-    logits: torch.Tensor,
-    vis: torch.Tensor,
-    hist: torch.Tensor,
-    out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-) -> tuple[tuple, tuple]:
-    """The kernels' (Src, Dst) argument tuples: (logits, visible counts, digit counts, width,
-    their row strides) and (output, req_to_token, request rows, their row strides)."""
-    src = (logits, vis, hist, logits.shape[1], logits.stride(0), hist.stride(0))
-    return src, (out, req_to_token, rows, out.stride(0), req_to_token.stride(0))
+@dataclass(frozen=True)
+class TopkCall:
+    """One top-k's inputs, as every path takes them: logits [T, W] fp32, k, the pool's
+    req_to_token, request rows [T], visible counts [T] (read only with `has_vis`), zeroed
+    counters (`new_counts`)."""
+
+    logits: torch.Tensor
+    k: int
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    vis: torch.Tensor
+    has_vis: bool
+    counts: torch.Tensor
+
+    def kernel_args(self) -> tuple[torch.Tensor, tuple, tuple]:
+        """A fresh output [T, k] int32 and the kernels' (Src, Dst) argument tuples:
+        (logits, visible counts, digit counts, width, their row strides) and (output,
+        req_to_token, request rows, their row strides)."""
+        logits, hist, r2t = self.logits, self.counts, self.req_to_token
+        out = torch.empty((logits.shape[0], self.k), dtype=torch.int32, device=logits.device)
+        src = (logits, self.vis, hist, logits.shape[1], logits.stride(0), hist.stride(0))
+        return out, src, (out, r2t, self.rows, out.stride(0), r2t.stride(0))
 
 
 def topk_slots(
@@ -357,18 +369,19 @@ def topk_slots(
         raise ValueError(f"topk_slots: counts must be int32 [>= {t}, >= {COUNTS}] (new_counts)")
     has_vis = visible is not None
     vis = visible if visible is not None else rows  # not read without HAS_VIS
+    call = TopkCall(logits, k, req_to_token, rows, vis, has_vis, counts)
     if path != "launches":
         from mla_backends.sparse import topk_fused
 
         largest = topk_fused.AUTO_LARGEST if path == "auto" else topk_fused.BLOCKS[-1]
         block = topk_fused.block_for(t, width, logits.device, largest)
         if block is not None:
-            return topk_fused.run(logits, k, req_to_token, rows, vis, has_vis, block, counts)
+            return topk_fused.run(call, block)
         if path == "fused":
             raise ValueError(
                 f"topk_slots: {t} rows of {width} logits do not fit one launch on this device"
             )
-    return launches(logits, k, req_to_token, rows, vis, has_vis, counts)
+    return launches(call)
 
 
 # Keys a program of the launches' histogram passes and split holds (and its warps): the
@@ -377,24 +390,15 @@ HIST_BLOCK, SPLIT_BLOCK = 2048, 2048
 
 
 def launches(
-    logits: torch.Tensor,
-    k: int,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    vis: torch.Tensor,
-    has_vis: bool,
-    counts: torch.Tensor,
-    hist_block: int = HIST_BLOCK,
-    split_block: int = SPLIT_BLOCK,
+    call: TopkCall, hist_block: int = HIST_BLOCK, split_block: int = SPLIT_BLOCK
 ) -> torch.Tensor:
-    """The four launches (`topk_slots` path "launches"); counts zeroed (`new_counts`)."""
-    t, width = logits.shape
+    """The four launches (`topk_slots` path "launches")."""
+    (t, width), k, has_vis = call.logits.shape, call.k, call.has_vis
     if interpreting():
         hist_block = split_block = 256
-    out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
+    out, src, dst = call.kernel_args()
     # a row's undecided keys: as many as its keys at worst (near-equal logits)
-    cand = torch.empty((t, width), dtype=torch.int32, device=logits.device)
-    src, dst = row_args(logits, vis, counts, out, req_to_token, rows)
+    cand = torch.empty((t, width), dtype=torch.int32, device=out.device)
     grid = (t, cdiv(width, hist_block))
     for p in range(2):
         _hist_kernel[grid](
