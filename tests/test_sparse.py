@@ -172,6 +172,25 @@ def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
 
 
+def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None:
+    """EXTEND tokens are scored in chunks under LOGITS_BUDGET: with the Triton kernels a
+    token costs its fp32 logits and the top-k launches' int32 candidate list, as wide; with
+    torch, the logits and its gathered fp32 keys. Decode is one chunk."""
+    from mla_backends.sparse.index_k import LOGITS_BUDGET
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    cache = IndexKCache(1, 64, 32, True, "cpu")
+    r2t = torch.zeros(2, 64, dtype=torch.int32)
+    width = 1 << 16
+    tri, ref = Indexer(dims, cache, r2t, "triton"), Indexer(dims, cache, r2t, "torch")
+    step = LOGITS_BUDGET // (8 * width)
+    assert tri._chunks(3 * step + 1, width, ForwardMode.EXTEND)[:2] == [(0, step), (step, 2 * step)]
+    assert len(tri._chunks(3 * step + 1, width, ForwardMode.EXTEND)) == 4
+    torch_step = LOGITS_BUDGET // (4 * width * (dims.head_dim + 1))
+    assert ref._chunks(5, width, ForwardMode.EXTEND)[0] == (0, min(5, torch_step))
+    assert tri._chunks(3 * step + 1, width, ForwardMode.DECODE) == [(0, 3 * step + 1)]
+
+
 def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
     vis = torch.tensor([1, 3, 8, 20])
     logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)

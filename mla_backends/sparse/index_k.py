@@ -12,7 +12,7 @@ from mla_backends.arith import cdiv
 from mla_backends.sparse.quant import block_quant, hadamard
 
 PAGE = 64  # slots per index-K block (SGLang's page-major layout)
-LOGITS_BUDGET = 256 << 20  # bytes of fp32 logits one EXTEND chunk may hold
+LOGITS_BUDGET = 256 << 20  # bytes one EXTEND chunk's logits (and what is as wide) may hold
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,9 @@ class Indexer:
     def _chunks(self, t: int, width: int, mode: ForwardMode) -> list[tuple[int, int]]:
         if mode is not ForwardMode.EXTEND or t == 0:
             return [(0, t)]
-        per_token = 4 * max(width, 1) * (1 if self.kernels == "triton" else self.dims.head_dim + 1)
+        # triton: fp32 logits and, beside them, the top-k launches' int32 candidate list (as
+        # wide as the logits); torch: the logits and the gathered fp32 keys
+        per_token = 4 * max(width, 1) * (2 if self.kernels == "triton" else self.dims.head_dim + 1)
         step = max(1, LOGITS_BUDGET // per_token)
         return [(s, min(s + step, t)) for s in range(0, t, step)]
 
