@@ -117,16 +117,31 @@ def _hist_kernel(
 
 
 @triton.jit
-def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
-    """Adds digit P's counts of the visible keys of x [BLOCK] whose digits 0..P-1 equal
-    prefix into hist_row[P]."""
+def _digit_counts(x, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
+    """Digit P's counts [256] of the visible keys of x [BLOCK] whose digits 0..P-1 equal
+    prefix."""
     key = _sortable(x)
     match = x > float("-inf")
     if P > 0:
         match = match & ((key >> (32 - 8 * P)) == prefix)
     digit = ((key >> (24 - 8 * P)) & 255).to(tl.int32)
-    h = _masked_histogram(digit, match, BLOCK)
+    return _masked_histogram(digit, match, BLOCK)
+
+
+@triton.jit
+def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
+    """Adds `_digit_counts` into hist_row[P]."""
+    h = _digit_counts(x, P, prefix, BLOCK)
     tl.atomic_add(hist_row + P * 256 + tl.arange(0, 256), h, mask=h > 0)
+
+
+@triton.jit
+def _bucket16(hist_row, K: tl.constexpr):
+    """`_threshold` after the first two digits, and whether that settles the row: it takes
+    every key, or the threshold's 16-bit bucket holds exactly the keys still needed."""
+    take_all, need, prefix, total = _threshold(hist_row, K, 2)
+    bucket = tl.load(hist_row + 256 + (prefix & 255).to(tl.int32))
+    return take_all, need, prefix, total, (take_all != 0) | (bucket == need)
 
 
 @triton.jit
@@ -151,12 +166,11 @@ def _split_kernel(
     past = tl.program_id(1) * BLOCK >= limit
     if past & (tl.program_id(1) > 0):
         return
-    take_all, need, prefix, total = _threshold(hist_row, K, 2)
+    take_all, need, prefix, total, exact = _bucket16(hist_row, K)
     if tl.program_id(1) == 0:
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
     if past:
         return
-    exact = (take_all != 0) | (tl.load(hist_row + 256 + (prefix & 255).to(tl.int32)) == need)
     count = hist_row + 4 * 256
     key = _sortable(x) >> 16
     ok = x > float("-inf")
@@ -189,8 +203,8 @@ def _resolve_kernel(Src, Dst, Cand, K: tl.constexpr, CB: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     Logits, Vis, Hist, width, stride_l, stride_h = Src
     hist_row = Hist + t * stride_h
-    take_all, need, prefix, total = _threshold(hist_row, K, 2)
-    if (take_all != 0) | (tl.load(hist_row + 256 + (prefix & 255).to(tl.int32)) == need):
+    take_all, need, prefix, total, settled = _bucket16(hist_row, K)
+    if settled:
         return  # settled by the split
     count = hist_row + 4 * 256
     n = tl.load(count + 1)
@@ -206,9 +220,7 @@ def _resolve_kernel(Src, Dst, Cand, K: tl.constexpr, CB: tl.constexpr):
             h = tl.zeros([256], tl.int32)
             for c in range(0, n, CB):
                 x, pos = _chunk(Logits + t * stride_l, cands, c, n, x0, pos0, CB)
-                key = _sortable(x)
-                match = (x > float("-inf")) & ((key >> (32 - 8 * p)) == prefix)
-                h += _masked_histogram(((key >> (24 - 8 * p)) & 255).to(tl.int32), match, CB)
+                h += _digit_counts(x, p, prefix, CB)
             b, need = _digit_step(h, bins, need)
             prefix = (prefix << 8) | b.to(tl.uint32)
             shift -= 8
