@@ -150,8 +150,9 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
 
 @pytest.mark.parametrize("path", ["launches", "fused"])
 def test_topk_slots_kernel_stops_after_any_pass(path: str) -> None:
-    """The one-launch top-k stops once the threshold's bucket holds exactly the keys still
-    needed: rows built to be resolved by the first 8, 16, 24 and all 32 bits of their keys
+    """Both paths stop once the threshold's bucket holds exactly the keys still needed (the
+    one launch skips its later passes, the launches' resolve its later digits): rows built to
+    be resolved by the first 8, 16, 24 and all 32 bits of their keys
     (powers of four, powers of two, 1 + i 2^-15, 1 + i 2^-23), and a row with fewer keys than
     k, each the same set as torch.topk (no ties)."""
     from mla_backends.sparse.indexer import positions_to_slots, select_topk
