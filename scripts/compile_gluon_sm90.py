@@ -38,11 +38,12 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
         from mla_backends.kernels import mla_attention_seesaw as ms
 
         sig.update({k: "constexpr" for k in const})
-        src = GluonASTSource(ms._seesaw_kernel, sig, const)
+        src = GluonASTSource(ms._seesaw_kernel, sig, const, offline.aligned(ms._seesaw_kernel, sig))
         return triton.compile(src, target=offline.SM90, options={"num_warps": 4, "maxnreg": 240})
     const.update(STAGES=mg.STAGES)
     sig.update({k: "constexpr" for k in const})
-    src = GluonASTSource(mg._mla_attn_gluon_kernel, sig, const)
+    kernel_fn = mg._mla_attn_gluon_kernel
+    src = GluonASTSource(kernel_fn, sig, const, offline.aligned(kernel_fn, sig))
     return offline.compile_sm90(src, num_warps=8)
 
 

@@ -70,7 +70,7 @@ def compile_one(dtype: str, job: dict[str, Any]) -> dict[str, Any]:
     const.update(NUM_SPLITS=2, DOT_F32=False, DOT_F16=False, TMA=tma)
     const.update(PRECISION="ieee" if dtype == "float32" else "tf32")
     sig.update({k: "constexpr" for k in const})
-    src = ASTSource(_mla_attn_kernel, sig, const)
+    src = ASTSource(_mla_attn_kernel, sig, const, offline.aligned(_mla_attn_kernel, sig))
     kernel = offline.compile_sm90(src, job["num_warps"], job["num_stages"])
     elem = DTYPES[dtype].itemsize
     estimate = smem_bytes(bm, bn, job["num_stages"], tma, L + R, elem)
@@ -94,7 +94,7 @@ def compile_mha(dtype: str, causal: bool) -> dict[str, Any]:
     const.update(BLOCK_N=cfg["block_n"], CAUSAL=causal, DOT_F32=False)
     const.update(PRECISION="ieee" if dtype == "float32" else "tf32")
     sig.update({k: "constexpr" for k in const})
-    src = ASTSource(_mha_fwd_kernel, sig, const)
+    src = ASTSource(_mha_fwd_kernel, sig, const, offline.aligned(_mha_fwd_kernel, sig))
     kernel = offline.compile_sm90(src, cfg["num_warps"], cfg["num_stages"])
     return {"kernel": "mha", "causal": causal, **cfg, **offline.usage(kernel)}
 
