@@ -147,6 +147,14 @@ def run_one(
             )
             for bn in (32, 128, 256)
         },
+        # under the engine's CUDA graphs the logits are as wide as the longest context the
+        # pool takes (the indexer's graph state); the programs past a token's keys return
+        "logits_graph_width": timed(
+            lambda: index_logits(
+                cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, req.req_to_token.shape[1]
+            ),
+            graphs,
+        ),
         "topk_slots": timed(lambda: topk_slots(logits, topk, req.req_to_token, md.rows), graphs),
         "topk_slots_launches": timed(
             lambda: topk_slots(logits, topk, req.req_to_token, md.rows, path="launches"), graphs
@@ -168,6 +176,12 @@ def run_one(
     indexer["topk_graph_width_unmasked"] = timed(
         lambda: topk_slots(wide, topk, req.req_to_token, md.rows), graphs
     )
+
+    # The whole indexer at the engine's graph width (its logits as wide as the pool's
+    # longest context, the top-k given the visible counts).
+    ix.metadata = type(md)(md.rows, md.visible, req.req_to_token.shape[1], [(0, b)])
+    indexer["total_graph_width"] = timed(lambda: ix.select(0, q_idx, w, cos, sin), graphs)
+    ix.metadata = md
 
     def select() -> torch.Tensor:
         return ix.select(0, q_idx, w, cos, sin)
@@ -312,6 +326,11 @@ def summary(row: dict) -> str:
     a = row["attention"]
     parts = [f"ctx {row['context']:>6} B {row['batch']:>2} H {row['heads']:>3}"]
     parts.append(f"indexer {row['indexer']['total']['eager']:.3f}")
+    parts += [  # the indexer and logits alternatives, graph-replayed where timed so
+        f"{k} {v.get('graph', v['eager']):.4f}"
+        for k, v in row["indexer"].items()
+        if k.startswith(("total", "logits"))
+    ]
     parts += [f"{k} {v['eager']:.3f}" for k, v in a.items()]
     r = ratios(row)
     parts += [f"{k} {v:.2f}" for k, v in r.items() if v is not None and "/" in k]
@@ -351,9 +370,11 @@ def markdown(rows: list[dict], mode: str) -> str:
 
 def markdown_topk(rows: list[dict], mode: str) -> str:
     """Our top-k kernel against torch.topk + the slot mapping, and over a graph's width with
-    and without the visible counts (ms)."""
+    and without the visible counts; the logits and the whole indexer at the context's width
+    and a graph's (ms)."""
     cols = ["topk_slots", "topk_slots_launches", "topk_slots_torch", "topk_graph_width"]
-    cols += ["topk_graph_width_unmasked"]
+    cols += ["topk_graph_width_unmasked", "logits", "logits_graph_width", "total"]
+    cols += ["total_graph_width"]
     lines = ["| context | B | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     seen = set()
     for r in rows:
