@@ -312,8 +312,12 @@ def _logits_kernel(
         # the logits 30-40 % on an H100).
         q = q.to(tl.float16)
         k = k.to(tl.float16)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-    logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * ks
+    # Keys as the MMA's rows, [BLOCK_N, BLOCK_H]: the converted K tile is the A operand,
+    # taken from registers, and only q goes through shared memory. With q as the rows the K
+    # tile was staged through shared memory on every program: 13-21 % slower at batch 16-64
+    # (H100, BENCHMARKS.md, tenth session).
+    s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1) * ks
     tl.store(out, tl.where(n_ok, logit, float("-inf")), mask=n < width)
     # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
     # programs released early would sit on the SMs the later waves need.
@@ -339,8 +343,9 @@ def index_logits(
         return out
     interp = interpreting()
     if block_n is None:
-        # 128 keys a program: on an H100 (fp16 MMA) 0.217 ms at 128k B16 against 0.297 at 64
-        # and 0.277 at 256 (benchmarks/sparse-decode-h100-h128-v2.json, logits[N] rows)
+        # 128 keys a program: on an H100 (fp16 MMA, keys as the rows) 0.174 ms at 128k B16
+        # against 0.184 at 64 keys and 0.244 at 256 with 8 warps (benchmarks/
+        # sparse-indexer-logits-keys-m-h100-s10.json)
         block_n = 16 if interp else 128
     data, scale, consts = _flat_views(cache, layer)
     q = q if q.stride(-1) == 1 else q.contiguous()

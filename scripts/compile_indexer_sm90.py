@@ -1,0 +1,85 @@
+"""Compile the indexer's kernels for SM90 offline (no GPU: Triton ships ptxas), as the
+indexer launches them at DeepSeek-V3.2's dims (64 index heads of 128, k 2048): q prep, the
+logits, the top-k's four launches and its one launch; print one JSON line per kernel:
+registers, local memory and stack frame (spills go to either), shared memory. Pointers are
+marked aligned, as the JIT specialises them at run time. The interpreter, which CI runs
+these kernels in, never compiles them: a kernel can pass every CPU test and still fail to
+build.
+
+python3 scripts/compile_indexer_sm90.py
+
+Run without TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import json
+
+from triton.compiler import ASTSource
+
+from mla_backends.kernels import offline
+from mla_backends.sparse import indexer_kernels as ik
+from mla_backends.sparse import topk_fused
+from mla_backends.sparse import topk_kernel as tk
+
+SRC = {"Src": ("*fp32", "*i32", "*i32", "i32", "i32", "i32")}  # topk_kernel.row_args
+DST = {"Dst": ("*i32", "*i32", "*i64", "i32", "i32")}
+CAND = {"Cand": ("*i32", "i32")}
+K = 2048
+# index K blocks of 64 slots, 128 e4m3 codes and one fp32 scale each (IndexKCache)
+CACHE = {"BLK_E": 64 * 132, "BLK_S": 64 * 132 // 4, "SCALE_OFF": 64 * 128 // 4}
+
+
+def kernels() -> list[tuple[str, object, dict, dict, int]]:
+    """(name, kernel, argument types, constexprs, warps) of each launch."""
+    row = {"K": K, "BLOCK": 2048, "HAS_VIS": True}
+    prep_sig = {"Q": "*bf16", "W": "*fp32", "Cos": "*bf16", "Sin": "*bf16", "Out": "*fp8e4nv"}
+    prep_sig |= {"WOut": "*fp32", "n_rows": "i32", "stride_q_t": "i32", "stride_q_h": "i32"}
+    prep_sig |= {"stride_w": "i32", "stride_cs": "i32", "weight_scale": "fp32"}
+    logits_sig = {"Q": "*fp8e4nv", "W": "*fp32", "Data": "*fp8e4nv", "Scale": "*fp32"}
+    logits_sig |= {"R2T": "*i32", "Rows": "*i64", "Vis": "*i32", "Out": "*fp32", "width": "i32"}
+    logits_sig |= dict.fromkeys(("stride_q_t", "stride_q_h", "stride_w", "stride_r2t"), "i32")
+    logits_sig["stride_o"] = "i32"
+    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True}
+    return [
+        (
+            "prep_q",
+            ik._prep_q_kernel,
+            prep_sig,
+            {"HI": 64, "D": 128, "HALF": 32, "BLOCK_R": 16, "QUANT": True, "LOWP_DOT": True}
+            | {"EXACT_FP8_ROUND": False, "USE_GDC": True},
+            4,
+        ),
+        (
+            "logits",
+            ik._logits_kernel,
+            logits_sig,
+            {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
+            | {"PRECISION": "tf32"},
+            4,
+        ),
+        ("hist", tk._hist_kernel, SRC, {**row, "P": 1}, 4),
+        ("split", tk._split_kernel, {**SRC, **DST, **CAND}, {**row, "BLOCK_K": K}, 8),
+        ("resolve", tk._resolve_kernel, {**SRC, **DST, **CAND}, {"K": K, "CB": 1024}, 4),
+        (
+            "fused",
+            topk_fused._topk_fused_kernel,
+            {**SRC, **DST},
+            {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True},
+            8,
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    for name, fn, sig, const, warps in kernels():
+        src = ASTSource(
+            fn=fn,
+            signature={**sig, **dict.fromkeys(const, "constexpr")},
+            constexprs=const,
+            attrs=offline.aligned(fn, sig),
+        )
+        use = offline.usage(offline.compile_sm90(src, warps))
+        print(
+            json.dumps({"kernel": name, **{k: use[k] for k in ("reg", "local", "stack", "shared")}})
+        )
