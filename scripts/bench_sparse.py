@@ -148,13 +148,19 @@ def run_one(
             for bn in (32, 128, 256)
         },
         # under the engine's CUDA graphs the logits are as wide as the longest context the
-        # pool takes (the indexer's graph state); the programs past a token's keys return
-        "logits_graph_width": timed(
-            lambda: index_logits(
-                cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, req.req_to_token.shape[1]
-            ),
-            graphs,
-        ),
+        # pool takes (the indexer's graph state): one program a block (the programs past a
+        # token's keys store -inf), and looping programs, as a captured graph runs them
+        **{
+            f"logits_graph_width{tag}": timed(
+                lambda loop=loop: index_logits(
+                    *(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible),
+                    req.req_to_token.shape[1],
+                    loop=loop,
+                ),
+                graphs,
+            )
+            for tag, loop in (("", False), ("[loop]", True))
+        },
         "topk_slots": timed(lambda: topk_slots(logits, topk, req.req_to_token, md.rows), graphs),
         "topk_slots_launches": timed(
             lambda: topk_slots(logits, topk, req.req_to_token, md.rows, path="launches"), graphs
@@ -177,9 +183,10 @@ def run_one(
         lambda: topk_slots(wide, topk, req.req_to_token, md.rows), graphs
     )
 
-    # The whole indexer at the engine's graph width (its logits as wide as the pool's
-    # longest context, the top-k given the visible counts).
-    ix.metadata = type(md)(md.rows, md.visible, req.req_to_token.shape[1], [(0, b)])
+    # The whole indexer as the engine's captured graphs run it: logits as wide as the pool's
+    # longest context (looping over each token's visible blocks), the top-k given the
+    # visible counts.
+    ix.metadata = type(md)(md.rows, md.visible, req.req_to_token.shape[1], [(0, b)], graph=True)
     indexer["total_graph_width"] = timed(lambda: ix.select(0, q_idx, w, cos, sin), graphs)
     ix.metadata = md
 
@@ -373,7 +380,8 @@ def markdown_topk(rows: list[dict], mode: str) -> str:
     and without the visible counts; the logits and the whole indexer at the context's width
     and a graph's (ms)."""
     cols = ["topk_slots", "topk_slots_launches", "topk_slots_torch", "topk_graph_width"]
-    cols += ["topk_graph_width_unmasked", "logits", "logits_graph_width", "total"]
+    cols += ["topk_graph_width_unmasked", "logits", "logits_graph_width"]
+    cols += ["logits_graph_width[loop]", "total"]
     cols += ["total_graph_width"]
     lines = ["| context | B | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     seen = set()

@@ -2,7 +2,8 @@
 indexer launches them at DeepSeek-V3.2's dims (64 index heads of 128, k 2048): q prep, the
 logits, the top-k's four launches and its one launch; print one JSON line per kernel:
 registers, local memory and stack frame (spills go to either), shared memory. Pointers are
-marked aligned, as the JIT specialises them at run time. The interpreter, which CI runs
+marked aligned and strides multiples of 16, as the JIT specialises them at run time for
+DeepSeek-V3.2's shapes. The interpreter, which CI runs
 these kernels in, never compiles them: a kernel can pass every CPU test and still fail to
 build.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import triton
 from triton.compiler import ASTSource
 
 from mla_backends.kernels import offline
@@ -31,7 +33,8 @@ CACHE = {"BLK_E": 64 * 132, "BLK_S": 64 * 132 // 4, "SCALE_OFF": 64 * 128 // 4}
 
 
 def kernels() -> list[tuple[str, object, dict, dict, int]]:
-    """(name, kernel, argument types, constexprs, warps) of each launch."""
+    """(name, kernel, argument types, constexprs, warps) of each launch; "logits_loop" is
+    compiled with the register cap it launches with (`indexer_kernels.LOOP_MAXNREG`)."""
     row = {"K": K, "BLOCK": 2048, "HAS_VIS": True}
     prep_sig = {"Q": "*bf16", "W": "*fp32", "Cos": "*bf16", "Sin": "*bf16", "Out": "*fp8e4nv"}
     prep_sig |= {"WOut": "*fp32", "n_rows": "i32", "stride_q_t": "i32", "stride_q_h": "i32"}
@@ -55,7 +58,15 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
             ik._logits_kernel,
             logits_sig,
             {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
-            | {"PRECISION": "tf32"},
+            | {"PRECISION": "tf32", "LOOP": False},
+            4,
+        ),
+        (
+            "logits_loop",
+            ik._logits_kernel,
+            logits_sig,
+            {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
+            | {"PRECISION": "tf32", "LOOP": True},
             4,
         ),
         ("hist", tk._hist_kernel, SRC, {**row, "P": 1}, 4),
@@ -77,9 +88,11 @@ if __name__ == "__main__":
             fn=fn,
             signature={**sig, **dict.fromkeys(const, "constexpr")},
             constexprs=const,
-            attrs=offline.aligned(fn, sig),
+            attrs=offline.aligned(fn, sig, tuple(n for n in sig if n.startswith("stride"))),
         )
-        use = offline.usage(offline.compile_sm90(src, warps))
+        cap = {"maxnreg": ik.LOOP_MAXNREG} if name == "logits_loop" else {}
+        opts = {"num_warps": warps, "num_stages": 3, **cap}
+        use = offline.usage(triton.compile(src, target=offline.SM90, options=opts))
         print(
             json.dumps({"kernel": name, **{k: use[k] for k in ("reg", "local", "stack", "shared")}})
         )

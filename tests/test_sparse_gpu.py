@@ -265,6 +265,38 @@ def test_indexer_kernels_match_torch_maths_bf16() -> None:
         assert len(sa) == min(TOPK, int(vis[i])) and len(sa & sb) >= 0.995 * len(sb)
 
 
+def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
+    """The logits as a captured graph runs them (a few programs a token looping over its
+    visible blocks, `index_logits(loop=True)`, under its register cap) equal one program a
+    block bit for bit, over a width far above most tokens' contexts; NaN-poisoned slots
+    outside the contexts are never read."""
+    from mla_backends.sparse.indexer import IndexKCache
+    from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused, store_index_k
+
+    dims, g = IndexerDims(), torch.Generator(device="cuda").manual_seed(2)
+    width, vis_list = 40000, [1, 127, 2049, 9000, 40000]
+    t = len(vis_list)
+    cache = IndexKCache(1, 40960 * t, 128, True, "cuda")
+    cache.buffers[0].fill_(0x7F)  # NaN codes and scales wherever nothing is stored
+    r2t = torch.zeros(t, width, dtype=torch.int32, device="cuda")
+    for i, n in enumerate(vis_list):
+        loc = torch.randperm(40960, generator=g, device="cuda")[:n] + i * 40960
+        r2t[i, :n] = loc.int()
+        ang = torch.rand(n, 32, generator=g, device="cuda") * 6
+        k = torch.randn(n, 128, generator=g, device="cuda").bfloat16()
+        store_index_k(cache, 0, k, ang.cos().bfloat16(), ang.sin().bfloat16(), loc)
+    ang = torch.rand(t, 32, generator=g, device="cuda") * 6
+    q = torch.randn(t, 64, 128, generator=g, device="cuda").bfloat16()
+    qp, wp = prepare_q_fused(dims, q, torch.randn(t, 64, generator=g, device="cuda"),
+                             ang.cos().bfloat16(), ang.sin().bfloat16())  # fmt: skip
+    rows = torch.arange(t, device="cuda")
+    vis = torch.tensor(vis_list, dtype=torch.int32, device="cuda")
+    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width)
+    got = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, loop=True)
+    assert torch.equal(got, want)
+    assert torch.isfinite(want).sum(1).tolist() == vis_list
+
+
 def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignore[no-untyped-def]
     """Pools, indexer and sparse backend over requests with random prompts (latent rows and
     index K stored), for the graph tests."""

@@ -27,18 +27,21 @@ def compile_sm90(src: Any, num_warps: int, num_stages: int = 3) -> Any:
     )
 
 
-def aligned(fn: Any, signature: dict[str, Any]) -> dict[tuple[int, ...], list[list[Any]]]:
+def aligned(
+    fn: Any, signature: dict[str, Any], ints: tuple[str, ...] = ()
+) -> dict[tuple[int, ...], list[list[Any]]]:
     """The `attrs` of an ASTSource / GluonASTSource that mark every pointer argument (also
     inside tuple arguments) 16-byte aligned, as the JIT specialises them at run time for
-    torch's allocations. Without them a compile assumes unaligned pointers: byte-wide loads
-    and other register counts than the kernel that runs (the indexer's logits kernel: 254
-    registers unaligned, 146-168 aligned)."""
+    torch's allocations, and the integer arguments named in `ints` multiples of 16 (as it
+    does for such values: strides of rows of 64 or 128 elements). Without them a compile
+    assumes unaligned pointers: byte-wide loads and other register counts than the kernel
+    that runs (the indexer's logits kernel: 254 registers unaligned, 160-168 aligned)."""
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for name, ty in signature.items():
         i = fn.arg_names.index(name)
         parts = ty if isinstance(ty, tuple) else (ty,)
         for j, part in enumerate(parts):
-            if isinstance(part, str) and part.startswith("*"):
+            if isinstance(part, str) and (part.startswith("*") or name in ints):
                 attrs[(i, j) if isinstance(ty, tuple) else (i,)] = [["tt.divisibility", 16]]
     return attrs
 

@@ -63,6 +63,9 @@ class IndexerMetadata:
     visible: torch.Tensor  # [T] int32, device: keys the token may see (position + 1)
     width: int  # host: logits columns (the batch's longest context, or the graph maximum)
     chunks: list[tuple[int, int]]  # host: token ranges scored together (EXTEND: memory)
+    # host: captured in a CUDA graph, whose width is the longest context the pool takes (the
+    # logits then loop over each token's visible blocks: `index_logits(loop=True)`)
+    graph: bool = False
 
 
 def token_rows(batch: ForwardBatch) -> torch.Tensor:
@@ -141,7 +144,7 @@ class Indexer:
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         g, t = self._graph_state(), batch.num_tokens
-        md = IndexerMetadata(g.rows[:t], g.visible[:t], g.width, [(0, t)])
+        md = IndexerMetadata(g.rows[:t], g.visible[:t], g.width, [(0, t)], graph=True)
         g.captured[t] = md
         self._refill(md, batch)
 
@@ -189,6 +192,7 @@ class Indexer:
                 rows,
                 vis,
                 md.width,
+                loop=md.graph,
             )
         pos = torch.arange(md.width, device=q.device)
         slots = self.req_to_token[

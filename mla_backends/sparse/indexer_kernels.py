@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
-from mla_backends.kernels.common import dot_precision, interpreting
+from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
@@ -275,21 +275,83 @@ def _logits_kernel(
     DOT_F32: tl.constexpr,
     DOT_F16: tl.constexpr,
     PRECISION: tl.constexpr,
+    LOOP: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    """Program (t, j): block j of token t; with LOOP, blocks j, j + G, ... (G = programs along
+    axis 1), the next block's slots loaded while one is scored, then -inf stored over the
+    blocks past the token's visible keys without a key read. Blocks past the visible keys
+    hold -inf either way."""
     wait_previous(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     vis = tl.load(Vis + t)
-    out = Out + t * stride_o + n
-    if tl.program_id(1) * BLOCK_N >= vis:
-        tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < width)
-        launch_next(USE_GDC)
-        return
+    if LOOP:
+        r2t_row = R2T + tl.load(Rows + t) * stride_r2t
+        g = tl.num_programs(1)
+        visible_blocks = tl.cdiv(vis, BLOCK_N)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot = tl.load(r2t_row + n, mask=n < vis, other=0)
+        for j in tl.range(tl.program_id(1), visible_blocks, g, num_stages=1):
+            n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            # the next block's slots in flight while this one is scored
+            n_next = n + g * BLOCK_N
+            slot_next = tl.load(r2t_row + n_next, mask=n_next < vis, other=0)
+            logit = _block_logits(Q, W, Data, Scale, t, slot, n, vis, stride_q_t, stride_q_h,
+                                  stride_w, HI, D, BLOCK_H, BLK_E, BLK_S, SCALE_OFF, DOT_F32,
+                                  DOT_F16, PRECISION)  # fmt: skip
+            tl.store(Out + t * stride_o + n, logit, mask=n < width)
+            slot = slot_next
+        past = tl.program_id(1) + tl.maximum(tl.cdiv(visible_blocks - tl.program_id(1), g), 0) * g
+        for j in tl.range(past, tl.cdiv(width, BLOCK_N), g, num_stages=1):
+            n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(Out + t * stride_o + n, tl.full([BLOCK_N], float("-inf"), tl.float32),
+                     mask=n < width)  # fmt: skip
+    else:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = Out + t * stride_o + n
+        if tl.program_id(1) * BLOCK_N >= vis:
+            tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < width)
+            launch_next(USE_GDC)
+            return
+        row = tl.load(Rows + t)
+        # Masked: keys past the context are never read (stale or NaN-poisoned rows stay out).
+        slot = tl.load(R2T + row * stride_r2t + n, mask=n < vis, other=0)
+        logit = _block_logits(Q, W, Data, Scale, t, slot, n, vis, stride_q_t, stride_q_h,
+                              stride_w, HI, D, BLOCK_H, BLK_E, BLK_S, SCALE_OFF, DOT_F32,
+                              DOT_F16, PRECISION)  # fmt: skip
+        tl.store(out, logit, mask=n < width)
+    # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
+    # programs released early would sit on the SMs the later waves need.
+    launch_next(USE_GDC)
+
+
+@triton.jit
+def _block_logits(
+    Q,
+    W,
+    Data,
+    Scale,
+    t,
+    slot,
+    n,
+    vis,
+    stride_q_t,
+    stride_q_h,
+    stride_w,
+    HI: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLK_E: tl.constexpr,
+    BLK_S: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_F16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Token t's logits at key positions n [BLOCK_N] (their pool slots: `slot`), -inf from vis
+    on."""
     n_ok = n < vis
-    row = tl.load(Rows + t)
-    # Masked: keys past the context are never read (stale or NaN-poisoned rows stay out).
-    slot = tl.load(R2T + row * stride_r2t + n, mask=n_ok, other=0).to(tl.int64)
+    slot = slot.to(tl.int64)
     blk = slot // PAGE_C
     off = slot % PAGE_C
     d = tl.arange(0, D)
@@ -318,10 +380,24 @@ def _logits_kernel(
     # (H100, BENCHMARKS.md, tenth session).
     s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1) * ks
-    tl.store(out, tl.where(n_ok, logit, float("-inf")), mask=n < width)
-    # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
-    # programs released early would sit on the SMs the later waves need.
-    launch_next(USE_GDC)
+    return tl.where(n_ok, logit, float("-inf"))
+
+
+# A CUDA graph's logits are as wide as the longest context its pool takes; with one program
+# a 128-key block most programs then only store -inf (B64 at 16k in a 128k pool: 57344 of
+# 65536), each holding an SM's slot a while: the logits took 163 us there against 96 at the
+# context's width. Looping programs, LOOP_PROGRAMS an SM in all, took 109 (H100, BENCHMARKS.md,
+# tenth session); at the context's width they were 2-5 % slower at B64 and 3 % faster at B16.
+LOOP_PROGRAMS = 12
+LOOP_MAXNREG = 168
+
+
+def loop_programs(t: int, device: torch.device) -> int:
+    """Programs a token of the looping logits kernel: LOOP_PROGRAMS an SM over the T tokens
+    (two in the interpreter, so that CPU tests loop)."""
+    if interpreting() or device.type != "cuda":
+        return 2
+    return cdiv(LOOP_PROGRAMS * num_sms(device), t)
 
 
 def index_logits(
@@ -334,9 +410,12 @@ def index_logits(
     visible: torch.Tensor,
     width: int,
     block_n: int | None = None,
+    loop: bool = False,
 ) -> torch.Tensor:
     """q [T, Hi, D] (e4m3 codes, or fp32 unquantised), w [T, Hi] fp32, rows [T], visible [T]
-    -> logits [T, width] fp32, -inf at keys >= visible."""
+    -> logits [T, width] fp32, -inf at keys >= visible. `loop`: a few programs a token, each
+    looping over its blocks (`loop_programs`), for a width far above the visible keys (a
+    CUDA graph's); else one program a block."""
     t, hi, d = q.shape
     out = torch.empty(t, width, dtype=torch.float32, device=q.device)
     if t == 0 or width == 0:
@@ -349,7 +428,9 @@ def index_logits(
         block_n = 16 if interp else 128
     data, scale, consts = _flat_views(cache, layer)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    _logits_kernel[(t, cdiv(width, block_n))](
+    blocks = cdiv(width, block_n)
+    programs = min(blocks, loop_programs(t, q.device)) if loop else blocks
+    _logits_kernel[(t, programs)](
         q,
         w,
         data,
@@ -371,8 +452,12 @@ def index_logits(
         DOT_F32=interp,
         DOT_F16=not interp and q.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(q.dtype),
+        LOOP=programs < blocks,
         num_warps=4,
         **consts,
         **pdl_args(q.device),
+        # the looping kernel compiles to ~190 registers a thread, two programs an SM; capped
+        # at 168 (~100 B of spills) three fit, as for one program a block (160)
+        **({"maxnreg": LOOP_MAXNREG} if programs < blocks and not interp else {}),
     )
     return out
