@@ -3,9 +3,8 @@ indexer launches them at DeepSeek-V3.2's dims (64 index heads of 128, k 2048): q
 logits, the top-k's four launches and its one launch; print one JSON line per kernel:
 registers, local memory and stack frame (spills go to either), shared memory. Pointers are
 marked aligned and strides multiples of 16, as the JIT specialises them at run time for
-DeepSeek-V3.2's shapes. The interpreter, which CI runs
-these kernels in, never compiles them: a kernel can pass every CPU test and still fail to
-build.
+DeepSeek-V3.2's shapes. The interpreter, which CI runs these kernels in, never compiles
+them: a kernel can pass every CPU test and still fail to build.
 
 python3 scripts/compile_indexer_sm90.py
 
