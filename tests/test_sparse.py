@@ -194,6 +194,40 @@ def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None
     assert tri._chunks(3 * step + 1, width, ForwardMode.DECODE) == [(0, 3 * step + 1)]
 
 
+@pytest.mark.interp
+def test_indexer_graph_metadata_takes_the_looping_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata built for a CUDA graph (as wide as the longest context the pool takes) marks
+    itself so, and `select` then asks the logits kernel for its looping form; eager metadata
+    does not. Both pick the same slots."""
+    from mla_backends.sparse import indexer_kernels
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    k, q, w, cos, sin = _indexer_inputs(dims, 40, 5)
+    cache = IndexKCache(1, 128, 32, True, "cpu")
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    r2t[1, :40] = torch.randperm(100)[:40].int() + 4
+    indexer_kernels.store_index_k(cache, 0, k, cos, sin, r2t[1, :40].long())
+    ix = Indexer(dims, cache, r2t, "triton")
+    batch = ForwardBatch.build(ForwardMode.DECODE, [1], [39], [1], r2t[1, 39:40].long(), "cpu")
+    loops: list[bool] = []
+    own = indexer_kernels.index_logits
+
+    def spy(*args, loop: bool = False, **kw):  # type: ignore[no-untyped-def]
+        loops.append(loop)
+        return own(*args, loop=loop, **kw)
+
+    monkeypatch.setattr(indexer_kernels, "index_logits", spy)
+    ix.init_forward_metadata(batch)
+    assert ix.metadata is not None and not ix.metadata.graph and ix.metadata.width == 40
+    eager = ix.select(0, q[:1], w[:1], cos[:1], sin[:1])
+    ix.init_cuda_graph_state(1, 1)
+    ix.init_forward_metadata_capture(batch)
+    assert ix.metadata.graph and ix.metadata.width == 64
+    graph = ix.select(0, q[:1], w[:1], cos[:1], sin[:1])
+    assert loops == [False, True]
+    assert set(eager[0].tolist()) == set(graph[0].tolist()) and (eager[0] >= 0).sum() == 8
+
+
 def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
     vis = torch.tensor([1, 3, 8, 20])
     logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)
