@@ -35,7 +35,8 @@ def aligned(
     torch's allocations, and the integer arguments named in `ints` multiples of 16 (as it
     does for such values: strides of rows of 64 or 128 elements). Without them a compile
     assumes unaligned pointers: byte-wide loads and other register counts than the kernel
-    that runs (the indexer's logits kernel: 254 registers unaligned, 160-168 aligned)."""
+    that runs (the indexer's logits kernel with q as the MMA's rows: 254 registers
+    unaligned, 146-168 aligned)."""
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for name, ty in signature.items():
         i = fn.arg_names.index(name)
