@@ -430,6 +430,7 @@ def index_logits(
     q = q if q.stride(-1) == 1 else q.contiguous()
     blocks = cdiv(width, block_n)
     programs = min(blocks, loop_programs(t, q.device)) if loop else blocks
+    looping = programs < blocks  # one program a block when a token's blocks are few
     _logits_kernel[(t, programs)](
         q,
         w,
@@ -452,12 +453,12 @@ def index_logits(
         DOT_F32=interp,
         DOT_F16=not interp and q.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(q.dtype),
-        LOOP=programs < blocks,
+        LOOP=looping,
         num_warps=4,
         **consts,
         **pdl_args(q.device),
         # the looping kernel compiles to ~190 registers a thread, two programs an SM; capped
         # at 168 (~100 B of spills) three fit, as for one program a block (160)
-        **({"maxnreg": LOOP_MAXNREG} if programs < blocks and not interp else {}),
+        **({"maxnreg": LOOP_MAXNREG} if looping and not interp else {}),
     )
     return out
