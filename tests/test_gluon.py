@@ -1,5 +1,6 @@
-"""The Gluon 64-row decode kernel: compiled for SM90 on any machine (no GPU needed), and taken
-by the triton backend on an SM90 GPU (its parity is the triton GPU matrix's H128 rows)."""
+"""The Gluon decode kernels (64-row blocks, and the narrow keys-as-rows kernel for <= 32 query
+rows): compiled for SM90 on any machine (no GPU needed), and taken by the triton backend on
+an SM90 GPU, matching the reference."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mla_backends.testing import Case, parity_cases, run_case
+from mla_backends.testing import Case, parity_cases, run_case, with_batch
 
 triton = pytest.importorskip("triton")
 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 6):
@@ -65,25 +67,86 @@ def test_seesaw_prototype_compiles_for_sm90_with_its_wgmma_shapes() -> None:
     assert use["wgmma"] == ["m64n256k16", "m64n64k16"], use
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [16, 32])
+def test_narrow_kernel_compiles_for_sm90_without_spills(dtype: str, rows: int) -> None:
+    """The keys-as-rows kernel: one warpgroup, Q and two 64-key stages within one block's
+    shared memory, no spills, and query rows only on the MMAs' N side (`m64n16` / `m64n32`:
+    no 64-row query block padded from 16)."""
+    use = _compile_sm90(dtype, f"narrow{rows}")
+    assert use["local"] == 0 and use["stack"] == 0, f"register spills: {use}"
+    assert use["reg"] <= 255 and use["shared"] <= SMEM_LIMIT, use
+    assert use["wgmma"] == [f"m64n{rows}k16"], use
+
+
 def _gluon_cases() -> list[Case]:
-    """Rows the backend gives the Gluon kernel: H128, H16 decode at batch <= 16 (16 rows in a
-    64-row block), and H16 at q_len 2 and 3 (32 and 48 query rows), bf16 and fp16, pages 64
-    and 128, the core matrix's edge lengths and NaN."""
+    """Rows the backend gives the 64-row Gluon kernel: H128, and H16 at q_len 3 (48 query
+    rows), bf16 and fp16, pages 64 and 128, the core matrix's edge lengths and NaN."""
     cases = parity_cases("triton", (64, 128), (128,), ("bfloat16", "float16"), ("decode",))
-    cases += parity_cases("triton", (64,), (16,), ("bfloat16", "float16"), ("decode",))
     verify = parity_cases("triton", (64,), (16, 128), ("bfloat16",), ("verify",))
-    return cases + verify + [replace(c, q_len=2) for c in verify if c.num_heads == 16]
+    return (
+        cases
+        + [c for c in verify if c.num_heads == 128]
+        + [replace(c, q_len=3) for c in verify if c.num_heads == 16]
+    )
+
+
+def _narrow_cases() -> list[Case]:
+    """Rows the backend gives the narrow kernel: H16 decode (16 rows) and q_len 2 (MTP
+    verify: 32 rows), H32 decode; pages 64 and 128, bf16 and fp16, the edge lengths (empty requests,
+    partial tail tiles, NaN-poisoned free rows); batch 64 and contexts of 20000 keys for
+    grids of one split and of many splits over whole tiles."""
+    cases = parity_cases("triton", (64, 128), (16,), ("bfloat16", "float16"), ("decode",))
+    cases += parity_cases("triton", (64,), (32,), ("bfloat16",), ("decode",))
+    cases.append(with_batch(cases[0], 64))
+    long = parity_cases("triton", (64,), (16,), ("bfloat16",), ("decode",), 20000)
+    verify = parity_cases("triton", (64,), (16,), ("bfloat16",), ("verify",))
+    verify += parity_cases("triton", (64,), (16,), ("bfloat16",), ("verify",), 20000)
+    return cases + long + [replace(c, q_len=2) for c in verify]
+
+
+def _recorded_launch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The query rows a CTA (`block_m`) of every Gluon launch from now on."""
+    rows: list[int] = []
+    launch = gluon_mod.launch
+
+    def record(*a: object, **k: Any) -> None:
+        rows.append(k.get("block_m", gluon_mod.BLOCK_M))
+        launch(*a, **k)
+
+    monkeypatch.setattr(gluon_mod, "launch", record)
+    return rows
 
 
 @pytest.mark.sm90
 @pytest.mark.parametrize("case", _gluon_cases(), ids=lambda c: c.id)
 def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    launch = gluon_mod.launch
-    monkeypatch.setattr(gluon_mod, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    rows = _recorded_launch(monkeypatch)
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"
-    assert calls, f"{case.id}: the triton backend did not take the Gluon kernel"
+    assert rows and set(rows) == {64}, f"{case.id}: 64-row Gluon launches expected, got {rows}"
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", _narrow_cases(), ids=lambda c: f"{c.id}-b{len(c.kv_lens)}")
+def test_backend_takes_narrow_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = _recorded_launch(monkeypatch)
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"
+    want = 16 if case.num_heads * max(case.q_len, 1) <= 16 else 32
+    assert rows and set(rows) == {want}, f"{case.id}: narrow launches of {want} expected: {rows}"
+
+
+@pytest.mark.sm90
+def test_narrow_off_keeps_the_earlier_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLA_NARROW=0 (A/B runs): H16 decode at batch <= 16 goes back to the 64-row Gluon
+    block, and the result still matches the reference."""
+    monkeypatch.setenv("MLA_NARROW", "0")
+    rows = _recorded_launch(monkeypatch)
+    case = parity_cases("triton", (64,), (16,), ("bfloat16",), ("decode",))[0]
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"
+    assert set(rows) == {64}, rows
 
 
 @pytest.mark.sm90

@@ -311,19 +311,27 @@ def test_gluon_build_failure_routes_to_tl_dot_once(
 
 @pytest.mark.interp
 def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32 query rows go to the Gluon kernel as half of a 64-row block; once it failed here,
-    the tl.dot kernel's 32-row block takes them."""
+    """16 and 32 query rows go to the narrow Gluon kernel (MLA_NARROW=0: half of a 64-row
+    Gluon block, or the 16-row tl.dot kernel above batch 16); once Gluon failed here, the
+    tl.dot kernel's 16- and 32-row blocks take them."""
     from mla_backends.config import Config
     from mla_backends.kernels import mla_attention as ma
+    from mla_backends.kernels import tuning
     from mla_backends.runtime import Runtime
 
     monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
     cfg = Config(model=SMALL, prefill_backend="triton", decode_backend="triton", num_pages=4)
     be = Runtime.build(cfg).backend
     be._gluon = True  # as on an SM90 with a bf16 pool
+    for rows, bs, narrow in ((16, 1, 16), (16, 256, 16), (32, 64, 32), (48, 1, 64)):
+        assert be._block_m(rows, torch.bfloat16, bs) == narrow
+        assert tuning.is_narrow(narrow, True) == (narrow < 64)
+    monkeypatch.setenv("MLA_NARROW", "0")
     assert be._block_m(32, torch.bfloat16, 64) == 64
     assert be._block_m(16, torch.bfloat16, 16) == 64  # H16 decode at batch <= 16
     assert be._block_m(16, torch.bfloat16, 17) == 16
+    assert not tuning.is_narrow(16, True)
+    monkeypatch.delenv("MLA_NARROW")
     ma._gluon_failed("simulated")
     assert be._block_m(32, torch.bfloat16, 64) == 32
     assert be._block_m(16, torch.bfloat16, 1) == 16

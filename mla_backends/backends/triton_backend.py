@@ -97,13 +97,14 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
     ) -> dict[str, Any]:
         if self._interp:
             return self._tune.INTERP_DECODE
+        gluon = self._gluon_on() and (block_m >= 64 or self._tune.is_narrow(block_m, True))
         return self._tune.launch_config(
             block_m,
             self.pool.page_size,
             batch_size,
             num_splits,
             dot_dtype,
-            self._gluon_on(),
+            gluon,
             self.pool.kv_dim,
             self._smem_limit,
         )
@@ -112,7 +113,8 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         """KV splits for a decode / verify grid of batch_size x head blocks (`split_policy`)."""
         rows = max_q * self.dims.num_heads
         bm = self._block_m(rows, self.ctx.config.torch_dtype, batch_size)
-        return self._tune.decode_splits(batch_size, rows, bm, max_kv, self._sms)
+        narrow = self._tune.is_narrow(bm, self._gluon_on())
+        return self._tune.decode_splits(batch_size, rows, bm, max_kv, self._sms, narrow)
 
     # ------------------------------------------------------------------ metadata
     def _fill(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -31,6 +32,10 @@ SMEM_SM90 = 232448  # bytes of shared memory one block may opt into on an H100 /
 # The Gluon kernel (mla_attention_gluon.py) needs the Gluon API of Triton 3.6 or newer (names
 # that moved since 3.6 are resolved there, once, at import).
 _GLUON_API = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
+# Query rows a CTA of the narrow Gluon kernel (mla_attention_narrow.py), the N side of its
+# MMAs: 16 covers H16 decode, 32 H16 verify and H32 decode. Wider requests fill the 64-row
+# kernel's M side.
+NARROW_ROWS = (16, 32)
 
 
 @triton.jit
@@ -302,9 +307,10 @@ def mla_attention(
     `kv_scale` multiplies scores and output, so rows are dequantized in registers only.
     workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32).
     tma: load whole page-aligned tiles through TMA where the GPU and page size allow it.
-    gluon: take the Gluon kernel (64-row blocks, `mla_attention_gluon`) where `gluon_ok`;
-    block_m / block_n / warps / stages then apply only to the fallback, which also takes the
-    call (and every later one) if the Gluon kernel fails to build here (`gluon_error`)."""
+    gluon: take a Gluon kernel where `gluon_ok`: 64-row blocks (`mla_attention_gluon`), or
+    with `block_m` 16 / 32 the narrow kernel (`mla_attention_narrow`); block_n / warps /
+    stages then apply only to the fallback, which also takes the call (and every later one)
+    if the Gluon kernel fails to build here (`gluon_error`)."""
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     b = seq_lens.numel()
@@ -323,6 +329,14 @@ def mla_attention(
     if gluon and kv_scale == 1.0 and gluon_usable(q_nope.dtype, kv, page_size, lat):
         from mla_backends.kernels import mla_attention_gluon as mg
 
+        rows = mg.BLOCK_M
+        kernel: Any = None
+        extra: dict[str, int] | None = None
+        if block_m in NARROW_ROWS:
+            from mla_backends.kernels import mla_attention_narrow as mn
+
+            rows, kernel = block_m, mn._mla_attn_narrow_kernel
+            extra = {"STAGES": mg.STAGES, "num_warps": 4}
         try:
             mg.launch(
                 q_nope,
@@ -333,12 +347,15 @@ def mla_attention(
                 seq_lens,
                 page_size,
                 sm_scale * LOG2E,
-                cdiv(max_q_len * h, mg.BLOCK_M),
+                cdiv(max_q_len * h, rows),
                 num_splits,
                 out,
                 lse,
                 part_out,
                 part_lse,
+                kernel,
+                extra,
+                block_m=rows,
             )
         except Exception as e:  # it compiles on first use: a failure there never fails a decode
             _gluon_failed(f"{type(e).__name__}: {e}")

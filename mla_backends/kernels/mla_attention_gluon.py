@@ -186,6 +186,83 @@ def _attend(
 
 
 @gluon.jit
+def _stage_q(
+    Q,
+    q_start,
+    q_len,
+    mblk,
+    dtype: gl.constexpr,
+    LD_L: gl.constexpr,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+):
+    """(q_smem [BLOCK_M, L], qr_smem [BLOCK_M, R]): query rows (token, head), head fastest,
+    of row block mblk in shared memory; rows past the request are zero."""
+    QNope, QRope, stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h = Q
+    rows_ld = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_L))
+    ok_ld = rows_ld < q_len * H
+    t_ld = (q_start + rows_ld // H).to(gl.int64)
+    h_ld = rows_ld % H
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
+    qn = gl.load(
+        QNope + t_ld[:, None] * stride_qn_t + h_ld[:, None] * stride_qn_h + offs_l[None, :],
+        mask=ok_ld[:, None],
+        other=0.0,
+    )
+    q_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype), qn
+    )
+    qr = gl.load(
+        QRope + t_ld[:, None] * stride_qr_t + h_ld[:, None] * stride_qr_h + offs_r[None, :],
+        mask=ok_ld[:, None],
+        other=0.0,
+    )
+    qr_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype), qr
+    )
+    return q_smem, qr_smem
+
+
+@gluon.jit
+def _stage_tail(
+    KV,
+    stride_kv,
+    Batch,
+    b,
+    start,
+    hi,
+    k_buf,
+    kr_buf,
+    LD_L: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Keys [start, hi) of request b, fewer than a tile, into k_buf / kr_buf through
+    registers (masked loads: 0 past hi, so no stale pool row is read), fenced for the
+    wgmma and visible to every warp."""
+    n_ld = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
+    n_ok = n_ld < hi
+    Table, stride_tab, _, _ = Batch
+    page = gl.load(Table + b * stride_tab + n_ld // PAGE, mask=n_ok, other=0).to(gl.int64)
+    slot = page * PAGE + n_ld % PAGE
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
+    k = gl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
+    k_buf.store(k)
+    kr = gl.load(
+        KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
+    )
+    kr_buf.store(kr)
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
 def _bounds(
     Batch,
     b,
@@ -274,30 +351,7 @@ def _mla_attn_gluon_kernel(
             STAGES,
         )
 
-    # Query rows (token, head), head fastest; rows past the request are zero.
-    QNope, QRope, stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h = Q
-    rows_ld = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_L))
-    ok_ld = rows_ld < q_len * H
-    t_ld = (q_start + rows_ld // H).to(gl.int64)
-    h_ld = rows_ld % H
-    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
-    qn = gl.load(
-        QNope + t_ld[:, None] * stride_qn_t + h_ld[:, None] * stride_qn_h + offs_l[None, :],
-        mask=ok_ld[:, None],
-        other=0.0,
-    )
-    q_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype), qn
-    )
-    qr = gl.load(
-        QRope + t_ld[:, None] * stride_qr_t + h_ld[:, None] * stride_qr_h + offs_r[None, :],
-        mask=ok_ld[:, None],
-        other=0.0,
-    )
-    qr_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype), qr
-    )
+    q_smem, qr_smem = _stage_q(Q, q_start, q_len, mblk, dtype, LD_L, H, L, R, BLOCK_M)
     p_smem = gl.allocate_shared_memory(
         dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     )
@@ -376,21 +430,23 @@ def _mla_attn_gluon_kernel(
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
     start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     if start < hi:
-        # The partial tail tile: masked loads give 0 past hi, so no stale row is read. Every
+        # The partial tail tile, masked (rows past hi are 0, never stale pool rows); every
         # TMA issued above has been waited on, so slot 0 is free.
-        n_ld = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
-        n_ok = n_ld < hi
-        Table, stride_tab, _, _ = Batch
-        page = gl.load(Table + b * stride_tab + n_ld // PAGE, mask=n_ok, other=0).to(gl.int64)
-        slot = page * PAGE + n_ld % PAGE
-        k = gl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
-        k_smem.index(0).store(k)
-        kr = gl.load(
-            KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
+        _stage_tail(
+            KV,
+            stride_kv,
+            Batch,
+            b,
+            start,
+            hi,
+            k_smem.index(0),
+            kr_smem.index(0),
+            LD_L,
+            L,
+            R,
+            PAGE,
+            BLOCK_N,
         )
-        kr_smem.index(0).store(kr)
-        fence_async_shared()
-        _barrier()
         acc, m_i, l_i = _attend(
             acc,
             m_i,
@@ -419,7 +475,7 @@ def _mla_attn_gluon_kernel(
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
     offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
     _store_rows(
-        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True
+        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, False
     )
 
 
@@ -438,25 +494,40 @@ def _store_rows(
     L: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     WITH_LSE: gl.constexpr,
+    TRANSPOSED: gl.constexpr,
 ):
     """This program's output columns `offs_o` of rows `rows_o` (and, WITH_LSE, the LSE of rows
-    `rows_s`): into out / lse with one split, else into the split partials."""
+    `rows_s`): into out / lse with one split, else into the split partials. `out` is
+    [rows, columns], or TRANSPOSED [columns, rows]."""
     ok_o = rows_o < q_len * H
     ok_s = rows_s < q_len * H
     Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
     if NUM_SPLITS == 1:
         t_o = (q_start + rows_o // H).to(gl.int64)
-        o_ptr = Out + t_o[:, None] * stride_o_t + (rows_o % H)[:, None] * stride_o_h
-        gl.store(o_ptr + offs_o[None, :], out.to(Out.dtype.element_ty), mask=ok_o[:, None])
+        o_row = t_o * stride_o_t + (rows_o % H) * stride_o_h
+        o_ptr, o_ok = _grid2(Out + o_row, offs_o, ok_o, TRANSPOSED)
+        gl.store(o_ptr, out.to(Out.dtype.element_ty), mask=o_ok)
         if WITH_LSE:
             t_s = (q_start + rows_s // H).to(gl.int64)
             gl.store(Lse + t_s * stride_lse_t + rows_s % H, lse, mask=ok_s)
     else:
         prow_o = (q_start * H + rows_o).to(gl.int64) * NUM_SPLITS + split
-        gl.store(PartOut + prow_o[:, None] * L + offs_o[None, :], out, mask=ok_o[:, None])
+        o_ptr, o_ok = _grid2(PartOut + prow_o * L, offs_o, ok_o, TRANSPOSED)
+        gl.store(o_ptr, out, mask=o_ok)
         if WITH_LSE:
             prow_s = (q_start * H + rows_s).to(gl.int64) * NUM_SPLITS + split
             gl.store(PartLse + prow_s, lse, mask=ok_s)
+
+
+@gluon.jit
+def _grid2(row_ptr, cols, row_ok, TRANSPOSED: gl.constexpr):
+    """(pointers, mask) of a tile: row pointers [R] plus columns [C], as [R, C] or,
+    TRANSPOSED, [C, R]."""
+    if TRANSPOSED:
+        ptr, ok = row_ptr[None, :] + cols[:, None], row_ok[None, :]
+    else:
+        ptr, ok = row_ptr[:, None] + cols[None, :], row_ok[:, None]
+    return ptr, ok
 
 
 @functools.cache
@@ -482,11 +553,13 @@ def launch(
     kernel: Any = None,
     extra: dict[str, int] | None = None,
     k_box: int | None = None,
+    block_m: int = BLOCK_M,
 ) -> None:
-    """One launch over (m_blocks, batch, num_splits); arguments as `mla_attention`'s.
-    Check `gluon_ok` first. `kernel` / `extra`: another 64-row Gluon kernel of the same
-    contract and its other constexprs and launch options (`mla_attention_seesaw`), `k_box`
-    the width of its latent TMA box (default: the whole latent row)."""
+    """One launch over (m_blocks, batch, num_splits) of `block_m`-row programs; arguments
+    as `mla_attention`'s. Check `gluon_ok` first. `kernel` / `extra`: another Gluon kernel of
+    the same contract and its other constexprs and launch options (`mla_attention_seesaw`,
+    `mla_attention_narrow`), `k_box` the width of its latent TMA box (default: the whole
+    latent row)."""
     lat, r = q_nope.shape[2], q_rope.shape[2]
     dt = _GL_DTYPES[kv.dtype]
     shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
@@ -505,7 +578,7 @@ def launch(
         L=lat,
         R=r,
         PAGE=page_size,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
         **(extra or {}),

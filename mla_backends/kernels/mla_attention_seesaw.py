@@ -278,7 +278,20 @@ def _warpgroup(
     offs_o = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     _store_rows(
-        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, WG == 0
+        Dest,
+        out,
+        lse,
+        rows_o,
+        offs_o,
+        rows_s,
+        q_start,
+        q_len,
+        split,
+        H,
+        L,
+        NUM_SPLITS,
+        WG == 0,
+        False,
     )
 
 

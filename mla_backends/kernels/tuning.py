@@ -6,10 +6,23 @@ holds the measurements behind each comment."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from mla_backends.arith import cdiv
+
+
+def narrow_on() -> bool:
+    """Requests of <= 32 query rows take the keys-as-rows Gluon kernel
+    (`mla_attention_narrow`) where the Gluon route is on; MLA_NARROW=0 in the environment
+    sends them to the kernels below instead (A/B runs)."""
+    return os.environ.get("MLA_NARROW", "1") != "0"
+
+
+def is_narrow(block_m: int, gluon: bool) -> bool:
+    """Whether `block_m`-row programs run the narrow Gluon kernel (`block_m_for` chose it)."""
+    return gluon and block_m < 64 and narrow_on()
 
 
 def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool, batch_size: int) -> int:
@@ -18,6 +31,10 @@ def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool, batch_size: int)
         # fp32 dots are FMA loops, not tensor-core MMAs: 32- and 64-row blocks spilled 8-16 KB
         # a thread on SM90 (offline compile), 16 rows none.
         return 16
+    if gluon and rows <= 32 and narrow_on():
+        # The narrow Gluon kernel: query rows are its MMAs' N side (`NARROW_ROWS`), so a
+        # 16-row request no longer pays for a 64-row MMA.
+        return 16 if rows <= 16 else 32
     if rows <= 16:
         # H16 decode at batch <= 16: the Gluon kernel's 64-row block (rows past 16 masked)
         # at one wave beat the 16-row tl.dot kernel at every shape of the H100 sweep
@@ -42,7 +59,9 @@ def launch_config(
 ) -> dict[str, int | bool]:
     """Tiles, warps and stages of the absorbed kernel on a GPU whose blocks may take
     `smem_limit` bytes of shared memory (None: no limit known), for rows `width` (L + R)
-    wide. From the H200 probes (scripts/tune_triton.py).
+    wide. From the H200 probes (scripts/tune_triton.py). `gluon`: a Gluon kernel takes these
+    rows where the page size allows it (64-row blocks on the Gluon route; 16 / 32 rows where
+    the narrow kernel also is on, `is_narrow`).
     `tma` asks for TMA tiles where the page size allows them (whole tiles inside one page,
     `mla_attention.tma_ok`). The dict is shared between calls: read it, never change it."""
     cfg: dict[str, int | bool]
@@ -50,6 +69,10 @@ def launch_config(
         # Operands are 4 bytes and the dots FMA loops: 64-key tiles beside a 64-row query
         # needed 442 KB with TMA (the H100 allows 227 KB). 16 x 16 tiles: 75 KB, no spills.
         cfg = {"block_n": 16, "num_warps": 4, "num_stages": 2, "tma": False}
+    elif block_m < 64 and gluon:
+        # The narrow Gluon kernel (`mla_attention_narrow`): one warpgroup, 64-key TMA tiles
+        # in two stages (168 / 189 KB of shared memory at 16 / 32 rows).
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True, "gluon": True}
     elif block_m >= 64:
         # The Gluon kernel where it can run (SM90, bf16 / fp16, page % 64 == 0); else
         # TMA stages beside the [64, 576] query: two 64-key stages fit in 227 KB, three
@@ -124,14 +147,15 @@ def mha_route(
 MAX_SPLITS = 128
 
 
-def split_policy(block_m: int, rows: int) -> tuple[int, int]:
+def split_policy(block_m: int, rows: int, narrow: bool = False) -> tuple[int, int]:
     """(waves, min keys per split) of a decode grid of `block_m`-row programs for `rows` query
     rows a request. 16- and 32-row blocks are bandwidth-bound: two waves, >= 256 keys (H200
     launch-config sweep; one wave measured 0.73-0.76x FlashMLA at H16 B4-B16 on the H100
     against 0.83-1.01x). 64-row blocks: one wave, >= 256 keys, or >= 64 when a request has
     at most 16 rows (H16 in a Gluon block, B1 kv 4k: 64 splits 1.59x FlashMLA, 16 splits
-    1.31x; H100 sweep, `tune_triton.py splits`)."""
-    if block_m >= 64:
+    1.31x; H100 sweep, `tune_triton.py splits`). `narrow`: the narrow Gluon kernel, one CTA
+    an SM like the 64-row one, so its policy."""
+    if block_m >= 64 or narrow:
         return 1, (64 if rows <= 16 else 256)
     return 2, 256
 
@@ -151,10 +175,12 @@ def choose_num_splits(
     return 1 << (want.bit_length() - 1)
 
 
-def decode_splits(batch_size: int, rows: int, block_m: int, max_kv_len: int, sms: int) -> int:
+def decode_splits(
+    batch_size: int, rows: int, block_m: int, max_kv_len: int, sms: int, narrow: bool = False
+) -> int:
     """KV splits of a decode / verify grid: `batch_size` requests of `rows` query rows each, in
     programs of `block_m` rows (`split_policy`, then `choose_num_splits`)."""
-    waves, min_keys = split_policy(block_m, rows)
+    waves, min_keys = split_policy(block_m, rows, narrow)
     programs = batch_size * cdiv(rows, block_m)
     return choose_num_splits(programs, max_kv_len, sms, waves, min_keys)
 
@@ -164,8 +190,8 @@ def split_rows_bound(sms: int) -> int:
     `choose_num_splits` makes, whatever the batch: sizes a CUDA graph's workspace. P programs
     of bm rows, w waves, S SMs: splitting needs want = round(w S / P) >= 2, so P <= w S / 1.5,
     and splits <= w S / P + 1/2; rows <= P bm, so rows x splits <= bm w S + bm P / 2 <=
-    4/3 bm w S, where bm w <= 64 (`split_policy`: 64-row blocks at one wave, 16 or 32
-    rows at most two)."""
+    4/3 bm w S, where bm w <= 64 (`split_policy`: 64-row blocks and narrow ones at one
+    wave, 16 or 32 rows at most two)."""
     return cdiv(4 * 64 * sms, 3)
 
 
