@@ -198,12 +198,12 @@ def sweep(out: Path, small: bool) -> None:
 SPLIT_SHAPES = [(h, 1, b, kv) for h in (128, 16) for b in (1, 4, 16) for kv in (4096, 32768)]
 
 
-def split_sweep(out: Path, small: bool) -> None:
+def split_sweep(out: Path, small: bool, shapes: list[tuple[int, ...]] | None = None) -> None:
     """Our decode with the backend's launch config at 1-128 KV splits, each replayed from a
     CUDA graph, against raw FlashMLA's replay on the same inputs; the backend's own choice
-    marked."""
+    marked. `shapes` (H, q, B, kv) replace `SPLIT_SHAPES`."""
     rows = []
-    for shape in SPLIT_SHAPES:
+    for shape in shapes or SPLIT_SHAPES:
         s = decode_setup("triton", *shape)
         be = triton_backend(s)
         be.init_forward_metadata(s.batch)
@@ -314,13 +314,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("command", choices=["sweep", "regs", "probe", "splits"])
     p.add_argument("out", nargs="?", default="/tmp", type=Path, help="folder for the JSON")
     p.add_argument("--small", action="store_true", help="regs: the small-batch shapes")
+    p.add_argument("--shapes", default="", help="splits: H:q:B:kv,... instead of the defaults")
     a = p.parse_args(argv)
     reason = "no CUDA GPU here" if not torch.cuda.is_available() else missing("sgl_kernel")
     if reason:  # every command times raw FlashMLA (sgl_kernel) on a GPU
         print(f"tune_triton.py {a.command}: cannot run: {reason}", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    {"sweep": sweep, "regs": regs, "probe": probe, "splits": split_sweep}[a.command](a.out, a.small)
+    if a.command == "splits":
+        shapes = [tuple(int(x) for x in v.split(":")) for v in a.shapes.split(",") if v]
+        split_sweep(a.out, a.small, shapes)
+        return 0
+    {"sweep": sweep, "regs": regs, "probe": probe}[a.command](a.out, a.small)
     return 0
 
 
