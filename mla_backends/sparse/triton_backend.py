@@ -61,14 +61,15 @@ class TritonSparseBackend(SparseMLABackend):
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
 
-    # Launch configurations from SM90 offline compiles (registers / spill bytes per thread,
-    # ptxas via Triton 3.9) and H100 timings (`scripts/bench_sparse.py --triton-configs`).
-    # bf16 rows: 16 x 32 keys, 4 warps, 236 regs, no spill (16 x 64: 504 B spilled); H128:
-    # 64 heads x 64 keys, 8 warps (one wgmma row block; 1112 B spilled offline) timed faster
-    # than 32 x 64 (246 regs, no spill) at batch 16 (74 against 96 us) and 64 (187-191
-    # against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows spill in every H128
-    # shape tried (in-register dequantisation): 64 x 16, 8 warps, 408 B is the least;
-    # 16 x 32, 4 warps: 250 regs.
+    # Launch configurations from H100 timings (`scripts/bench_sparse.py --triton-configs`);
+    # registers / spilled bytes a thread from SM90 offline compiles with the pointers and
+    # strides aligned as at run time (`scripts/compile_sparse_sm90.py`, Triton 3.9):
+    # H16 bf16 rows 16 x 32 keys, 4 warps: 186 regs, no spill; H16 FP8 rows the same tile:
+    # 255 regs, 8 B. H128: 64 heads x 64 keys, 8 warps (one wgmma row block; 255 regs, 312 B
+    # spilled) timed faster than 32 x 64 at batch 16 (74 against 96 us) and 64 (187-191
+    # against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows at H128 spill in every
+    # shape tried (in-register dequantisation): 64 x 16, 8 warps, 304 B. (The compiles behind
+    # the choice, before pointers were marked aligned, counted more: 236 regs, 1112 B, 408 B.)
     LAUNCH = {
         (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
         (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
