@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from mla_backends.bench.timing import bench_us
-from mla_backends.kernels.mla_attention_gluon import _barrier  # gl.thread_barrier / gl.barrier
+from mla_backends.kernels.gluon_tiles import _barrier  # gl.thread_barrier / gl.barrier
 
 L, R = gl.constexpr(512), gl.constexpr(64)  # latent and rope widths
 

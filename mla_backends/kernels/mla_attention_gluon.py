@@ -24,22 +24,21 @@ from typing import Any
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_backends.kernels.common import interpreting
+from mla_backends.kernels.gluon_tiles import (
+    _barrier,
+    _bounds,
+    _open_ring,
+    _pairs,
+    _stage_q,
+    _store_rows,
+    _tail_tile,
+    _whole_tiles,
+)
 from mla_backends.kernels.mla_attention import decode_args
-
-# Gluon names that moved: gl.thread_barrier (3.6) is gl.barrier from 3.7; TMA's
-# async_copy_global_to_shared (3.6, 3.7) is async_load from 3.8 and raises from 3.9.
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
 # Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
@@ -71,223 +70,6 @@ def gluon_ok(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -
 
 
 @gluon.jit
-def _issue_tile(
-    KDesc,
-    KRDesc,
-    Batch,
-    k_smem,
-    kr_smem,
-    bars,
-    b,
-    lo,
-    j,
-    n_full,
-    L: gl.constexpr,
-    PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """TMA for whole tile j of this split into ring slot j % STAGES (skipped past n_full)."""
-    Table, stride_tab, _, _ = Batch
-    pred = j < n_full
-    start = lo + j * BLOCK_N
-    page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
-    row = page * PAGE + start % PAGE
-    s = j % STAGES
-    bar = bars.index(s)
-    mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, pred)
-    _tma_load(KDesc, [row, 0], bar, k_smem.index(s), pred)
-    _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
-
-
-@gluon.jit
-def _pairs(x, BLOCK_N: gl.constexpr):
-    """(x[:, 0::2], x[:, 1::2]): adjacent columns sit in one thread, so no data moves."""
-    return gl.split(gl.reshape(x, [x.shape[0], BLOCK_N // 2, 2]))
-
-
-@gluon.jit
-def _softmax_to_p(
-    acc,
-    m_i,
-    l_i,
-    s,
-    p_smem,
-    start,
-    visible,
-    qk_scale_log2,
-    S_L: gl.constexpr,
-    O_L: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """Causal mask and online softmax of the score tile s; the accumulator rescaled, and P
-    written to shared memory for the P @ V of both warpgroups."""
-    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None])
-    # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed once
-    # at the end: a per-tile row sum would be a second cross-warpgroup reduction (two more
-    # barriers) on every tile; per element it took 8 more registers, which spilled (3.7, 3.8).
-    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
-    p_even, p_odd = _pairs(p, BLOCK_N)
-    l_i = l_i * alpha_pair + (p_even + p_odd)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
-    # in shared memory (and visible to the async proxy) before either wgmma starts.
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    _barrier()
-    return acc, m_new, l_i
-
-
-@gluon.jit
-def _scores_async(
-    q_smem, qr_smem, k_buf, kr_buf, S_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
-):
-    """S = Q K^T over L + R, issued (not waited): each warpgroup its half of the keys."""
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(qr_smem, kr_buf.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _attend(
-    acc,
-    m_i,
-    l_i,
-    q_smem,
-    qr_smem,
-    k_buf,
-    kr_buf,
-    p_smem,
-    start,
-    visible,
-    qk_scale_log2,
-    S_L: gl.constexpr,
-    O_L: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """One tile, in order (the partial tail tile, after the pipelined loop): scores,
-    softmax, then P @ V (each warpgroup its half of the 512 output columns)."""
-    s = _scores_async(q_smem, qr_smem, k_buf, kr_buf, S_L, BLOCK_M, BLOCK_N)
-    s = warpgroup_mma_wait(0, deps=[s])
-    acc, m_i, l_i = _softmax_to_p(
-        acc, m_i, l_i, s, p_smem, start, visible, qk_scale_log2, S_L, O_L, BLOCK_N
-    )
-    acc = warpgroup_mma(p_smem, k_buf, acc)
-    # Hazard: the slot and P are rewritten next; both warpgroups must be done reading them.
-    _barrier()
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _stage_q(
-    Q,
-    q_start,
-    q_len,
-    mblk,
-    dtype: gl.constexpr,
-    LD_L: gl.constexpr,
-    H: gl.constexpr,
-    L: gl.constexpr,
-    R: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-):
-    """(q_smem [BLOCK_M, L], qr_smem [BLOCK_M, R]): query rows (token, head), head fastest,
-    of row block mblk in shared memory; rows past the request are zero."""
-    QNope, QRope, stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h = Q
-    rows_ld = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD_L))
-    ok_ld = rows_ld < q_len * H
-    t_ld = (q_start + rows_ld // H).to(gl.int64)
-    h_ld = rows_ld % H
-    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
-    qn = gl.load(
-        QNope + t_ld[:, None] * stride_qn_t + h_ld[:, None] * stride_qn_h + offs_l[None, :],
-        mask=ok_ld[:, None],
-        other=0.0,
-    )
-    q_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype), qn
-    )
-    qr = gl.load(
-        QRope + t_ld[:, None] * stride_qr_t + h_ld[:, None] * stride_qr_h + offs_r[None, :],
-        mask=ok_ld[:, None],
-        other=0.0,
-    )
-    qr_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype), qr
-    )
-    return q_smem, qr_smem
-
-
-@gluon.jit
-def _stage_tail(
-    KV,
-    stride_kv,
-    Batch,
-    b,
-    start,
-    hi,
-    k_buf,
-    kr_buf,
-    LD_L: gl.constexpr,
-    L: gl.constexpr,
-    R: gl.constexpr,
-    PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """Keys [start, hi) of request b, fewer than a tile, into k_buf / kr_buf through
-    registers (masked loads: 0 past hi, so no stale pool row is read), fenced for the
-    wgmma and visible to every warp."""
-    n_ld = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
-    n_ok = n_ld < hi
-    Table, stride_tab, _, _ = Batch
-    page = gl.load(Table + b * stride_tab + n_ld // PAGE, mask=n_ok, other=0).to(gl.int64)
-    slot = page * PAGE + n_ld % PAGE
-    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
-    k = gl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
-    k_buf.store(k)
-    kr = gl.load(
-        KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
-    )
-    kr_buf.store(kr)
-    fence_async_shared()
-    _barrier()
-
-
-@gluon.jit
-def _bounds(
-    Batch,
-    b,
-    mblk,
-    split,
-    H: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
-    VOLATILE: gl.constexpr,
-):
-    """(q_start, q_len, seq, lo, hi): the request's first query token and query count, its KV
-    length, and the keys [lo, hi) this program's split reads (those its last row may see)."""
-    _, _, QoIndptr, SeqLens = Batch
-    q_start = gl.load(QoIndptr + b, volatile=VOLATILE)
-    q_len = gl.load(QoIndptr + b + 1, volatile=VOLATILE) - q_start
-    seq = gl.load(SeqLens + b, volatile=VOLATILE)
-    last_tok = gl.maximum(gl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * H - 1), 0) // H
-    kv_end = gl.minimum(gl.maximum(seq - q_len + last_tok + 1, 0), seq)
-    chunk = gl.cdiv(gl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    return q_start, q_len, seq, lo, gl.minimum(lo + chunk, kv_end)
-
-
-@gluon.jit
 def _mla_attn_gluon_kernel(
     Q,
     Pool,
@@ -314,7 +96,6 @@ def _mla_attn_gluon_kernel(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
     )
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    KV, stride_kv = Pool
     dtype: gl.constexpr = KDesc.dtype
 
     mblk = gl.program_id(0)
@@ -326,30 +107,7 @@ def _mla_attn_gluon_kernel(
     if mblk * BLOCK_M >= q_len * H:
         return
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
-
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], KDesc.layout)
-    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], KRDesc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-    for i in gl.static_range(STAGES):
-        _issue_tile(
-            KDesc,
-            KRDesc,
-            Batch,
-            k_smem,
-            kr_smem,
-            bars,
-            b,
-            lo,
-            i,
-            n_full,
-            L,
-            PAGE,
-            BLOCK_N,
-            STAGES,
-        )
+    ring = _open_ring(KDesc, KRDesc, Batch, b, lo, n_full, L, R, PAGE, BLOCK_N, STAGES)
 
     q_smem, qr_smem = _stage_q(Q, q_start, q_len, mblk, dtype, LD_L, H, L, R, BLOCK_M)
     p_smem = gl.allocate_shared_memory(
@@ -363,63 +121,31 @@ def _mla_attn_gluon_kernel(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
-
-    # P @ V of tile j and the scores of tile j + 1 go to the tensor cores back to back;
-    # slot j is refilled once P @ V(j) has finished in both warpgroups.
-    if n_full > 0:
-        mbarrier.wait(bars.index(0), 0)
-        sc = _scores_async(
-            q_smem, qr_smem, k_smem.index(0), kr_smem.index(0), S_L, BLOCK_M, BLOCK_N
-        )
-        sc = warpgroup_mma_wait(0, deps=[sc])
-        acc, m_i, l_i = _softmax_to_p(
-            acc, m_i, l_i, sc, p_smem, lo, visible, qk_scale_log2, S_L, O_L, BLOCK_N
-        )
-    for j in range(n_full - 1):
-        cur = j % STAGES
-        nxt = (j + 1) % STAGES
-        pv = warpgroup_mma(p_smem, k_smem.index(cur), acc, is_async=True)
-        mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
-        sc = _scores_async(
-            q_smem, qr_smem, k_smem.index(nxt), kr_smem.index(nxt), S_L, BLOCK_M, BLOCK_N
-        )
-        # Hazard: wgmma groups retire in order, and the scores may be one group or two;
-        # waiting down to one outstanding retires P @ V(j) either way.
-        acc = warpgroup_mma_wait(1, deps=[pv])
-        _barrier()  # both warpgroups are done reading slot cur and P(j)
-        _issue_tile(
-            KDesc,
-            KRDesc,
-            Batch,
-            k_smem,
-            kr_smem,
-            bars,
-            b,
-            lo,
-            j + STAGES,
-            n_full,
-            L,
-            PAGE,
-            BLOCK_N,
-            STAGES,
-        )
-        sc = warpgroup_mma_wait(0, deps=[sc])
-        acc, m_i, l_i = _softmax_to_p(
-            acc,
-            m_i,
-            l_i,
-            sc,
-            p_smem,
-            lo + (j + 1) * BLOCK_N,
-            visible,
-            qk_scale_log2,
-            S_L,
-            O_L,
-            BLOCK_N,
-        )
-    if n_full > 0:
-        acc = warpgroup_mma(p_smem, k_smem.index((n_full - 1) % STAGES), acc)
-        _barrier()
+    acc, m_i, l_i = _whole_tiles(
+        acc,
+        m_i,
+        l_i,
+        q_smem,
+        qr_smem,
+        p_smem,
+        ring,
+        KDesc,
+        KRDesc,
+        Batch,
+        b,
+        lo,
+        n_full,
+        visible,
+        qk_scale_log2,
+        S_L,
+        O_L,
+        L,
+        PAGE,
+        BLOCK_M,
+        BLOCK_N,
+        STAGES,
+        False,
+    )
 
     # Hazard: kept live across the loop above, these were spilled at 255 registers (Triton 3.7
     # and 3.8); reloaded (volatile: not merged with the first loads) and recomputed instead.
@@ -429,41 +155,32 @@ def _mla_attn_gluon_kernel(
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
     start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    if start < hi:
-        # The partial tail tile, masked (rows past hi are 0, never stale pool rows); every
-        # TMA issued above has been waited on, so slot 0 is free.
-        _stage_tail(
-            KV,
-            stride_kv,
-            Batch,
-            b,
-            start,
-            hi,
-            k_smem.index(0),
-            kr_smem.index(0),
-            LD_L,
-            L,
-            R,
-            PAGE,
-            BLOCK_N,
-        )
-        acc, m_i, l_i = _attend(
-            acc,
-            m_i,
-            l_i,
-            q_smem,
-            qr_smem,
-            k_smem.index(0),
-            kr_smem.index(0),
-            p_smem,
-            start,
-            visible,
-            qk_scale_log2,
-            S_L,
-            O_L,
-            BLOCK_M,
-            BLOCK_N,
-        )
+    acc, m_i, l_i = _tail_tile(
+        acc,
+        m_i,
+        l_i,
+        q_smem,
+        qr_smem,
+        p_smem,
+        ring,
+        Pool,
+        Batch,
+        b,
+        start,
+        hi,
+        visible,
+        qk_scale_log2,
+        LD_L,
+        S_L,
+        O_L,
+        L,
+        R,
+        PAGE,
+        BLOCK_M,
+        BLOCK_N,
+        False,
+    )
+    bars = ring[2]
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -477,57 +194,6 @@ def _mla_attn_gluon_kernel(
     _store_rows(
         Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, False
     )
-
-
-@gluon.jit
-def _store_rows(
-    Dest,
-    out,
-    lse,
-    rows_o,
-    offs_o,
-    rows_s,
-    q_start,
-    q_len,
-    split,
-    H: gl.constexpr,
-    L: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
-    WITH_LSE: gl.constexpr,
-    TRANSPOSED: gl.constexpr,
-):
-    """This program's output columns `offs_o` of rows `rows_o` (and, WITH_LSE, the LSE of rows
-    `rows_s`): into out / lse with one split, else into the split partials. `out` is
-    [rows, columns], or TRANSPOSED [columns, rows]."""
-    ok_o = rows_o < q_len * H
-    ok_s = rows_s < q_len * H
-    Out, Lse, PartOut, PartLse, stride_o_t, stride_o_h, stride_lse_t = Dest
-    if NUM_SPLITS == 1:
-        t_o = (q_start + rows_o // H).to(gl.int64)
-        o_row = t_o * stride_o_t + (rows_o % H) * stride_o_h
-        o_ptr, o_ok = _grid2(Out + o_row, offs_o, ok_o, TRANSPOSED)
-        gl.store(o_ptr, out.to(Out.dtype.element_ty), mask=o_ok)
-        if WITH_LSE:
-            t_s = (q_start + rows_s // H).to(gl.int64)
-            gl.store(Lse + t_s * stride_lse_t + rows_s % H, lse, mask=ok_s)
-    else:
-        prow_o = (q_start * H + rows_o).to(gl.int64) * NUM_SPLITS + split
-        o_ptr, o_ok = _grid2(PartOut + prow_o * L, offs_o, ok_o, TRANSPOSED)
-        gl.store(o_ptr, out, mask=o_ok)
-        if WITH_LSE:
-            prow_s = (q_start * H + rows_s).to(gl.int64) * NUM_SPLITS + split
-            gl.store(PartLse + prow_s, lse, mask=ok_s)
-
-
-@gluon.jit
-def _grid2(row_ptr, cols, row_ok, TRANSPOSED: gl.constexpr):
-    """(pointers, mask) of a tile: row pointers [R] plus columns [C], as [R, C] or,
-    TRANSPOSED, [C, R]."""
-    if TRANSPOSED:
-        ptr, ok = row_ptr[None, :] + cols[:, None], row_ok[None, :]
-    else:
-        ptr, ok = row_ptr[:, None] + cols[None, :], row_ok[:, None]
-    return ptr, ok
 
 
 @functools.cache

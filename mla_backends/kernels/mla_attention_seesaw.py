@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_backends.kernels.mla_attention_gluon import _bounds, _store_rows, _tma_load
+from mla_backends.kernels.gluon_tiles import _bounds, _store_rows, _tma_load
 
 BLOCK_M, BLOCK_N = 64, 64
 
