@@ -39,13 +39,14 @@ class Rule:
 
 SLICES: dict[str, str] = {
     "tests-1": "regressions (issue 15): zero-key MHA rows, fp32 Triton, Gluon compiles, routes",
-    "tests-2": "triton bf16 / fp16: parity, batch sizes, MHA prefill, graph replays",
+    "tests-2": "triton bf16 / fp16: parity, batch sizes, MHA prefill, graph replays; the "
+    "narrow Gluon kernel's compiles",
     "tests-3": "triton FP8 parity; DeepSeek-V3 models; SGLang plug-in",
     "tests-4": "flashinfer_mla: parity, batch sizes, MHA prefill, graphs, metadata, schedule",
     "tests-5": "flashmla; DeepSeek-V3.2 sparse attention (DSA)",
     "tests-6": "linear attention through fla (its autotuning is slow)",
-    "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon route's "
-    "parity cases; any test no rule names",
+    "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon routes' "
+    "parity cases (64-row and narrow); any test no rule names",
 }
 
 PARITY = "test_parity.py"
@@ -53,6 +54,22 @@ GRAPHS = "test_graph_runner.py"
 RULES: list[Rule] = [
     # tests-7's Gluon-route parity cases first (the first matching rule wins)
     Rule("tests-7", "test_gluon.py", ("test_backend_takes_gluon_kernel",), seconds=12.0),
+    # the narrow kernel's cases: on a fresh H100 (eleventh session, call 1) the 17 GPU
+    # tests of test_gluon.py then, these and the 64-row ones, took 49 s, compiles included
+    Rule(
+        "tests-7",
+        "test_gluon.py",
+        ("test_backend_takes_narrow_kernel", "test_narrow_off_keeps_the_earlier_kernels"),
+        seconds=5.0,
+    ),
+    # tests-2: the narrow kernel's offline compiles (tests-1 holds the 64-row kernel's)
+    Rule(
+        "tests-2",
+        "test_gluon.py",
+        ("test_narrow_kernel_compiles_for_sm90_without_spills",),
+        seconds=8.0,
+        cpu=True,
+    ),
     # tests-1
     Rule("tests-1", "test_zero_key_rows.py", seconds=3.0),
     Rule("tests-1", "test_triton.py", seconds=6.0),
