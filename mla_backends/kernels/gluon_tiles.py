@@ -158,26 +158,6 @@ def _pairs(x, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _scores_async(
-    q_smem, qr_smem, k_buf, kr_buf, S_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
-):
-    """S = Q K^T over L + R, issued (not waited): each warpgroup its half of the keys."""
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(qr_smem, kr_buf.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _scores_t(
-    k_buf, kr_buf, q_smem, qr_smem, S_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr
-):
-    """S^T = K Q^T over L + R, issued (not waited)."""
-    s = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, S_L)
-    s = warpgroup_mma(k_buf, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(kr_buf, qr_smem.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
 def _softmax_to_p(
     acc,
     m_i,
@@ -260,12 +240,16 @@ def _score(
     BLOCK_N: gl.constexpr,
     T: gl.constexpr,
 ):
-    """One tile's scores over L + R, issued (not waited): S, or T S^T."""
+    """One tile's scores over L + R, issued (not waited): S = Q K^T (the 64-row kernel: each
+    warpgroup its half of the keys), or T S^T = K Q^T."""
     if T:
-        s = _scores_t(k_buf, kr_buf, q_smem, qr_smem, S_L, BLOCK_N, BLOCK_M)
+        a, ar, b, br = k_buf, kr_buf, q_smem, qr_smem
+        s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, S_L)
     else:
-        s = _scores_async(q_smem, qr_smem, k_buf, kr_buf, S_L, BLOCK_M, BLOCK_N)
-    return s
+        a, ar, b, br = q_smem, qr_smem, k_buf, kr_buf
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    s = warpgroup_mma(a, b.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(ar, br.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
