@@ -332,12 +332,12 @@ def mla_attention(
         rows = mg.BLOCK_M
         kernel: Any = None
         extra: dict[str, int] | None = None
-        if block_m in NARROW_ROWS:
-            from mla_backends.kernels import mla_attention_narrow as mn
-
-            rows, kernel = block_m, mn._mla_attn_narrow_kernel
-            extra = {"STAGES": mg.STAGES, "num_warps": 4}
         try:
+            if block_m in NARROW_ROWS:
+                from mla_backends.kernels import mla_attention_narrow as mn
+
+                rows, kernel = block_m, mn._mla_attn_narrow_kernel
+                extra = {"STAGES": mg.STAGES, "num_warps": 4}
             mg.launch(
                 q_nope,
                 q_rope,
@@ -357,7 +357,7 @@ def mla_attention(
                 extra,
                 block_m=rows,
             )
-        except Exception as e:  # it compiles on first use: a failure there never fails a decode
+        except Exception as e:  # import, first-use compile: a failure there never fails a decode
             _gluon_failed(f"{type(e).__name__}: {e}")
         else:
             _merge(part_out, part_lse, out, lse, num_splits)

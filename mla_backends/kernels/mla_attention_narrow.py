@@ -11,10 +11,11 @@ MACs at H16, a quarter of the padded kernel's, and the kernel waits on HBM inste
 tensor cores. One warpgroup a CTA: Q 18-36 KB and two 72 KB key stages.
 
 Same contract as the other decode kernels (grid (row blocks, batch, splits), row mapping,
-causality, split partials, `_merge_kernel`); the loop and its hazards are the 64-row
-kernel's, with the softmax over columns: each column is one query row, its maximum a
-reduction over the tile's 64 keys (four warps). GPU only (SM90); offline compile:
-`scripts/compile_gluon_sm90.py bf16 narrow`.
+causality, split partials, `_merge_kernel`); the TMA ring, the pipelined loop and the tail
+tile are the 64-row kernel's (`gluon_tiles`, with T: the softmax runs down the columns, each
+one query row, its maximum a reduction over the tile's 64 keys, four warps). GPU only
+(SM90); offline compile: `scripts/compile_gluon_sm90.py bf16 narrow16` (or `narrow32`).
+Measured: BENCHMARKS.md, "the narrow Gluon kernel"; two warpgroups a CTA were slower.
 """
 
 from __future__ import annotations
