@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from mla_backends.kernels import offline
 from mla_backends.sparse import triton_kernel as sk
 from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat
-from mla_backends.sparse.triton_backend import TritonSparseBackend
+from mla_backends.sparse.triton_backend import LAUNCH
 
 INTS = ("stride_qn_t", "stride_qn_h", "stride_qr_t", "stride_qr_h", "stride_kv", "stride_idx")
 INTS += ("stride_o_t", "stride_o_h", "stride_lse_t", "topk")
@@ -51,7 +51,7 @@ def rows(fp8: bool) -> dict[str, int]:
 
 if __name__ == "__main__":
     fn = sk._sparse_mla_kernel
-    for (block, fp8), cfg in TritonSparseBackend.LAUNCH.items():
+    for (block, fp8), cfg in LAUNCH.items():
         heads = 16 if block == 16 else 128
         sig = signature(fp8)
         const = dict(H=heads, L=512, R=64, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"])

@@ -28,6 +28,43 @@ def choose_splits(programs: int, topk: int, sms: int, block_n: int, max_splits: 
     return 1 << (want.bit_length() - 1)
 
 
+# Launch configurations from H100 timings (`scripts/bench_sparse.py --triton-configs`);
+# registers / spilled bytes a thread from SM90 offline compiles with the pointers and
+# strides aligned as at run time (`scripts/compile_sparse_sm90.py`, Triton 3.9):
+# H16 bf16 rows 16 x 32 keys, 4 warps: 186 regs, no spill; H16 FP8 rows the same tile:
+# 255 regs, 8 B. H128: 64 heads x 64 keys, 8 warps (one wgmma row block; 255 regs, 312 B
+# spilled) timed faster than 32 x 64 at batch 16 (74 against 96 us) and 64 (187-191
+# against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows at H128 spill in every
+# shape tried (in-register dequantisation): 64 x 16, 8 warps, 304 B. (The compiles behind
+# the choice, before pointers were marked aligned, counted more: 236 regs, 1112 B, 408 B.)
+LAUNCH = {
+    (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    (64, False): {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    (64, True): {"block_m": 64, "block_n": 16, "num_warps": 8, "num_stages": 2},
+}
+
+
+def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: int) -> int:
+    """KV splits of the index list for `cfg`'s programs (`choose_splits`)."""
+    programs = tokens * -(-heads // cfg["block_m"])
+    # <= 4096 partial rows a token (8 MB of fp32 partials to write and merge at H128)
+    cap = max(1, min(64, 4096 // heads))
+    return choose_splits(programs, topk, sms, cfg["block_n"], cap)
+
+
+def launch_config(
+    heads: int, fp8_rows: bool, tokens: int, topk: int, device: torch.device | None = None
+) -> dict[str, int]:
+    """Tiles, warps, stages and KV splits of one `triton_kernel.sparse_mla` call: `tokens`
+    query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows."""
+    if interpreting():
+        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
+    cfg = dict(LAUNCH[(16 if heads <= 16 else 64, fp8_rows)])
+    sms = num_sms(device or torch.device("cuda"))
+    return {**cfg, "splits": launch_splits(cfg, heads, tokens, topk, sms)}
+
+
 @register_sparse_backend("triton")
 class TritonSparseBackend(SparseMLABackend):
     name = "triton"
@@ -61,34 +98,14 @@ class TritonSparseBackend(SparseMLABackend):
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
 
-    # Launch configurations from H100 timings (`scripts/bench_sparse.py --triton-configs`);
-    # registers / spilled bytes a thread from SM90 offline compiles with the pointers and
-    # strides aligned as at run time (`scripts/compile_sparse_sm90.py`, Triton 3.9):
-    # H16 bf16 rows 16 x 32 keys, 4 warps: 186 regs, no spill; H16 FP8 rows the same tile:
-    # 255 regs, 8 B. H128: 64 heads x 64 keys, 8 warps (one wgmma row block; 255 regs, 312 B
-    # spilled) timed faster than 32 x 64 at batch 16 (74 against 96 us) and 64 (187-191
-    # against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows at H128 spill in every
-    # shape tried (in-register dequantisation): 64 x 16, 8 warps, 304 B. (The compiles behind
-    # the choice, before pointers were marked aligned, counted more: 236 regs, 1112 B, 408 B.)
-    LAUNCH = {
-        (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
-        (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
-        (64, False): {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
-        (64, True): {"block_m": 64, "block_n": 16, "num_warps": 8, "num_stages": 2},
-    }
-
     def _launch(self, tokens: int) -> dict[str, int]:
         h = self.dims.num_heads
-        if self._interp:
-            return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
-        cfg = dict(self.launch or self.LAUNCH[(16 if h <= 16 else 64, self._fmt is not None)])
-        if "splits" in cfg:  # a sweep's fixed split count
-            return cfg
-        programs = tokens * -(-h // cfg["block_m"])
-        # <= 4096 partial rows a token (8 MB of fp32 partials to write and merge at H128)
-        cap = max(1, min(64, 4096 // h))
-        splits = choose_splits(programs, self.topk, self._sms, cfg["block_n"], cap)
-        return {**cfg, "splits": splits}
+        if self.launch is None or self._interp:
+            return launch_config(h, self._fmt is not None, tokens, self.topk, self.device)
+        cfg = dict(self.launch)  # a sweep's config (with "splits": that split count)
+        if "splits" not in cfg:
+            cfg["splits"] = launch_splits(cfg, h, tokens, self.topk, self._sms)
+        return cfg
 
     def _attend(
         self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor

@@ -12,7 +12,9 @@ import SGLang; `register()` does. It adds, per suite backend in this build:
   the chunked-prefix handler (MHA-mode prefill for prompts without a cached prefix and, merged
   by LSE, for long cached prefixes; absorbed attention otherwise),
 - a check after `ServerArgs.check_server_args` that refuses settings our backend cannot run
-  (page size, KV dtype, GPU) in the launching process, before any worker starts.
+  (page size, KV dtype, GPU) in the launching process, before any worker starts,
+- with `MLAB_DSA_SPARSE=triton`, our sparse kernel in SGLang's own DeepSeek-V3.2 `dsa`
+  backend (`dsa.py`).
 SGLang logs and swallows exceptions raised by plugins, so the factory checks again.
 """
 
@@ -106,7 +108,17 @@ def register() -> list[str]:
     _register_deepseek(names)
     if first:
         _register_args_check()
+        _register_dsa()
     return list(names)
+
+
+def _register_dsa() -> None:
+    from mla_backends.integrations.sglang import dsa
+
+    try:
+        dsa.register_hook()
+    except Exception as e:  # noqa: BLE001 - SGLang would swallow it; say why, loudly
+        logger.error("mla-backends: DSA sparse attention hook not installed: %s", e)
 
 
 def _register_deepseek(names: dict[str, str]) -> None:

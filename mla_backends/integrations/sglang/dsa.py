@@ -1,0 +1,105 @@
+"""DeepSeek-V3.2 (DSA) in SGLang: our sparse MLA kernel behind SGLang's own `dsa` backend.
+
+SGLang's `dsa` attention backend keeps its indexer, metadata, CUDA-graph state and MTP; this
+module replaces only its sparse attention call on bf16 / fp16 latent pools,
+`DeepseekSparseAttnBackend._forward_flashmla_sparse` (taken with `--dsa-prefill-backend
+flashmla_sparse` / `--dsa-decode-backend flashmla_sparse`), by our `triton` sparse kernel
+(`sparse/triton_kernel.py`: it gathers only the selected rows, takes any head count, and needs
+no FlashMLA Hopper kernel). Opt in with `MLAB_DSA_SPARSE=triton` in the server's environment;
+`register` (the plug-in's entry point) then installs it through SGLang's HookRegistry.
+
+The contract, from SGLang 0.5.17's source: q_all [T, H, L + R] (latent then rope),
+kv_cache the layer's pool rows (L + R wide, any leading shape), page_table_1 [T, K] int32
+pool slots with -1 for unused entries, out [T, H, v_head_dim = L]; `topk_length` (the valid
+entries a row) is not needed, as every unused entry is -1. Not checked end to end in SGLang
+here: its DSA path imports `deep_gemm`, which the GPU hosts of this project lack
+(docs/SGLANG_DSA.md); the hook is checked against SGLang's own method signature and our
+reference on CPU (tests/test_sglang_cpu.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TARGET = (
+    "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend._forward_flashmla_sparse"
+)
+ENV = "MLAB_DSA_SPARSE"
+CHOICES = ("triton",)
+
+
+def forward_sparse(
+    backend: Any,
+    q_all: torch.Tensor,
+    kv_cache: torch.Tensor,
+    v_head_dim: int,
+    page_table_1: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SGLang's `_forward_flashmla_sparse` (same arguments, `backend` its `self`) through our
+    `triton` sparse kernel: attention of each query token over the pool rows its row of
+    page_table_1 names -> [T, H, v_head_dim] in q_all's dtype."""
+    from mla_backends.kernels.common import interpreting
+    from mla_backends.sparse import triton_kernel
+    from mla_backends.sparse.triton_backend import launch_config
+
+    if q_all.dim() != 3:
+        raise ValueError(f"q_all must be [tokens, heads, L + R], got {tuple(q_all.shape)}")
+    t, h, width = q_all.shape
+    if not 0 < v_head_dim < width:
+        raise ValueError(f"v_head_dim {v_head_dim} must be below q_all's width {width}")
+    if kv_cache.shape[-1] != width or kv_cache.dtype != q_all.dtype:
+        raise ValueError(
+            f"kv_cache rows must be {width} wide and {q_all.dtype} like q_all (bf16 / fp16 "
+            f"pools; FP8 pools go through SGLang's own path), got {tuple(kv_cache.shape)} "
+            f"{kv_cache.dtype}"
+        )
+    if page_table_1.dim() != 2 or page_table_1.shape[0] != t:
+        raise ValueError(
+            f"page_table_1 must be [tokens = {t}, topk], got {tuple(page_table_1.shape)}"
+        )
+    indices = page_table_1.to(torch.int32)  # a no-op for SGLang's int32 table
+    out = q_all.new_empty(t, h, v_head_dim)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q_all.device)
+    cfg = launch_config(h, False, t, indices.shape[1], q_all.device)
+    triton_kernel.sparse_mla(
+        q_all[..., :v_head_dim],
+        q_all[..., v_head_dim:],
+        kv_cache.view(-1, width),  # the pool itself: a copy would be the whole layer
+        indices,
+        sm_scale,
+        1.0,
+        cfg["splits"],
+        out,
+        lse,
+        None,
+        cfg["block_m"],
+        cfg["block_n"],
+        cfg["num_warps"],
+        cfg["num_stages"],
+        dot_f32=interpreting(),  # as the sparse backend: the interpreter's bf16 dots are wrong
+    )
+    return out
+
+
+def register_hook() -> str | None:
+    """Install `forward_sparse` in place of SGLang's FlashMLA sparse call when the
+    environment asks for it (`MLAB_DSA_SPARSE=triton`); returns the choice, or None."""
+    choice = os.environ.get(ENV, "").strip()
+    if not choice:
+        return None
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r} is not one of {list(CHOICES)} (or unset)")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    # REPLACE sets the class attribute: SGLang's calls pass the backend as `backend`
+    HookRegistry.register(TARGET, forward_sparse, HookType.REPLACE)
+    logger.info("mla-backends: DSA sparse attention through our %s kernel", choice)
+    return choice

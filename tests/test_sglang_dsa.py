@@ -1,0 +1,105 @@
+"""DeepSeek-V3.2 through SGLang's `dsa` backend with our sparse kernel (sglang 0.5.17 on CPU,
+tests/sglang_cpu/requirements.txt): the hook's contract is SGLang's own method signature, it
+is installed only when `MLAB_DSA_SPARSE` asks for it, and SGLang's method, once replaced,
+matches our fp64 sparse reference (Triton interpreter). Skipped, with the reason, where sglang
+cannot be imported."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from sglang_cpu.env import load_sglang
+
+try:
+    load_sglang()
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+    pytest.skip(f"sglang unavailable: {' '.join(str(e).split())[:160]}", allow_module_level=True)
+
+from mla_backends.integrations.sglang import dsa  # noqa: E402
+from mla_backends.sparse.reference import sparse_attention  # noqa: E402
+from mla_backends.testing import TOLERANCES  # noqa: E402
+
+METHOD = "_forward_flashmla_sparse"
+
+
+def test_hook_takes_sglangs_arguments() -> None:
+    """Same parameter names, order and defaults as the method it replaces (self aside)."""
+    theirs = list(inspect.signature(getattr(DeepseekSparseAttnBackend, METHOD)).parameters)
+    ours = list(inspect.signature(dsa.forward_sparse).parameters)
+    assert theirs[1:] == ours[1:], (theirs, ours)
+    assert dsa.TARGET.endswith(f"{DeepseekSparseAttnBackend.__name__}.{METHOD}")
+
+
+@pytest.fixture
+def hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HookRegistry's hooks and SGLang's method restored after the test."""
+    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    monkeypatch.setattr(
+        DeepseekSparseAttnBackend, METHOD, getattr(DeepseekSparseAttnBackend, METHOD)
+    )
+
+
+def test_hook_installed_only_when_asked(hooks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(dsa.ENV, raising=False)
+    assert dsa.register_hook() is None and dsa.TARGET not in HookRegistry._hooks
+    monkeypatch.setenv(dsa.ENV, "flashmla")
+    with pytest.raises(ValueError, match=r"MLAB_DSA_SPARSE='flashmla' is not one of \['triton'\]"):
+        dsa.register_hook()
+    original = getattr(DeepseekSparseAttnBackend, METHOD)
+    HookRegistry.apply_hooks()
+    assert getattr(DeepseekSparseAttnBackend, METHOD) is original
+    monkeypatch.setenv(dsa.ENV, "triton")
+    assert dsa.register_hook() == "triton"
+    assert [h[:2] for h in HookRegistry._hooks[dsa.TARGET]] == [
+        (HookType.REPLACE, dsa.forward_sparse)
+    ]
+    HookRegistry.apply_hooks()
+    assert getattr(DeepseekSparseAttnBackend, METHOD) is not original  # SGLang's wrapper
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_replaced_method_matches_the_reference(
+    hooks: None, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """SGLang's call, as its `dsa` backend makes it (q_all [T, H, L + R], the layer's pool
+    [slots, 1, L + R], slot ids with -1 padding, one token with none), on a pool whose unused
+    rows are NaN. fp16 / fp32: the interpreter's bf16 dots are wrong (DESIGN.md)."""
+    monkeypatch.setenv(dsa.ENV, "triton")
+    dsa.register_hook()
+    HookRegistry.apply_hooks()
+    gen = torch.Generator().manual_seed(0)
+    t, h, lat, r, slots, k = 3, 16, 32, 16, 96, 24
+    q_all = torch.randn(t, h, lat + r, generator=gen).to(dtype)
+    pool = torch.full((slots, 1, lat + r), float("nan"), dtype=dtype)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    for i, n in enumerate((k, 7, 0)):  # full, short (-1 tail), none
+        chosen = torch.randperm(slots, generator=gen)[:n].to(torch.int32)
+        idx[i, :n] = chosen
+        pool[chosen.long(), 0] = torch.randn(n, lat + r, generator=gen).to(dtype)
+    scale = (lat + r) ** -0.5
+    backend = object.__new__(DeepseekSparseAttnBackend)  # the method reads nothing of self
+    got = backend._forward_flashmla_sparse(q_all, pool, lat, idx, scale, None)
+    valid = idx >= 0
+    rows = torch.where(valid[..., None], pool[idx.clamp(min=0).long(), 0].double(), 0.0)
+    want, _ = sparse_attention(q_all[..., :lat], q_all[..., lat:], rows, valid, scale)
+    atol, rtol, _ = TOLERANCES[str(dtype).removeprefix("torch.")]
+    assert got.shape == (t, h, lat) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))  # no index: out 0
+
+
+def test_bad_inputs_refused_with_a_reason() -> None:
+    q = torch.zeros(2, 16, 48)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_cache rows must be 48 wide"):
+        dsa.forward_sparse(None, q, torch.zeros(8, 1, 40), 32, idx, 0.1)
+    with pytest.raises(ValueError, match="page_table_1 must be"):
+        dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 32, idx[:1], 0.1)
+    with pytest.raises(ValueError, match="v_head_dim 48 must be below"):
+        dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 48, idx, 0.1)
