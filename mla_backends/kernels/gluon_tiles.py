@@ -158,78 +158,6 @@ def _pairs(x, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_to_p(
-    acc,
-    m_i,
-    l_i,
-    s,
-    p_smem,
-    start,
-    visible,
-    qk_scale_log2,
-    S_L: gl.constexpr,
-    O_L: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """Causal mask and online softmax of the score tile s; the accumulator rescaled, and P
-    written to shared memory for the P @ V of both warpgroups."""
-    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None])
-    # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed once
-    # at the end: a per-tile row sum would be a second cross-warpgroup reduction (two more
-    # barriers) on every tile; per element it took 8 more registers, which spilled (3.7, 3.8).
-    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
-    p_even, p_odd = _pairs(p, BLOCK_N)
-    l_i = l_i * alpha_pair + (p_even + p_odd)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    # Hazard: each warpgroup wrote half of P and reads all of it; the other half must be
-    # in shared memory (and visible to the async proxy) before either wgmma starts.
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    _barrier()
-    return acc, m_new, l_i
-
-
-@gluon.jit
-def _softmax_t(
-    acc,
-    m_i,
-    l_i,
-    s,
-    p_smem,
-    start,
-    visible,
-    qk_scale_log2,
-    S_L: gl.constexpr,
-    O_L: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """Causal mask and online softmax of S^T [keys, rows] down its columns; O^T rescaled and
-    P^T written to shared memory as the B operand of O^T += V^T P^T."""
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_L))
-    s = gl.where(n[:, None] < visible[None, :], s * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 0))
-    # columns with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[None, :])
-    # l per element, summed over keys once at the end: a per-tile column sum would be a
-    # second reduction across the four warps on every tile.
-    l_i = l_i * alpha[None, :] + p
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, O_L))[None, :]
-    # Hazard: each warp wrote 16 of P^T's 64 key rows and the wgmma reads all of them.
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    _barrier()
-    return acc, m_new, l_i
-
-
-@gluon.jit
 def _score(
     q_smem,
     qr_smem,
@@ -267,16 +195,43 @@ def _soften(
     BLOCK_N: gl.constexpr,
     T: gl.constexpr,
 ):
-    """Online softmax of one score tile, the accumulator rescaled, P (or T P^T) in p_smem."""
+    """Causal mask and online softmax of one score tile; the accumulator rescaled, and P
+    written to shared memory for P @ V (T: S^T [keys, rows], the softmax down its columns,
+    P^T the B operand of O^T += V^T P^T)."""
     if T:
-        acc, m_i, l_i = _softmax_t(
-            acc, m_i, l_i, s, p_smem, start, visible, qk_scale_log2, S_L, O_L, BLOCK_N
-        )
+        n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_L))
+        s = gl.where(n[:, None] < visible[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        # columns with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        # l per element, summed over keys once at the end: a per-tile column sum would be a
+        # second reduction across the four warps on every tile.
+        l_i = l_i * alpha[None, :] + p
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, O_L))[None, :]
     else:
-        acc, m_i, l_i = _softmax_to_p(
-            acc, m_i, l_i, s, p_smem, start, visible, qk_scale_log2, S_L, O_L, BLOCK_N
-        )
-    return acc, m_i, l_i
+        n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed
+        # once at the end: a per-tile row sum would be a second cross-warpgroup reduction
+        # (two more barriers) on every tile; per element it took 8 more registers, which
+        # spilled (3.7, 3.8).
+        alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
+        p_even, p_odd = _pairs(p, BLOCK_N)
+        l_i = l_i * alpha_pair + (p_even + p_odd)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    # Hazard: each warp (T) or warpgroup wrote part of P and the wgmma reads all of it; the
+    # rest must be in shared memory (and visible to the async proxy) before any wgmma starts.
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    _barrier()
+    return acc, m_new, l_i
 
 
 @gluon.jit
