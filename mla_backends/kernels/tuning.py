@@ -154,7 +154,8 @@ def split_policy(block_m: int, rows: int, narrow: bool = False) -> tuple[int, in
     against 0.83-1.01x). 64-row blocks: one wave, >= 256 keys, or >= 64 when a request has
     at most 16 rows (H16 in a Gluon block, B1 kv 4k: 64 splits 1.59x FlashMLA, 16 splits
     1.31x; H100 sweep, `tune_triton.py splits`). `narrow`: the narrow Gluon kernel, one CTA
-    an SM like the 64-row one, so its policy."""
+    an SM like the 64-row one, so its policy (H100 sweep of 1-128 splits at H16 / H32, B1-64:
+    the best power of two at every shape; BENCHMARKS.md, "the narrow Gluon kernel")."""
     if block_m >= 64 or narrow:
         return 1, (64 if rows <= 16 else 256)
     return 2, 256
