@@ -53,15 +53,12 @@ def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: 
     return choose_splits(programs, topk, sms, cfg["block_n"], cap)
 
 
-def launch_config(
-    heads: int, fp8_rows: bool, tokens: int, topk: int, device: torch.device | None = None
-) -> dict[str, int]:
+def launch_config(heads: int, fp8_rows: bool, tokens: int, topk: int, sms: int) -> dict[str, int]:
     """Tiles, warps, stages and KV splits of one `triton_kernel.sparse_mla` call: `tokens`
-    query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows."""
+    query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows, on `sms` SMs."""
     if interpreting():
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
     cfg = dict(LAUNCH[(16 if heads <= 16 else 64, fp8_rows)])
-    sms = num_sms(device or torch.device("cuda"))
     return {**cfg, "splits": launch_splits(cfg, heads, tokens, topk, sms)}
 
 
@@ -101,7 +98,7 @@ class TritonSparseBackend(SparseMLABackend):
     def _launch(self, tokens: int) -> dict[str, int]:
         h = self.dims.num_heads
         if self.launch is None or self._interp:
-            return launch_config(h, self._fmt is not None, tokens, self.topk, self.device)
+            return launch_config(h, self._fmt is not None, tokens, self.topk, self._sms)
         cfg = dict(self.launch)  # a sweep's config (with "splits": that split count)
         if "splits" not in cfg:
             cfg["splits"] = launch_splits(cfg, h, tokens, self.topk, self._sms)
@@ -110,23 +107,13 @@ class TritonSparseBackend(SparseMLABackend):
     def _attend(
         self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t, h, _ = q_nope.shape
-        out = torch.empty_like(q_nope)
-        lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
-        cfg = self._launch(t)
-        splits = cfg.pop("splits")
-        self._kernel.sparse_mla(
+        return self._kernel.attend(
             q_nope,
             q_rope,
             self.pool.kv_buffer[layer],
             indices,
             self.scale,
             self.pool.scale(layer),
-            splits,
-            out,
-            lse,
+            self._launch(q_nope.shape[0]),
             self._fmt,
-            dot_f32=self._interp,
-            **cfg,
         )
-        return out, lse

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv
+from mla_backends.kernels.common import interpreting
 from mla_backends.kernels.mla_attention import LOG2E, _merge, _online_softmax
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat
@@ -235,3 +236,28 @@ def sparse_mla(
         **pdl_args(q_nope.device),
     )
     _merge(part_out, part_lse, out, lse, num_splits)
+
+
+def attend(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    kv_scale: float,
+    launch: dict[str, int],
+    fmt: Fp8RowFormat | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla` into new tensors: out [T, H, L] in q's dtype and lse [T, H] fp32, with
+    the tiles, warps, stages and "splits" of `launch` (`triton_backend.launch_config`)."""
+    t, h, lat = q_nope.shape
+    out = torch.empty(t, h, lat, dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
+    cfg = dict(launch)
+    splits = cfg.pop("splits")
+    # dot_f32 in the interpreter: its bf16 dots are wrong (DESIGN.md)
+    sparse_mla(
+        q_nope, q_rope, kv, indices, sm_scale, kv_scale, splits, out, lse, fmt,
+        dot_f32=interpreting(), **cfg,
+    )  # fmt: skip
+    return out, lse

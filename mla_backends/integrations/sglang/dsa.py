@@ -14,7 +14,7 @@ pool slots with -1 for unused entries, out [T, H, v_head_dim = L]; `topk_length`
 entries a row) is not needed, as every unused entry is -1. Not checked end to end in SGLang
 here: its DSA path imports `deep_gemm`, which the GPU hosts of this project lack
 (docs/SGLANG_DSA.md); the hook is checked against SGLang's own method signature and our
-reference on CPU (tests/test_sglang_cpu.py).
+reference on CPU (tests/test_sglang_dsa.py).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def forward_sparse(
     """SGLang's `_forward_flashmla_sparse` (same arguments, `backend` its `self`) through our
     `triton` sparse kernel: attention of each query token over the pool rows its row of
     page_table_1 names -> [T, H, v_head_dim] in q_all's dtype."""
-    from mla_backends.kernels.common import interpreting
+    from mla_backends.kernels.common import num_sms
     from mla_backends.sparse import triton_kernel
     from mla_backends.sparse.triton_backend import launch_config
 
@@ -66,27 +66,10 @@ def forward_sparse(
             f"page_table_1 must be [tokens = {t}, topk], got {tuple(page_table_1.shape)}"
         )
     indices = page_table_1.to(torch.int32)  # a no-op for SGLang's int32 table
-    out = q_all.new_empty(t, h, v_head_dim)
-    lse = torch.empty(t, h, dtype=torch.float32, device=q_all.device)
-    cfg = launch_config(h, False, t, indices.shape[1], q_all.device)
-    triton_kernel.sparse_mla(
-        q_all[..., :v_head_dim],
-        q_all[..., v_head_dim:],
-        kv_cache.view(-1, width),  # the pool itself: a copy would be the whole layer
-        indices,
-        sm_scale,
-        1.0,
-        cfg["splits"],
-        out,
-        lse,
-        None,
-        cfg["block_m"],
-        cfg["block_n"],
-        cfg["num_warps"],
-        cfg["num_stages"],
-        dot_f32=interpreting(),  # as the sparse backend: the interpreter's bf16 dots are wrong
-    )
-    return out
+    launch = launch_config(h, False, t, indices.shape[1], num_sms(q_all.device))
+    kv = kv_cache.view(-1, width)  # the pool itself: a copy would be the whole layer
+    q_nope, q_rope = q_all[..., :v_head_dim], q_all[..., v_head_dim:]
+    return triton_kernel.attend(q_nope, q_rope, kv, indices, sm_scale, 1.0, launch)[0]
 
 
 def register_hook() -> str | None:
