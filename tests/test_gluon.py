@@ -4,15 +4,11 @@ an SM90 GPU, matching the reference."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
+from offline_compile import compile_usage
 
 from mla_backends.testing import Case, parity_cases, run_case, with_batch
 
@@ -24,24 +20,12 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 6):
 gluon_mod = pytest.importorskip(
     "mla_backends.kernels.mla_attention_gluon", reason="this Triton has no Gluon"
 )
-ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 
 
 def _compile_sm90(dtype: str, kernel: str) -> dict:  # type: ignore[type-arg]
-    """scripts/compile_gluon_sm90.py's usage JSON, from a subprocess without TRITON_INTERPRET
-    (the interpreter would wrap the jit helpers)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_gluon_sm90.py"), dtype, kernel],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    """scripts/compile_gluon_sm90.py's usage JSON (one kernel)."""
+    return compile_usage("compile_gluon_sm90.py", dtype, kernel)[-1]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -5,14 +5,10 @@ TRITON_INTERPRET=1) against the fp64 sparse reference."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from offline_compile import compile_usage
 
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
@@ -32,8 +28,6 @@ from mla_backends.sparse.indexer import (
 from mla_backends.sparse.quant import block_quant, hadamard, hadamard_matrix, ue8m0_scale
 from mla_backends.sparse.reference import sparse_attention, sparse_reference
 from mla_backends.sparse.testing import SparseCase, build, run
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -517,19 +511,9 @@ def test_indexer_kernels_compile_for_sm90() -> None:
     failed on the GPU), within one block's shared memory, without spills, the logits' K tile
     as the MMA's register operand (only q in shared memory: 16 KB); the looping logits kernel
     within its cap of 168 registers (three programs an SM), whose price is ~100 B of spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_indexer_sm90.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    uses = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    uses = compile_usage("compile_indexer_sm90.py")
     names = ["prep_q", "logits", "logits_loop", "hist", "split", "resolve", "fused"]
-    assert [u["kernel"] for u in uses] == names, run.stdout
+    assert [u["kernel"] for u in uses] == names, uses
     for use in uses:
         assert use["shared"] <= 48 * 1024, use
         if use["kernel"] != "logits_loop":
@@ -544,18 +528,8 @@ def test_sparse_kernel_launches_compile_for_sm90() -> None:
     kernel only in the interpreter) within one block's shared memory; the H16 bf16 launch
     without spills. The H128 launches' spills (~300 B, measured faster than the spill-free
     tiles) are recorded in sparse/triton_backend.py, not asserted away."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_sparse_sm90.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    uses = {u["launch"]: u for u in map(json.loads, run.stdout.splitlines()) if u}
-    assert len(uses) == 4, run.stdout
+    uses = {u["launch"]: u for u in compile_usage("compile_sparse_sm90.py")}
+    assert len(uses) == 4, uses
     for use in uses.values():
         assert use["shared"] <= 232448 and use["reg"] <= 255 and use["local"] == 0, use
     h16 = uses["H16 bf16 16x32"]

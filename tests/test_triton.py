@@ -4,15 +4,11 @@ index builder and fused store, offline SM90 compiles, the MHA-prefill routes, Gl
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from offline_compile import compile_usage
 from parity import SMALL
 
 from mla_backends.batch import ForwardMode
@@ -28,7 +24,6 @@ from mla_backends.testing import (
 )
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[1]
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 block may opt into
 
 
@@ -197,18 +192,7 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
 
 # ------------------------------------------------- offline SM90 compiles (no GPU needed)
 def _compile_sm90(*args: str) -> list[dict]:  # type: ignore[type-arg]
-    # A subprocess without TRITON_INTERPRET: under the interpreter nothing is compiled.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_triton_sm90.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return compile_usage("compile_triton_sm90.py", *args, timeout=900)
 
 
 def _fits(use: dict) -> None:  # type: ignore[type-arg]
