@@ -122,10 +122,16 @@ def test_backend_takes_narrow_kernel(case: Case, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.sm90
-def test_narrow_off_keeps_the_earlier_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_narrow_off_keeps_the_earlier_kernels(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """MLA_NARROW=0 (A/B runs): H16 decode at batch <= 16 goes back to the 64-row Gluon
     block, and the result still matches the reference."""
+    from mla_backends.kernels import tuning
+
     monkeypatch.setenv("MLA_NARROW", "0")
+    tuning.narrow_on.cache_clear()  # read once a process: read again here and after the test
+    request.addfinalizer(tuning.narrow_on.cache_clear)
     rows = _recorded_launch(monkeypatch)
     case = parity_cases("triton", (64,), (16,), ("bfloat16",), ("decode",))[0]
     r = run_case(case, "cuda")

@@ -294,7 +294,9 @@ def test_gluon_build_failure_routes_to_tl_dot_once(
 
 
 @pytest.mark.interp
-def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_block_sizes_after_gluon_failure(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """16 and 32 query rows go to the narrow Gluon kernel (MLA_NARROW=0: half of a 64-row
     Gluon block, or the 16-row tl.dot kernel above batch 16); once Gluon failed here, the
     tl.dot kernel's 16- and 32-row blocks take them."""
@@ -311,11 +313,14 @@ def test_backend_block_sizes_after_gluon_failure(monkeypatch: pytest.MonkeyPatch
         assert be._block_m(rows, torch.bfloat16, bs) == narrow
         assert tuning.is_narrow(narrow, True) == (narrow < 64)
     monkeypatch.setenv("MLA_NARROW", "0")
+    tuning.narrow_on.cache_clear()  # read once a process: read again here and after the test
+    request.addfinalizer(tuning.narrow_on.cache_clear)
     assert be._block_m(32, torch.bfloat16, 64) == 64
     assert be._block_m(16, torch.bfloat16, 16) == 64  # H16 decode at batch <= 16
     assert be._block_m(16, torch.bfloat16, 17) == 16
     assert not tuning.is_narrow(16, True)
     monkeypatch.delenv("MLA_NARROW")
+    tuning.narrow_on.cache_clear()
     ma._gluon_failed("simulated")
     assert be._block_m(32, torch.bfloat16, 64) == 32
     assert be._block_m(16, torch.bfloat16, 1) == 16
