@@ -54,12 +54,16 @@ def _sm90(index: int) -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: an SM90+ GPU, a Triton with the
-    grid-dependency ops, never in the interpreter, and not turned off (MLA_PDL=0)."""
-    if device.type != "cuda" or interpreting() or not HAVE_GDC:
-        return False
-    if os.environ.get("MLA_PDL", "1") == "0":
+    grid-dependency ops, never in the interpreter, and not turned off (MLA_PDL=0 in the
+    environment the process starts with)."""
+    if device.type != "cuda" or interpreting() or not HAVE_GDC or not _pdl_env():
         return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache  # read once a process: asked at every launch (pdl_args)
+def _pdl_env() -> bool:
+    return os.environ.get("MLA_PDL", "1") != "0"
 
 
 def pdl_args(device: torch.device) -> dict[str, bool]:
