@@ -43,16 +43,16 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
         src = GluonASTSource(ms._seesaw_kernel, sig, const, offline.aligned(ms._seesaw_kernel, sig))
         return triton.compile(src, target=offline.SM90, options={"num_warps": 4, "maxnreg": 240})
     const.update(STAGES=mg.STAGES)
-    kernel_fn, warps = mg._mla_attn_gluon_kernel, 8
+    kernel_fn, warps, cap = mg._mla_attn_gluon_kernel, 8, mg.MAXNREG
     if kernel.startswith("narrow"):
         from mla_backends.kernels import mla_attention_narrow as mn
 
         rows = int(kernel[len("narrow") :])
         const.update(H=rows, BLOCK_M=rows)
-        kernel_fn, warps = mn._mla_attn_narrow_kernel, 4
+        kernel_fn, warps, cap = mn._mla_attn_narrow_kernel, 4, None
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(kernel_fn, sig, const, offline.aligned(kernel_fn, sig))
-    return offline.compile_sm90(src, num_warps=warps)
+    return offline.compile_sm90(src, num_warps=warps, maxnreg=cap)
 
 
 def usage(dtype: str = "bf16", kernel: str = "gluon") -> dict:  # type: ignore[type-arg]

@@ -43,6 +43,11 @@ from mla_backends.kernels.mla_attention import decode_args
 # One shape: 64 query rows over two warpgroups, 64-key tiles, two TMA stages. Shared memory:
 # Q 72 KB + 2 x 72 KB of K + 8 KB of P = 224 KB of the 227 KB an H100 / H200 block can have.
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
+# Hazard: left to itself ptxas gives this kernel 250-255 registers (the tail tile's code
+# sets the peak) and schedules the tile loop worse with them. Capped at 224 (no spills at
+# bf16 or fp16, offline SM90) it ran 3-7 % faster at H128 on the H100, as fast as the kernel
+# without its tail code; 208 gave part of it back (BENCHMARKS.md, twelfth session).
+MAXNREG = 224
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -236,7 +241,8 @@ def launch(
     )
     outs = (out, lse, part_out, part_lse)
     if kernel is None:
-        kernel, extra = _mla_attn_gluon_kernel, {"STAGES": STAGES, "num_warps": 8}
+        kernel = _mla_attn_gluon_kernel
+        extra = {"STAGES": STAGES, "num_warps": 8, "maxnreg": MAXNREG}
     kernel[(m_blocks, seq_lens.numel(), num_splits)](
         *decode_args(q_nope, q_rope, kv, (k_desc, kr_desc), table, qo_indptr, seq_lens, outs),
         qk_scale_log2,

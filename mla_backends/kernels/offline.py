@@ -20,11 +20,13 @@ from triton.backends.compiler import GPUTarget
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def compile_sm90(src: Any, num_warps: int, num_stages: int = 3) -> Any:
-    """triton.compile of an ASTSource (or GluonASTSource) for SM90."""
-    return triton.compile(
-        src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+def compile_sm90(src: Any, num_warps: int, num_stages: int = 3, maxnreg: int | None = None) -> Any:
+    """triton.compile of an ASTSource (or GluonASTSource) for SM90; `maxnreg`: the register
+    cap a launch passes, if any."""
+    options: dict[str, Any] = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=SM90, options=options)
 
 
 def aligned(

@@ -1,0 +1,306 @@
+"""Probe for issue 19 (H128): where a 64-key tile's time goes in the 64-row Gluon kernel.
+
+The same split of work as `mla_attention_gluon` (two warpgroups, the score tile split over
+keys, the output over its columns, a two-stage TMA ring), with parts taken out:
+
+    full        the kernel's own loop (`gluon_tiles._whole_tiles`): a check of the harness
+    no_refill   the first two tiles loaded once and reused: the chain of GEMMs and softmax
+                with no load to wait for (wrong output, right work)
+    gemms_only  no refill and no softmax (P = S cast): the two GEMMs a tile back to back
+    gluon_maxnreg<N>  the kernel itself under a register cap
+    early_return, tail, both   `full` plus the kernel's early return for a row block past
+                the request, its tail tile (not taken: whole tiles), or both: the kernel
+                less its merge
+
+Timed against raw FlashMLA on one random pool (page 64, shuffled pages, bf16), CUDA-graph
+replay, µs; every split a whole number of tiles. GPU only (SM90).
+
+    python3 scripts/probe_tile_chain.py           # JSON lines on stdout
+    python3 scripts/probe_tile_chain.py --narrow  # the narrow kernel (H16 / H32) under caps
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma_wait,
+)
+
+from mla_backends.bench.timing import graph_us
+from mla_backends.kernels import mla_attention_gluon as glu
+from mla_backends.kernels.gluon_tiles import (
+    _barrier,
+    _bounds,
+    _open_ring,
+    _pairs,
+    _pv,
+    _score,
+    _soften,
+    _stage_q,
+    _store_rows,
+    _tail_tile,
+    _whole_tiles,
+)
+from mla_backends.kernels.mla_attention import _merge
+
+MODES = {"full": 0, "no_refill": 1, "gemms_only": 3, "early_return": 4, "tail": 5, "both": 6}
+CAPS = (240, 224, 208)  # register caps on the kernel itself (it fits 208 without spilling)
+SHAPES = [(64, 4096, 1), (128, 8192, 1), (16, 32768, 4), (64, 16384, 1)]
+
+
+@gluon.jit
+def _diag_tiles(
+    acc,
+    m_i,
+    l_i,
+    q_smem,
+    qr_smem,
+    p_smem,
+    ring,
+    lo,
+    n_full,
+    visible,
+    qk_scale_log2,
+    S_L: gl.constexpr,
+    O_L: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    SOFTMAX: gl.constexpr,
+):
+    """`_whole_tiles`' order of issues and waits with no refill: tile j reads slot j % 2 of
+    the ring's first fill."""
+    k_smem, kr_smem, bars = ring
+    for i in gl.static_range(2):
+        mbarrier.wait(bars.index(i), 0)
+    for j in range(n_full):
+        cur = j % 2
+        sc = _score(
+            q_smem, qr_smem, k_smem.index(cur), kr_smem.index(cur), S_L, BLOCK_M, BLOCK_N, False
+        )
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        if SOFTMAX:
+            acc, m_i, l_i = _soften(
+                acc,
+                m_i,
+                l_i,
+                sc,
+                p_smem,
+                lo + j * BLOCK_N,
+                visible,
+                qk_scale_log2,
+                S_L,
+                O_L,
+                BLOCK_N,
+                False,
+            )
+        else:
+            p_smem.store(sc.to(p_smem.dtype))
+            fence_async_shared()
+            _barrier()
+        acc = _pv(p_smem, k_smem.index(cur), acc, False, True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _barrier()
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _diag_kernel(
+    Q,
+    Pool,
+    KDesc,
+    KRDesc,
+    Batch,
+    Dest,
+    qk_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    MODE: gl.constexpr,
+):
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    dtype: gl.constexpr = KDesc.dtype
+    mblk = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    q_start, q_len, seq, lo, hi = _bounds(
+        Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
+    )
+    if MODE == 4 or MODE == 6:
+        if mblk * BLOCK_M >= q_len * H:
+            return
+    n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    ring = _open_ring(KDesc, KRDesc, Batch, b, lo, n_full, L, R, PAGE, BLOCK_N, 2)
+    q_smem, qr_smem = _stage_q(Q, q_start, q_len, mblk, dtype, LD_L, H, L, R, BLOCK_M)
+    p_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    )
+    fence_async_shared()
+    _barrier()
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
+    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+    if MODE == 0 or MODE >= 4:
+        acc, m_i, l_i = _whole_tiles(
+            acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full,
+            visible, qk_scale_log2, S_L, O_L, L, PAGE, BLOCK_M, BLOCK_N, 2, False,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _diag_tiles(
+            acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, lo, n_full, visible, qk_scale_log2,
+            S_L, O_L, BLOCK_M, BLOCK_N, MODE == 1,
+        )  # fmt: skip
+    if MODE >= 5:
+        q_start, q_len, seq, lo, hi = _bounds(
+            Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
+        )
+        rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+        visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+        start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _tail_tile(
+            acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, Pool, Batch, b, start, hi, visible,
+            qk_scale_log2, LD_L, S_L, O_L, L, R, PAGE, BLOCK_M, BLOCK_N, False,
+        )  # fmt: skip
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    _store_rows(
+        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, False
+    )
+
+
+def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
+    dev, h, page = torch.device("cuda"), 128, 64
+    g = torch.Generator(device=dev).manual_seed(b + kv)
+    n_pages = b * (kv // page) + 1
+    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
+    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1)
+    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
+    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
+    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(192)
+    out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, device=dev)
+    po = torch.empty(b * h * splits, 512, device=dev)
+    pl = torch.empty(b * h * splits, device=dev)
+    args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), 2, splits)
+    res: dict[str, float] = {"batch": b, "kv": kv, "splits": splits}
+    ref = None
+    variants = {"gluon": (None, None)}
+    for cap in CAPS:
+        variants[f"gluon_maxnreg{cap}"] = (
+            glu._mla_attn_gluon_kernel,
+            {"STAGES": 2, "maxnreg": cap},
+        )
+    variants.update({name: (_diag_kernel, {"MODE": mode}) for name, mode in MODES.items()})
+    for name, (kern, extra) in variants.items():
+        extra = None if extra is None else {**extra, "num_warps": 8}
+
+        def call(kern=kern, extra=extra) -> None:  # type: ignore[no-untyped-def]
+            glu.launch(*args, out, lse, po, pl, kern, extra)
+            if splits > 1:
+                _merge(po, pl, out, lse, splits)
+
+        call()
+        torch.cuda.synchronize()
+        if name == "gluon":
+            ref = out.float().clone()
+        elif name == "full":
+            res["full_max_abs_diff"] = float((out.float() - ref).abs().max())
+        res[f"{name}_us"] = round(graph_us(call), 1)
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    q = torch.cat([qn, qr], -1).view(b, 1, h, 576)
+    tile, nsp = get_mla_metadata(lens, h, 1)
+    kc = pool.view(-1, page, 1, 576)
+    res["flashmla_us"] = round(
+        graph_us(
+            lambda: flash_mla_with_kvcache(q, kc, table, lens, 512, tile, nsp, scale, causal=True)
+        ),
+        1,
+    )
+    res["tiles_a_cta"] = kv // 64 // splits
+    return res
+
+
+def run_narrow(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
+    """The narrow kernel (H16 / H32) under register caps, with FlashMLA, as `run_shape`."""
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    from mla_backends.kernels import mla_attention_narrow as mn
+
+    dev, page = torch.device("cuda"), 64
+    g = torch.Generator(device=dev).manual_seed(b + kv + h)
+    n_pages = b * (kv // page) + 1
+    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
+    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1)
+    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
+    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
+    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(192)
+    out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, device=dev)
+    po = torch.empty(b * h * splits, 512, device=dev)
+    pl = torch.empty(b * h * splits, device=dev)
+    args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), 1, splits)
+    res: dict[str, float] = {"heads": h, "batch": b, "kv": kv, "splits": splits}
+    for cap in (None, *CAPS):
+        extra = {"STAGES": 2, "num_warps": 4, **({"maxnreg": cap} if cap else {})}
+
+        def call(extra=extra) -> None:  # type: ignore[no-untyped-def]
+            glu.launch(*args, out, lse, po, pl, mn._mla_attn_narrow_kernel, extra, block_m=h)
+            _merge(po, pl, out, lse, splits)
+
+        call()
+        res[f"narrow_maxnreg{cap}_us"] = round(graph_us(call), 1)
+    q = torch.cat([qn, qr], -1).view(b, 1, h, 576)
+    tile, nsp = get_mla_metadata(lens, h, 1)
+    kc = pool.view(-1, page, 1, 576)
+    res["flashmla_us"] = round(
+        graph_us(
+            lambda: flash_mla_with_kvcache(q, kc, table, lens, 512, tile, nsp, scale, causal=True)
+        ),
+        1,
+    )
+    return res
+
+
+NARROW_SHAPES = [(16, 16, 4096, 8), (32, 16, 4096, 8), (32, 64, 4096, 2), (16, 64, 4096, 2)]
+
+
+def main() -> None:
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
+    if "--narrow" in sys.argv:
+        for shape in NARROW_SHAPES:
+            print(json.dumps(run_narrow(*shape)), flush=True)
+        return
+    for shape in SHAPES:
+        print(json.dumps(run_shape(*shape)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
