@@ -8,6 +8,8 @@ keys, the output over its columns, a two-stage TMA ring), with parts taken out:
                 with no load to wait for (wrong output, right work)
     gemms_only  no refill and no softmax (P = S cast): the two GEMMs a tile back to back
     gluon_maxnreg<N>  the kernel itself under a register cap
+    no_rescale  `full` without the accumulator's rescale by exp2(m_old - m_new) (wrong output);
+                _max: also without the row max (m fixed), _exp: also without exp2 (P = S - m)
     early_return, tail, both   `full` plus the kernel's early return for a row block past
                 the request, its tail tile (not taken: whole tiles), or both: the kernel
                 less its merge
@@ -16,7 +18,9 @@ Timed against raw FlashMLA on one random pool (page 64, shuffled pages, bf16), C
 replay, µs; every split a whole number of tiles. GPU only (SM90).
 
     python3 scripts/probe_tile_chain.py           # JSON lines on stdout
+    python3 scripts/probe_tile_chain.py --only full,no_rescale   # those variants only
     python3 scripts/probe_tile_chain.py --narrow  # the narrow kernel (H16 / H32) under caps
+    python3 scripts/probe_tile_chain.py --h64     # H64: the 64-row kernel or two narrow blocks
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from mla_backends.kernels import mla_attention_gluon as glu
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
     _bounds,
+    _issue_tile,
     _open_ring,
     _pairs,
     _pv,
@@ -51,7 +56,17 @@ from mla_backends.kernels.gluon_tiles import (
 )
 from mla_backends.kernels.mla_attention import _merge
 
-MODES = {"full": 0, "no_refill": 1, "gemms_only": 3, "early_return": 4, "tail": 5, "both": 6}
+MODES = {
+    "full": 0,
+    "no_refill": 1,
+    "gemms_only": 3,
+    "early_return": 4,
+    "tail": 5,
+    "both": 6,
+    "no_rescale": 7,
+    "no_rescale_max": 8,
+    "no_rescale_exp": 9,
+}
 CAPS = (240, 224, 208)  # register caps on the kernel itself (it fits 208 without spilling)
 SHAPES = [(64, 4096, 1), (128, 8192, 1), (16, 32768, 4), (64, 16384, 1)]
 
@@ -112,6 +127,85 @@ def _diag_tiles(
 
 
 @gluon.jit
+def _soften_no_rescale(
+    acc,
+    m_i,
+    l_i,
+    s,
+    p_smem,
+    start,
+    visible,
+    qk_scale_log2,
+    S_L: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    WHAT: gl.constexpr,
+):
+    """`gluon_tiles._soften` (T False) less the accumulator's rescale (WHAT 0), also less
+    the row max across the warpgroups (1: m stays 8), or less the exp2 (2: P = S - m):
+    wrong output, the rest of the work."""
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
+    if WHAT == 1:
+        m_new = gl.zeros_like(m_i) + 8.0
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    if WHAT == 2:
+        p = s - m_safe[:, None]
+    else:
+        p = gl.exp2(s - m_safe[:, None])
+    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
+    p_even, p_odd = _pairs(p, BLOCK_N)
+    l_i = l_i * alpha_pair + (p_even + p_odd)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    _barrier()
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _tiles_no_rescale(
+    acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full, visible,
+    qk_scale_log2, S_L: gl.constexpr, O_L: gl.constexpr, L: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WHAT: gl.constexpr,
+):  # fmt: skip
+    """`gluon_tiles._whole_tiles` (T False, two stages) with `_soften_no_rescale`."""
+    k_smem, kr_smem, bars = ring
+    if n_full > 0:
+        mbarrier.wait(bars.index(0), 0)
+        sc = _score(
+            q_smem, qr_smem, k_smem.index(0), kr_smem.index(0), S_L, BLOCK_M, BLOCK_N, False
+        )
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        acc, m_i, l_i = _soften_no_rescale(
+            acc, m_i, l_i, sc, p_smem, lo, visible, qk_scale_log2, S_L, BLOCK_N, WHAT
+        )
+    for j in range(n_full - 1):
+        cur = j % 2
+        nxt = (j + 1) % 2
+        pv = _pv(p_smem, k_smem.index(cur), acc, False, True)
+        mbarrier.wait(bars.index(nxt), ((j + 1) // 2) & 1)
+        sc = _score(
+            q_smem, qr_smem, k_smem.index(nxt), kr_smem.index(nxt), S_L, BLOCK_M, BLOCK_N, False
+        )
+        acc = warpgroup_mma_wait(1, deps=[pv])
+        _barrier()
+        _issue_tile(
+            KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, j + 2, n_full, L, PAGE, BLOCK_N, 2
+        )
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        start = lo + (j + 1) * BLOCK_N
+        acc, m_i, l_i = _soften_no_rescale(
+            acc, m_i, l_i, sc, p_smem, start, visible, qk_scale_log2, S_L, BLOCK_N, WHAT
+        )
+    if n_full > 0:
+        acc = _pv(p_smem, k_smem.index((n_full - 1) % 2), acc, False, False)
+        _barrier()
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _diag_kernel(
     Q,
     Pool,
@@ -159,7 +253,12 @@ def _diag_kernel(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
-    if MODE == 0 or MODE >= 4:
+    if MODE >= 7:
+        acc, m_i, l_i = _tiles_no_rescale(
+            acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full,
+            visible, qk_scale_log2, S_L, O_L, L, PAGE, BLOCK_M, BLOCK_N, MODE - 7,
+        )  # fmt: skip
+    elif MODE == 0 or MODE >= 4:
         acc, m_i, l_i = _whole_tiles(
             acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full,
             visible, qk_scale_log2, S_L, O_L, L, PAGE, BLOCK_M, BLOCK_N, 2, False,
@@ -169,7 +268,7 @@ def _diag_kernel(
             acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, lo, n_full, visible, qk_scale_log2,
             S_L, O_L, BLOCK_M, BLOCK_N, MODE == 1,
         )  # fmt: skip
-    if MODE >= 5:
+    if MODE == 5 or MODE == 6:
         q_start, q_len, seq, lo, hi = _bounds(
             Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
         )
@@ -216,6 +315,8 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
             {"STAGES": 2, "maxnreg": cap},
         )
     variants.update({name: (_diag_kernel, {"MODE": mode}) for name, mode in MODES.items()})
+    only = _only()
+    variants = {k: v for k, v in variants.items() if k == "gluon" or not only or k in only}
     for name, (kern, extra) in variants.items():
         extra = None if extra is None else {**extra, "num_warps": 8}
 
@@ -289,11 +390,77 @@ def run_narrow(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
     return res
 
 
+def run_h64(b: int, kv: int, splits: int) -> dict[str, float]:
+    """H64 through the 64-row kernel (one row block, `splits`) against the narrow kernel in
+    two 32-row blocks (the second reads the request's tiles from L2) at half and the same
+    splits, with FlashMLA."""
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    from mla_backends.kernels import mla_attention_narrow as mn
+
+    dev, page, h = torch.device("cuda"), 64, 64
+    g = torch.Generator(device=dev).manual_seed(b + kv + h)
+    n_pages = b * (kv // page) + 1
+    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
+    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1)
+    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
+    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
+    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(192)
+    out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, device=dev)
+    res: dict[str, float] = {"heads": h, "batch": b, "kv": kv, "splits": splits}
+    ref = None
+    runs = [("rows64", None, None, 1, 64, splits)]
+    for sp in sorted({max(1, splits // 2), splits}):
+        narrow = {"STAGES": 2, "num_warps": 4}
+        runs.append((f"narrow32_splits{sp}", mn._mla_attn_narrow_kernel, narrow, 2, 32, sp))
+    for name, kern, extra, mb, bm, sp in runs:
+        po = torch.empty(b * h * sp, 512, device=dev)
+        pl = torch.empty(b * h * sp, device=dev)
+        args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), mb, sp)
+
+        def call(kern=kern, extra=extra, bm=bm, sp=sp, po=po, pl=pl, args=args) -> None:  # type: ignore[no-untyped-def]
+            glu.launch(*args, out, lse, po, pl, kern, extra, block_m=bm)
+            if sp > 1:
+                _merge(po, pl, out, lse, sp)
+
+        call()
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = out.float().clone()
+        else:
+            res[f"{name}_max_abs_diff"] = float((out.float() - ref).abs().max())
+        res[f"{name}_us"] = round(graph_us(call), 1)
+    q = torch.cat([qn, qr], -1).view(b, 1, h, 576)
+    tile, nsp = get_mla_metadata(lens, h, 1)
+    kc = pool.view(-1, page, 1, 576)
+    res["flashmla_us"] = round(
+        graph_us(
+            lambda: flash_mla_with_kvcache(q, kc, table, lens, 512, tile, nsp, scale, causal=True)
+        ),
+        1,
+    )
+    return res
+
+
+H64_SHAPES = [(16, 4096, 8), (64, 4096, 2), (16, 32768, 8), (64, 32768, 2), (256, 4096, 1)]
 NARROW_SHAPES = [(16, 16, 4096, 8), (32, 16, 4096, 8), (32, 64, 4096, 2), (16, 64, 4096, 2)]
+
+
+def _only() -> set[str]:
+    """`--only a,b`: the variants to run (the kernel itself always runs first)."""
+    args = sys.argv[1:]
+    return set(args[args.index("--only") + 1].split(",")) if "--only" in args else set()
 
 
 def main() -> None:
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
+    if "--h64" in sys.argv:
+        for shape in H64_SHAPES:
+            print(json.dumps(run_h64(*shape)), flush=True)
+        return
     if "--narrow" in sys.argv:
         for shape in NARROW_SHAPES:
             print(json.dumps(run_narrow(*shape)), flush=True)
