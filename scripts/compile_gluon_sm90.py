@@ -2,7 +2,7 @@
 what the compiled kernel uses, as JSON: registers, local memory and stack frame (spills go
 to either), shared memory, and the wgmma shapes in its PTX.
 
-python3 scripts/compile_gluon_sm90.py [bf16|fp16] [gluon|seesaw|narrow16|narrow32]
+python3 scripts/compile_gluon_sm90.py [bf16|fp16] [gluon|gluon_q2|seesaw|narrow16|narrow32]
 
 Run without TRITON_INTERPRET=1: under the interpreter the nested @gluon.jit helpers become
 interpreted functions the compiler cannot call.
@@ -23,9 +23,11 @@ from mla_backends.kernels import offline
 
 def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"):  # type: ignore[no-untyped-def]
     """The kernel as the backend launches it at DeepSeek dims (H128, page 64); `kernel`
-    "seesaw": the warp-specialised prototype (`mla_attention_seesaw`, 4 warps + 4);
-    "narrow16" / "narrow32": the keys-as-rows kernel (`mla_attention_narrow`) for 16 / 32
-    query rows a CTA (H16 / H32)."""
+    "gluon" / "gluon_q2": the 64-row kernel with the launch options of single-token decode
+    (a register cap) / of q_len 2 grids (`mla_attention_gluon.launch_options`); "seesaw":
+    the warp-specialised prototype (`mla_attention_seesaw`, 4 warps + 4); "narrow16" /
+    "narrow32": the keys-as-rows kernel (`mla_attention_narrow`) for 16 / 32 query rows a
+    CTA (H16 / H32)."""
     gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
     k_box = 256 if kernel == "seesaw" else 512  # the prototype loads half-row pieces
     descs = {
@@ -43,7 +45,8 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
         src = GluonASTSource(ms._seesaw_kernel, sig, const, offline.aligned(ms._seesaw_kernel, sig))
         return triton.compile(src, target=offline.SM90, options={"num_warps": 4, "maxnreg": 240})
     const.update(STAGES=mg.STAGES)
-    kernel_fn, warps, cap = mg._mla_attn_gluon_kernel, 8, mg.MAXNREG
+    kernel_fn, warps = mg._mla_attn_gluon_kernel, 8
+    cap = mg.launch_options(2 if kernel == "gluon_q2" else 1).get("maxnreg")
     if kernel.startswith("narrow"):
         from mla_backends.kernels import mla_attention_narrow as mn
 

@@ -331,7 +331,7 @@ def mla_attention(
 
         rows = mg.BLOCK_M
         kernel: Any = None
-        extra: dict[str, int] | None = None
+        extra = mg.launch_options(max_q_len)
         try:
             if block_m in NARROW_ROWS:
                 from mla_backends.kernels import mla_attention_narrow as mn

@@ -45,8 +45,9 @@ from mla_backends.kernels.mla_attention import decode_args
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
 # Hazard: left to itself ptxas gives this kernel 250-255 registers (the tail tile's code
 # sets the peak) and schedules the tile loop worse with them. Capped at 224 (no spills at
-# bf16 or fp16, offline SM90) it ran 3-7 % faster at H128 on the H100, as fast as the kernel
-# without its tail code; 208 gave part of it back (BENCHMARKS.md, twelfth session).
+# bf16 or fp16, offline SM90) single-token decode ran 2-8 % faster at H128 on the H100, as
+# fast as the kernel without its tail code; 208 gave part of it back, and q_len 2 grids ran
+# 0.5-2 % slower capped, so they keep ptxas's count (BENCHMARKS.md, twelfth session).
 MAXNREG = 224
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -201,6 +202,15 @@ def _mla_attn_gluon_kernel(
     )
 
 
+def launch_options(max_q_len: int) -> dict[str, int]:
+    """The 64-row kernel's other constexprs and launch options for a grid whose requests
+    have up to `max_q_len` query tokens (the register cap for single-token decode)."""
+    extra = {"STAGES": STAGES, "num_warps": 8}
+    if max_q_len == 1:
+        extra["maxnreg"] = MAXNREG
+    return extra
+
+
 @functools.cache
 def _smem_layout(block: tuple[int, int], dt: gl.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), dt)
@@ -230,7 +240,7 @@ def launch(
     as `mla_attention`'s. Check `gluon_ok` first. `kernel` / `extra`: another Gluon kernel of
     the same contract and its other constexprs and launch options (`mla_attention_seesaw`,
     `mla_attention_narrow`), `k_box` the width of its latent TMA box (default: the whole
-    latent row)."""
+    latent row); with no `kernel`, `extra` defaults to `launch_options(1)`."""
     lat, r = q_nope.shape[2], q_rope.shape[2]
     dt = _GL_DTYPES[kv.dtype]
     shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
@@ -241,8 +251,7 @@ def launch(
     )
     outs = (out, lse, part_out, part_lse)
     if kernel is None:
-        kernel = _mla_attn_gluon_kernel
-        extra = {"STAGES": STAGES, "num_warps": 8, "maxnreg": MAXNREG}
+        kernel, extra = _mla_attn_gluon_kernel, extra or launch_options(1)
     kernel[(m_blocks, seq_lens.numel(), num_splits)](
         *decode_args(q_nope, q_rope, kv, (k_desc, kr_desc), table, qo_indptr, seq_lens, outs),
         qk_scale_log2,
