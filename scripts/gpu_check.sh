@@ -8,10 +8,11 @@
 #   quick / full: tests-all, then the kernel benchmarks (quick: fewer shapes); in one
 #   10-minute call: TESTS=none (benchmarks only) after the slices, or TESTS=tests-N;
 #   models: the model-level benchmarks only (DeepSeek-V3 layer stack through each Hopper
-#   backend with graphs, linear-layer decode vs raw fla, FlashInfer plan host-time
-#   breakdown, decode steps eager vs graphs at batch 1-8);
-#   fi: the flashinfer_mla slice of all that (its tests, tests-4; plan host time, decode table
-#   vs raw fa3, graph steps), for checking a change to that backend in one short run;
+#   backend with graphs, linear-layer decode vs raw fla, decode metadata host time and the
+#   FlashInfer plan's breakdown, decode steps eager vs graphs at batch 1-8);
+#   fi: the flashinfer_mla slice of all that (its tests, tests-4; metadata and plan host time,
+#   decode table vs raw fa3, graph steps), for checking a change to that backend in one short
+#   run;
 #   triton: the triton slice (its bf16 / fp16 tests, tests-2; the Gluon probe; decode table of
 #   triton and flashmla vs raw FlashMLA; MHA prefill table).
 #   sglang-entry / sglang-kit / sglang-compare / sglang-bench / sglang-tests: the SGLang
@@ -31,12 +32,13 @@
 #     compiles spread over the host's cores (scripts/pytest_shards.py); SUITE_TREE=DIR runs
 #     another checkout's suite instead (the tree before a refactor, with SUITE_SELECT, default
 #     "-k gpu tests/"); SUITE_IDS=FILE: those node ids; SUITE_ARGS: pytest_shards.py's options
-#     (default: timing tests alone first, fla's tests in two groups); SUITE_LABEL names the
+#     (default: the no-wait tests alone first, fla's tests in two groups); SUITE_LABEL names the
 #     outputs, $OUT/suite-LABEL.json (counts, failures) and .tgz (logs, JUnit).
 #   compare: the same rows on another checkout (COMPARE_TREE, e.g. the tree before a refactor,
 #     with its own benchmark module) and on this one, one process each, back to back: the
-#     metadata host-time tests, then the anchors decode table (COMPARE_SHAPES) and an 8192-token
-#     MHA prefill for triton, flashinfer_mla and flashmla against raw FlashMLA and fa3.
+#     metadata host time (`bench --suite metadata`), then the anchors decode table
+#     (COMPARE_SHAPES) and an 8192-token MHA prefill for triton, flashinfer_mla and flashmla
+#     against raw FlashMLA and fa3.
 # Each test run writes $OUT/pytest-SLICE.log and $OUT/pytest-SLICE.xml (JUnit).
 # Expects the kernel bundle at .gpu (../shared/gpu/make-bundle.sh .gpu), or packages installed.
 set -uo pipefail
@@ -85,6 +87,7 @@ bench_step() {  # name, timeout, command...: one benchmark step, its log at $out
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
 if [ "$mode" = fi ]; then
+  bench_step metadata 60 python3 -m mla_backends bench --suite metadata --out "$out/metadata"
   bench_step plan 60 python3 -m mla_backends bench --suite fi-plan --batch 256 --out "$out/plan"
   bench_step decode 200 python3 -m mla_backends bench --suite anchors \
     --backends flashinfer_mla --peers raw_flashinfer_fa3 --prefill-tokens 0 --out "$out/decode"
@@ -96,6 +99,7 @@ elif [ "$mode" = triton ]; then
   bench_step decode 240 python3 -m mla_backends bench --suite anchors \
     --backends triton,flashmla --peers raw_flashmla --out "$out/decode"
 elif [ "$mode" = models ]; then
+  bench_step metadata 60 python3 -m mla_backends bench --suite metadata --out "$out/metadata"
   bench_step plan 60 python3 -m mla_backends bench --suite fi-plan --batch 256 --out "$out/plan"
   bench_step linear 120 python3 -m mla_backends bench --suite linear --out "$out/linear"
   bench_step stack ${STACK_TIMEOUT:-240} python3 -m mla_backends bench --suite stack \
@@ -140,7 +144,7 @@ elif [ "$mode" = suite ]; then
   # timing assertions run alone first; fla's autotuning (linear and Kimi tests) once a group
   TRITON_CACHE_AUTOTUNING=1 timeout ${SUITE_TIMEOUT:-570} python3 scripts/pytest_shards.py \
     --shards "${SHARDS:-12}" --timeout $((${SUITE_TIMEOUT:-570} - 15)) --cwd "$tree" \
-    ${SUITE_ARGS:---serial host_time --serial does_not_wait --group linear_hybrid --group kimi_linear} \
+    ${SUITE_ARGS:---serial does_not_wait --group linear_hybrid --group kimi_linear} \
     ${SUITE_IDS:+--ids-from "$SUITE_IDS"} --out "$out/suite-$label" -- "${select[@]}" \
     2>&1 | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
@@ -154,9 +158,15 @@ elif [ "$mode" = compare ]; then
   for round in $(seq "${COMPARE_ROUNDS:-2}"); do
     for side in before after; do
       dir=$tree && [ $side = after ] && dir=.
-      (cd "$dir" && PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 -m pytest -q -s \
-        -p no:cacheprovider tests/test_kernel_backends.py -k host_time 2>&1 |
-        grep -E "host time median|passed|failed" | tee -a "$out/host-time-$side.log")
+      if [ -f "$dir/mla_backends/bench/metadata.py" ]; then  # the benchmark, else the old test
+        (cd "$dir" && PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 -m mla_backends bench \
+          --suite metadata --out "$out/metadata-$side-$round" 2>&1 | grep " us (host)" |
+          tee -a "$out/host-time-$side.log")
+      else
+        (cd "$dir" && PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 -m pytest -q -s \
+          -p no:cacheprovider tests/test_kernel_backends.py -k host_time 2>&1 |
+          grep -E "host time median|passed|failed" | tee -a "$out/host-time-$side.log")
+      fi
     done
   done
   if [ -d "$tree/mla_backends/bench" ]; then  # a tree with the bench CLI: the same command

@@ -21,7 +21,7 @@ from conftest import GPU, PACKAGE_ROOT, Cli
 def test_bench_help(cli: Cli) -> None:
     proc = cli("bench", "--help")
     assert proc.returncode == 0 and "--graphs" in proc.stdout and "--kv-len" in proc.stdout
-    assert "--suite {grid,anchors,prefill,stack,linear,fi-plan,hopper}" in proc.stdout
+    assert "--suite {grid,anchors,prefill,stack,linear,fi-plan,metadata,hopper}" in proc.stdout
 
 
 def _tiny_args(tmp_path: Path) -> list[str]:
@@ -199,6 +199,8 @@ def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_pat
     "args, pattern",
     [
         (["--suite", "fi-plan"], r"config error: --suite fi-plan: 'flashinfer_mla' cannot run "),
+        (["--suite", "metadata"], r"config error: --suite metadata: 'flashinfer_mla' cannot run "),
+        (["--suite", "metadata", "--part", "fp8"], r"error: --part does not apply to --suite meta"),
         (["--suite", "linear", "--graphs"], r"error: --graphs does not apply to --suite linear"),
         (["--suite", "prefill", "--heads", "2,4"], r"--heads takes one value with --suite prefill"),
         (["--suite", "stack", "--backends", "flashmla"], r"--backends: 'flashmla' cannot run"),
@@ -208,6 +210,8 @@ def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_pat
     ],
     ids=[
         "fi-plan-needs-flashinfer",
+        "metadata-needs-a-gpu",
+        "metadata-options",
         "option-of-another-suite",
         "prefill-one-heads",
         "stack",
@@ -217,7 +221,7 @@ def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_pat
     ],
 )
 def test_bench_suite_refusals_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
-    if GPU and args[1] in ("fi-plan", "stack", "hopper"):
+    if GPU and args[1] in ("fi-plan", "metadata", "stack", "hopper"):
         pytest.skip("a GPU machine may run these")
     rc, out, err = _bench(tmp_path, *args)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)

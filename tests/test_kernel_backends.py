@@ -108,11 +108,12 @@ def test_gpu_flashinfer_strided_views_equal_contiguous(page: int) -> None:
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-def _metadata_host_times(name: str, sleep_first: bool, debug: bool = True) -> list[float]:
-    """Host seconds of init_forward_metadata for a decode batch of 256, sync debug on
-    (`debug`: any device-to-host sync raises). sleep_first queues ~25 ms of GPU work before
-    each call: a hidden sync would wait for it. A synchronize every third call keeps at
-    most 3 batches in flight, as in serving."""
+def _metadata_host_times(name: str) -> list[float]:
+    """Host seconds of init_forward_metadata for a decode batch of 256, sync debug "error"
+    (any device-to-host sync raises), each call behind ~25 ms of queued GPU work (a hidden
+    sync would wait for it). A synchronize every third call keeps at most 3 batches in
+    flight, as in serving. (The host time itself, which depends on the host CPU, is the
+    `bench --suite metadata` benchmark, not an assertion.)"""
     from mla_backends.bench.fixtures import decode_setup
 
     s = decode_setup(name, 16, 1, 256, 1024)
@@ -121,16 +122,14 @@ def _metadata_host_times(name: str, sleep_first: bool, debug: bool = True) -> li
         be.init_forward_metadata(s.batch)  # warm up (JIT, allocator)
     torch.cuda.synchronize()
     times = []
-    mode = "error" if debug else 0
-    torch.cuda.set_sync_debug_mode(mode)
+    torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(30):
             if i % 3 == 0:
                 torch.cuda.set_sync_debug_mode(0)
                 torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode(mode)
-            if sleep_first:
-                torch.cuda._sleep(50_000_000)
+                torch.cuda.set_sync_debug_mode("error")
+            torch.cuda._sleep(50_000_000)
             t0 = time.perf_counter()
             be.init_forward_metadata(s.batch)
             times.append(time.perf_counter() - t0)
@@ -143,24 +142,8 @@ def _metadata_host_times(name: str, sleep_first: bool, debug: bool = True) -> li
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
 def test_gpu_decode_metadata_does_not_wait_for_the_gpu(name: str) -> None:
-    times = _metadata_host_times(name, sleep_first=True)
+    times = _metadata_host_times(name)
     assert max(times) < 5e-3, f"{name}: a metadata call waited for the GPU ({max(times):.4f} s)"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flashinfer_mla", "flashmla"])
-def test_gpu_decode_metadata_host_time_under_100us(name: str) -> None:
-    """Timed with sync debug off, as a server runs; the no-sync check (debug "error") is the
-    test above. Both medians are printed: the debug mode's own checks cost host time."""
-    med = {}
-    for debug in (True, False):
-        times = sorted(_metadata_host_times(name, sleep_first=False, debug=debug))
-        med[debug] = times[len(times) // 2]
-    print(
-        f"{name}: init_forward_metadata host time median {med[False] * 1e6:.1f} us "
-        f"(sync debug 'error': {med[True] * 1e6:.1f} us) (batch 256)"
-    )
-    assert med[False] < 100e-6, f"{name}: metadata host time {med[False] * 1e6:.1f} us > 100 us"
 
 
 def test_flashinfer_host_lengths_equal_the_torch_indptrs() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from mla_backends.bench import anchors, fi_plan, grid, hopper, linear, prefill, stack
+from mla_backends.bench import anchors, fi_plan, grid, hopper, linear, metadata, prefill, stack
 from mla_backends.bench.options import SUITES, Options, backend_list, peer_list, shape_list
 from mla_backends.cli import add_config_argument, int_at_least, int_list
 from mla_backends.config import Config, load_config
@@ -19,6 +19,7 @@ RUN: dict[str, Callable[[Options, Config], None]] = {
     "stack": stack.run,
     "linear": linear.run,
     "fi-plan": fi_plan.run,
+    "metadata": metadata.run,
     "hopper": hopper.run,
 }
 assert set(RUN) == set(SUITES)

@@ -28,6 +28,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "stack": ("backends", "batch", "layers", "prompt", "steps", "stack_size"),
     "linear": ("batch", "heads", "head_dim"),
     "fi-plan": ("batch", "cprofile"),
+    "metadata": ("backends", "batch"),
     "hopper": ("part", "shapes"),
 }  # fmt: skip
 
