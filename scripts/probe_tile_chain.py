@@ -28,8 +28,11 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from probe_seesaw import Setup, paged_setup  # the same pool as the seesaw probe (scripts/)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -55,6 +58,8 @@ from mla_backends.kernels.gluon_tiles import (
     _whole_tiles,
 )
 from mla_backends.kernels.mla_attention import _merge
+
+SCALE = 1.0 / math.sqrt(192)
 
 MODES = {
     "full": 0,
@@ -290,22 +295,56 @@ def _diag_kernel(
     )
 
 
+@dataclass
+class Probe:
+    """One random decode batch (`probe_seesaw.paged_setup`: page 64, shuffled pages) with its
+    output buffers: `call` builds a launch of a Gluon kernel on it (and the split merge),
+    `flashmla_us` times raw FlashMLA on the same pool, table and queries."""
+
+    st: Setup
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def make(cls, h: int, b: int, kv: int, seed: int) -> Probe:
+        st = paged_setup(b, kv, seed, h=h)
+        out = torch.empty(b, h, 512, device=st.pool.device, dtype=torch.bfloat16)
+        return cls(st, out, torch.empty(b, h, device=st.pool.device))
+
+    def call(self, kern: Any, extra: Any, m_blocks: int, splits: int, block_m: int = 64) -> Any:
+        st, (b, h) = self.st, self.lse.shape
+        po = torch.empty(b * h * splits, 512, device=st.pool.device)
+        pl = torch.empty(b * h * splits, device=st.pool.device)
+        args = (st.qn, st.qr, st.pool, st.table, st.qo, st.lens, 64, SCALE * math.log2(math.e))
+
+        def run() -> None:
+            glu.launch(
+                *args, m_blocks, splits, self.out, self.lse, po, pl, kern, extra, block_m=block_m
+            )
+            if splits > 1:
+                _merge(po, pl, self.out, self.lse, splits)
+
+        return run
+
+    def flashmla_us(self) -> float:
+        from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+        st, (b, h) = self.st, self.lse.shape
+        q = torch.cat([st.qn, st.qr], -1).view(b, 1, h, 576)
+        tile, nsp = get_mla_metadata(st.lens, h, 1)
+        kc = st.pool.view(-1, 64, 1, 576)
+
+        def fm() -> object:
+            return flash_mla_with_kvcache(
+                q, kc, st.table, st.lens, 512, tile, nsp, SCALE, causal=True
+            )
+
+        return round(graph_us(fm), 1)
+
+
 def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
-    dev, h, page = torch.device("cuda"), 128, 64
-    g = torch.Generator(device=dev).manual_seed(b + kv)
-    n_pages = b * (kv // page) + 1
-    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
-    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1)
-    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
-    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
-    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
-    scale = 1.0 / math.sqrt(192)
-    out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
-    lse = torch.empty(b, h, device=dev)
-    po = torch.empty(b * h * splits, 512, device=dev)
-    pl = torch.empty(b * h * splits, device=dev)
-    args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), 2, splits)
+    """H128: the kernel, under register caps and with parts taken out (`MODES`)."""
+    pr = Probe.make(128, b, kv, b + kv)
     res: dict[str, float] = {"batch": b, "kv": kv, "splits": splits}
     ref = None
     variants = {"gluon": (None, None)}
@@ -318,75 +357,31 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
     only = _only()
     variants = {k: v for k, v in variants.items() if k == "gluon" or not only or k in only}
     for name, (kern, extra) in variants.items():
-        extra = None if extra is None else {**extra, "num_warps": 8}
-
-        def call(kern=kern, extra=extra) -> None:  # type: ignore[no-untyped-def]
-            glu.launch(*args, out, lse, po, pl, kern, extra)
-            if splits > 1:
-                _merge(po, pl, out, lse, splits)
-
+        call = pr.call(kern, None if extra is None else {**extra, "num_warps": 8}, 2, splits)
         call()
         torch.cuda.synchronize()
         if name == "gluon":
-            ref = out.float().clone()
+            ref = pr.out.float().clone()
         elif name == "full":
-            res["full_max_abs_diff"] = float((out.float() - ref).abs().max())
+            res["full_max_abs_diff"] = float((pr.out.float() - ref).abs().max())
         res[f"{name}_us"] = round(graph_us(call), 1)
-    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
-    q = torch.cat([qn, qr], -1).view(b, 1, h, 576)
-    tile, nsp = get_mla_metadata(lens, h, 1)
-    kc = pool.view(-1, page, 1, 576)
-    res["flashmla_us"] = round(
-        graph_us(
-            lambda: flash_mla_with_kvcache(q, kc, table, lens, 512, tile, nsp, scale, causal=True)
-        ),
-        1,
-    )
+    res["flashmla_us"] = pr.flashmla_us()
     res["tiles_a_cta"] = kv // 64 // splits
     return res
 
 
 def run_narrow(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
     """The narrow kernel (H16 / H32) under register caps, with FlashMLA, as `run_shape`."""
-    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
     from mla_backends.kernels import mla_attention_narrow as mn
 
-    dev, page = torch.device("cuda"), 64
-    g = torch.Generator(device=dev).manual_seed(b + kv + h)
-    n_pages = b * (kv // page) + 1
-    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
-    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1)
-    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
-    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
-    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
-    scale = 1.0 / math.sqrt(192)
-    out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
-    lse = torch.empty(b, h, device=dev)
-    po = torch.empty(b * h * splits, 512, device=dev)
-    pl = torch.empty(b * h * splits, device=dev)
-    args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), 1, splits)
+    pr = Probe.make(h, b, kv, b + kv + h)
     res: dict[str, float] = {"heads": h, "batch": b, "kv": kv, "splits": splits}
     for cap in (None, *CAPS):
         extra = {"STAGES": 2, "num_warps": 4, **({"maxnreg": cap} if cap else {})}
-
-        def call(extra=extra) -> None:  # type: ignore[no-untyped-def]
-            glu.launch(*args, out, lse, po, pl, mn._mla_attn_narrow_kernel, extra, block_m=h)
-            _merge(po, pl, out, lse, splits)
-
+        call = pr.call(mn._mla_attn_narrow_kernel, extra, 1, splits, block_m=h)
         call()
         res[f"narrow_maxnreg{cap}_us"] = round(graph_us(call), 1)
-    q = torch.cat([qn, qr], -1).view(b, 1, h, 576)
-    tile, nsp = get_mla_metadata(lens, h, 1)
-    kc = pool.view(-1, page, 1, 576)
-    res["flashmla_us"] = round(
-        graph_us(
-            lambda: flash_mla_with_kvcache(q, kc, table, lens, 512, tile, nsp, scale, causal=True)
-        ),
-        1,
-    )
+    res["flashmla_us"] = pr.flashmla_us()
     return res
 
 
@@ -394,54 +389,25 @@ def run_h64(b: int, kv: int, splits: int) -> dict[str, float]:
     """H64 through the 64-row kernel (one row block, `splits`) against the narrow kernel in
     two 32-row blocks (the second reads the request's tiles from L2) at half and the same
     splits, with FlashMLA."""
-    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
     from mla_backends.kernels import mla_attention_narrow as mn
 
-    dev, page, h = torch.device("cuda"), 64, 64
-    g = torch.Generator(device=dev).manual_seed(b + kv + h)
-    n_pages = b * (kv // page) + 1
-    pool = torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16()
-    table = (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1)
-    qn = torch.randn(b, h, 512, generator=g, device=dev).bfloat16()
-    qr = torch.randn(b, h, 64, generator=g, device=dev).bfloat16()
-    qo = torch.arange(b + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((b,), kv, device=dev, dtype=torch.int32)
-    scale = 1.0 / math.sqrt(192)
-    out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
-    lse = torch.empty(b, h, device=dev)
-    res: dict[str, float] = {"heads": h, "batch": b, "kv": kv, "splits": splits}
+    pr = Probe.make(64, b, kv, b + kv + 64)
+    res: dict[str, float] = {"heads": 64, "batch": b, "kv": kv, "splits": splits}
     ref = None
     runs = [("rows64", None, None, 1, 64, splits)]
     for sp in sorted({max(1, splits // 2), splits}):
         narrow = {"STAGES": 2, "num_warps": 4}
         runs.append((f"narrow32_splits{sp}", mn._mla_attn_narrow_kernel, narrow, 2, 32, sp))
     for name, kern, extra, mb, bm, sp in runs:
-        po = torch.empty(b * h * sp, 512, device=dev)
-        pl = torch.empty(b * h * sp, device=dev)
-        args = (qn, qr, pool, table, qo, lens, page, scale * math.log2(math.e), mb, sp)
-
-        def call(kern=kern, extra=extra, bm=bm, sp=sp, po=po, pl=pl, args=args) -> None:  # type: ignore[no-untyped-def]
-            glu.launch(*args, out, lse, po, pl, kern, extra, block_m=bm)
-            if sp > 1:
-                _merge(po, pl, out, lse, sp)
-
+        call = pr.call(kern, extra, mb, sp, block_m=bm)
         call()
         torch.cuda.synchronize()
         if ref is None:
-            ref = out.float().clone()
+            ref = pr.out.float().clone()
         else:
-            res[f"{name}_max_abs_diff"] = float((out.float() - ref).abs().max())
+            res[f"{name}_max_abs_diff"] = float((pr.out.float() - ref).abs().max())
         res[f"{name}_us"] = round(graph_us(call), 1)
-    q = torch.cat([qn, qr], -1).view(b, 1, h, 576)
-    tile, nsp = get_mla_metadata(lens, h, 1)
-    kc = pool.view(-1, page, 1, 576)
-    res["flashmla_us"] = round(
-        graph_us(
-            lambda: flash_mla_with_kvcache(q, kc, table, lens, 512, tile, nsp, scale, causal=True)
-        ),
-        1,
-    )
+    res["flashmla_us"] = pr.flashmla_us()
     return res
 
 
