@@ -141,7 +141,7 @@ elif [ "$mode" = suite ]; then
     read -ra select <<< "${SUITE_SELECT:--k gpu tests/}"
     export PYTHONPATH=$(cd "$tree" && pwd):$PYTHONPATH
   fi
-  # timing assertions run alone first; fla's autotuning (linear and Kimi tests) once a group
+  # the no-wait tests run alone first; fla's autotuning (linear and Kimi tests) once a group
   TRITON_CACHE_AUTOTUNING=1 timeout ${SUITE_TIMEOUT:-570} python3 scripts/pytest_shards.py \
     --shards "${SHARDS:-12}" --timeout $((${SUITE_TIMEOUT:-570} - 15)) --cwd "$tree" \
     ${SUITE_ARGS:---serial does_not_wait --group linear_hybrid --group kimi_linear} \
