@@ -13,6 +13,8 @@ keys, the output over its columns, a two-stage TMA ring), with parts taken out:
     early_return, tail, both   `full` plus the kernel's early return for a row block past
                 the request, its tail tile (not taken: whole tiles), or both: the kernel
                 less its merge
+    producer    `full` with its refills (page ids, expect, TMA) in a one-warp producer
+                partition: the consumers only hand slots back (not GPU-run yet)
 
 Timed against raw FlashMLA on one random pool (page 64, shuffled pages, bf16), CUDA-graph
 replay, µs; every split a whole number of tiles. GPU only (SM90).
@@ -55,6 +57,7 @@ from mla_backends.kernels.gluon_tiles import (
     _stage_q,
     _store_rows,
     _tail_tile,
+    _tma_load,
     _whole_tiles,
 )
 from mla_backends.kernels.mla_attention import _merge
@@ -72,6 +75,7 @@ MODES = {
     "no_rescale_max": 8,
     "no_rescale_exp": 9,
 }
+PRODUCER_REGS = 40  # the producer warp's registers (`gl.warp_specialize`)
 CAPS = (240, 224, 208)  # register caps on the kernel itself (it fits 208 without spilling)
 SHAPES = [(64, 4096, 1), (128, 8192, 1), (16, 32768, 4), (64, 16384, 1)]
 
@@ -295,6 +299,127 @@ def _diag_kernel(
     )
 
 
+@gluon.jit
+def _produce(
+    KDesc, KRDesc, Batch, k_smem, kr_smem, ready, free, b, lo, n_full, L: gl.constexpr,
+    PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The producer warp: TMA for whole tiles 2 .. n_full - 1 of the split, each into its
+    slot once the consumers handed it back (tiles 0 and 1 went out before the fork); the
+    tile's page id is loaded before the wait, so its round trip overlaps it."""
+    Table, stride_tab, _, _ = Batch
+    for j in range(2, n_full):
+        s = j % 2
+        start = lo + j * BLOCK_N
+        page = gl.load(Table + b * stride_tab + start // PAGE)
+        mbarrier.wait(free.index(s), ((j - 2) // 2) & 1)
+        row = page * PAGE + start % PAGE
+        mbarrier.expect(ready.index(s), KDesc.block_type.nbytes + KRDesc.block_type.nbytes)
+        _tma_load(KDesc, [row, 0], ready.index(s), k_smem.index(s))
+        _tma_load(KRDesc, [row, L], ready.index(s), kr_smem.index(s))
+
+
+@gluon.jit
+def _consume(
+    acc, m_i, l_i, q_smem, qr_smem, p_smem, k_smem, kr_smem, ready, free, lo, n_full, visible,
+    qk_scale_log2, S_L: gl.constexpr, O_L: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """`gluon_tiles._whole_tiles` (T False, two stages) with the refills left to the producer
+    warp: slot j % 2 is handed back (`free`) once P @ V(j) retired in every warp."""
+    if n_full > 0:
+        mbarrier.wait(ready.index(0), 0)
+        sc = _score(
+            q_smem, qr_smem, k_smem.index(0), kr_smem.index(0), S_L, BLOCK_M, BLOCK_N, False
+        )
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        acc, m_i, l_i = _soften(
+            acc, m_i, l_i, sc, p_smem, lo, visible, qk_scale_log2, S_L, O_L, BLOCK_N, False
+        )
+    for j in range(n_full - 1):
+        cur = j % 2
+        nxt = (j + 1) % 2
+        pv = _pv(p_smem, k_smem.index(cur), acc, False, True)
+        mbarrier.wait(ready.index(nxt), ((j + 1) // 2) & 1)
+        sc = _score(
+            q_smem, qr_smem, k_smem.index(nxt), kr_smem.index(nxt), S_L, BLOCK_M, BLOCK_N, False
+        )
+        acc = warpgroup_mma_wait(1, deps=[pv])
+        _barrier()  # every warp is done reading slot cur and P(j)
+        mbarrier.arrive(free.index(cur), count=1)
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        start = lo + (j + 1) * BLOCK_N
+        acc, m_i, l_i = _soften(
+            acc, m_i, l_i, sc, p_smem, start, visible, qk_scale_log2, S_L, O_L, BLOCK_N, False
+        )
+    if n_full > 0:
+        acc = _pv(p_smem, k_smem.index((n_full - 1) % 2), acc, False, False)
+        _barrier()
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _producer_kernel(
+    Q, Pool, KDesc, KRDesc, Batch, Dest, qk_scale_log2, H: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):  # fmt: skip
+    """`full` (whole tiles, no tail code) with the refills issued by a one-warp producer
+    partition (`gl.warp_specialize`): Gluon puts a partition barrier before every TMA copy
+    and expect, so in `full` each refill stops all eight consumer warps three more times;
+    here those barriers stay in the producer's warp, and page ids are loaded there too."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    mblk = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    q_start, q_len, seq, lo, hi = _bounds(
+        Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
+    )
+    n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    k_smem, kr_smem, ready = _open_ring(KDesc, KRDesc, Batch, b, lo, n_full, L, R, PAGE, BLOCK_N, 2)
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(free.index(i), count=1)
+    q_smem, qr_smem = _stage_q(Q, q_start, q_len, mblk, KDesc.dtype, LD_L, H, L, R, BLOCK_M)
+    p_smem = gl.allocate_shared_memory(
+        KDesc.dtype,
+        [BLOCK_M, BLOCK_N],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], KDesc.dtype),
+    )
+    fence_async_shared()
+    _barrier()
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
+    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+    acc, m_i, l_i = gl.warp_specialize(
+        [
+            (_consume, (acc, m_i, l_i, q_smem, qr_smem, p_smem, k_smem, kr_smem, ready, free, lo,
+                        n_full, visible, qk_scale_log2, S_L, O_L, BLOCK_M, BLOCK_N)),
+            (_produce, (KDesc, KRDesc, Batch, k_smem, kr_smem, ready, free, b, lo, n_full, L,
+                        PAGE, BLOCK_N)),
+        ],
+        [1],
+        [PRODUCER_REGS],
+    )  # fmt: skip
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    _store_rows(
+        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, False
+    )
+
+
 @dataclass
 class Probe:
     """One random decode batch (`probe_seesaw.paged_setup`: page 64, shuffled pages) with its
@@ -354,6 +479,7 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
             {"STAGES": 2, "maxnreg": cap},
         )
     variants.update({name: (_diag_kernel, {"MODE": mode}) for name, mode in MODES.items()})
+    variants["producer"] = (_producer_kernel, {"PRODUCER_REGS": PRODUCER_REGS})
     only = _only()
     variants = {k: v for k, v in variants.items() if k == "gluon" or not only or k in only}
     for name, (kern, extra) in variants.items():
@@ -362,8 +488,8 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
         torch.cuda.synchronize()
         if name == "gluon":
             ref = pr.out.float().clone()
-        elif name == "full":
-            res["full_max_abs_diff"] = float((pr.out.float() - ref).abs().max())
+        elif name in ("full", "producer"):
+            res[f"{name}_max_abs_diff"] = float((pr.out.float() - ref).abs().max())
         res[f"{name}_us"] = round(graph_us(call), 1)
     res["flashmla_us"] = pr.flashmla_us()
     res["tiles_a_cta"] = kv // 64 // splits
