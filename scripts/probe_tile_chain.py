@@ -23,6 +23,7 @@ replay, µs; every split a whole number of tiles. GPU only (SM90).
     python3 scripts/probe_tile_chain.py --only full,no_rescale   # those variants only
     python3 scripts/probe_tile_chain.py --narrow  # the narrow kernel (H16 / H32) under caps
     python3 scripts/probe_tile_chain.py --h64     # H64: the 64-row kernel or two narrow blocks
+    python3 scripts/probe_tile_chain.py --compile # its kernels for SM90 offline (no GPU)
 """
 
 from __future__ import annotations
@@ -547,7 +548,31 @@ def _only() -> set[str]:
     return set(args[args.index("--only") + 1].split(",")) if "--only" in args else set()
 
 
+def compile_offline() -> None:
+    """`--compile`: the probe's kernels for SM90 without a GPU (H128, bf16, page 64, one
+    split), one JSON line of registers / spills / shared memory each (`kernels.offline`)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_backends.kernels import offline
+
+    dt = glu._GL_DTYPES[torch.bfloat16]
+    desc = {w: f"tensordesc<bf16[64, {w}],{glu._smem_layout((64, w), dt)!r}>" for w in (512, 64)}
+    kernels = {
+        "full": (_diag_kernel, {"MODE": 0}),
+        "producer": (_producer_kernel, {"PRODUCER_REGS": PRODUCER_REGS}),
+    }
+    for name, (fn, extra) in kernels.items():
+        sig = offline.decode_signature("bf16", desc[512], desc[64])
+        const = dict(H=128, L=512, R=64, PAGE=64, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=1, **extra)
+        sig.update({"qk_scale_log2": "fp32", **{k: "constexpr" for k in const}})
+        src = GluonASTSource(fn, sig, const, offline.aligned(fn, sig))
+        print(json.dumps({"kernel": name, **offline.usage(offline.compile_sm90(src, 8))}))
+
+
 def main() -> None:
+    if "--compile" in sys.argv:
+        compile_offline()
+        return
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
     if "--h64" in sys.argv:
         for shape in H64_SHAPES:

@@ -67,6 +67,17 @@ def test_narrow_kernel_compiles_for_sm90_without_spills(dtype: str, rows: int) -
     assert use["wgmma"] == [f"m64n{rows}k16"], use
 
 
+def test_tile_probe_kernels_compile_for_sm90_without_spills() -> None:
+    """scripts/probe_tile_chain.py's kernels (the 64-row loop, and its variant with a one-warp
+    TMA producer partition, `gl.warp_specialize`) keep building for SM90: no spills, one
+    block's shared memory, the 64-row kernel's wgmma shapes."""
+    uses = {u["kernel"]: u for u in compile_usage("probe_tile_chain.py", "--compile")}
+    assert set(uses) == {"full", "producer"}, uses
+    for use in uses.values():
+        assert use["local"] == 0 and use["stack"] == 0 and use["shared"] <= SMEM_LIMIT, use
+        assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
+
+
 def _gluon_cases() -> list[Case]:
     """Rows the backend gives the 64-row Gluon kernel: H128, and H16 at q_len 3 (48 query
     rows), bf16 and fp16, pages 64 and 128, the core matrix's edge lengths and NaN."""
