@@ -386,23 +386,9 @@ def _tail_tile(
         k_buf, kr_buf = k_smem.index(0), kr_smem.index(0)
         _stage_tail(KV, stride_kv, Batch, b, start, hi, k_buf, kr_buf, LD_L, L, R, PAGE, BLOCK_N)
         acc, m_i, l_i = _attend(
-            acc,
-            m_i,
-            l_i,
-            q_smem,
-            qr_smem,
-            k_buf,
-            kr_buf,
-            p_smem,
-            start,
-            visible,
-            qk_scale_log2,
-            S_L,
-            O_L,
-            BLOCK_M,
-            BLOCK_N,
-            T,
-        )
+            acc, m_i, l_i, q_smem, qr_smem, k_buf, kr_buf, p_smem, start, visible, qk_scale_log2,
+            S_L, O_L, BLOCK_M, BLOCK_N, T,
+        )  # fmt: skip
     return acc, m_i, l_i
 
 

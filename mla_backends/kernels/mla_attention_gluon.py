@@ -128,30 +128,9 @@ def _mla_attn_gluon_kernel(
     l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
     acc, m_i, l_i = _whole_tiles(
-        acc,
-        m_i,
-        l_i,
-        q_smem,
-        qr_smem,
-        p_smem,
-        ring,
-        KDesc,
-        KRDesc,
-        Batch,
-        b,
-        lo,
-        n_full,
-        visible,
-        qk_scale_log2,
-        S_L,
-        O_L,
-        L,
-        PAGE,
-        BLOCK_M,
-        BLOCK_N,
-        STAGES,
-        False,
-    )
+        acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full,
+        visible, qk_scale_log2, S_L, O_L, L, PAGE, BLOCK_M, BLOCK_N, STAGES, False,
+    )  # fmt: skip
 
     # Hazard: kept live across the loop above, these were spilled at 255 registers (Triton 3.7
     # and 3.8); reloaded (volatile: not merged with the first loads) and recomputed instead.
@@ -162,30 +141,9 @@ def _mla_attn_gluon_kernel(
     visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
     start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _tail_tile(
-        acc,
-        m_i,
-        l_i,
-        q_smem,
-        qr_smem,
-        p_smem,
-        ring,
-        Pool,
-        Batch,
-        b,
-        start,
-        hi,
-        visible,
-        qk_scale_log2,
-        LD_L,
-        S_L,
-        O_L,
-        L,
-        R,
-        PAGE,
-        BLOCK_M,
-        BLOCK_N,
-        False,
-    )
+        acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, Pool, Batch, b, start, hi, visible,
+        qk_scale_log2, LD_L, S_L, O_L, L, R, PAGE, BLOCK_M, BLOCK_N, False,
+    )  # fmt: skip
     bars = ring[2]
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))

@@ -92,55 +92,13 @@ def _mla_attn_narrow_kernel(
     acc = gl.zeros([L, BLOCK_M], gl.float32, O_L)
 
     acc, m_i, l_i = _whole_tiles(
-        acc,
-        m_i,
-        l_i,
-        q_smem,
-        qr_smem,
-        p_smem,
-        ring,
-        KDesc,
-        KRDesc,
-        Batch,
-        b,
-        lo,
-        n_full,
-        visible,
-        qk_scale_log2,
-        S_L,
-        O_L,
-        L,
-        PAGE,
-        BLOCK_M,
-        BLOCK_N,
-        STAGES,
-        True,
-    )
+        acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full,
+        visible, qk_scale_log2, S_L, O_L, L, PAGE, BLOCK_M, BLOCK_N, STAGES, True,
+    )  # fmt: skip
     acc, m_i, l_i = _tail_tile(
-        acc,
-        m_i,
-        l_i,
-        q_smem,
-        qr_smem,
-        p_smem,
-        ring,
-        Pool,
-        Batch,
-        b,
-        lo + n_full * BLOCK_N,
-        hi,
-        visible,
-        qk_scale_log2,
-        LD_L,
-        S_L,
-        O_L,
-        L,
-        R,
-        PAGE,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-    )
+        acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, Pool, Batch, b, lo + n_full * BLOCK_N, hi,
+        visible, qk_scale_log2, LD_L, S_L, O_L, L, R, PAGE, BLOCK_M, BLOCK_N, True,
+    )  # fmt: skip
     bars = ring[2]
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
