@@ -75,8 +75,9 @@ MODES = {
     "no_rescale": 7,
     "no_rescale_max": 8,
     "no_rescale_exp": 9,
+    "producer": 10,
 }
-PRODUCER_REGS = 40  # the producer warp's registers (`gl.warp_specialize`)
+PRODUCER_REGS = gl.constexpr(40)  # the producer warp's registers (`gl.warp_specialize`)
 CAPS = (240, 224, 208)  # register caps on the kernel itself (it fits 208 without spilling)
 SHAPES = [(64, 4096, 1), (128, 8192, 1), (16, 32768, 4), (64, 16384, 1)]
 
@@ -263,7 +264,26 @@ def _diag_kernel(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
-    if MODE >= 7:
+    if MODE == 10:
+        # the refills in a one-warp producer partition (Gluon puts a partition barrier before
+        # every TMA copy and expect: here they stay in the producer's warp)
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(free.index(i), count=1)
+        fence_async_shared()
+        _barrier()
+        k_smem, kr_smem, ready = ring
+        acc, m_i, l_i = gl.warp_specialize(
+            [
+                (_consume, (acc, m_i, l_i, q_smem, qr_smem, p_smem, k_smem, kr_smem, ready, free,
+                            lo, n_full, visible, qk_scale_log2, S_L, O_L, BLOCK_M, BLOCK_N)),
+                (_produce, (KDesc, KRDesc, Batch, k_smem, kr_smem, ready, free, b, lo, n_full, L,
+                            PAGE, BLOCK_N)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )  # fmt: skip
+    elif MODE >= 7:
         acc, m_i, l_i = _tiles_no_rescale(
             acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, KDesc, KRDesc, Batch, b, lo, n_full,
             visible, qk_scale_log2, S_L, O_L, L, PAGE, BLOCK_M, BLOCK_N, MODE - 7,
@@ -359,68 +379,6 @@ def _consume(
     return acc, m_i, l_i
 
 
-@gluon.jit
-def _producer_kernel(
-    Q, Pool, KDesc, KRDesc, Batch, Dest, qk_scale_log2, H: gl.constexpr, L: gl.constexpr,
-    R: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_SPLITS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-):  # fmt: skip
-    """`full` (whole tiles, no tail code) with the refills issued by a one-warp producer
-    partition (`gl.warp_specialize`): Gluon puts a partition barrier before every TMA copy
-    and expect, so in `full` each refill stops all eight consumer warps three more times;
-    here those barriers stay in the producer's warp, and page ids are loaded there too."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
-    )
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    mblk = gl.program_id(0)
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    q_start, q_len, seq, lo, hi = _bounds(
-        Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
-    )
-    n_full = gl.maximum(hi - lo, 0) // BLOCK_N
-    k_smem, kr_smem, ready = _open_ring(KDesc, KRDesc, Batch, b, lo, n_full, L, R, PAGE, BLOCK_N, 2)
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(free.index(i), count=1)
-    q_smem, qr_smem = _stage_q(Q, q_start, q_len, mblk, KDesc.dtype, LD_L, H, L, R, BLOCK_M)
-    p_smem = gl.allocate_shared_memory(
-        KDesc.dtype,
-        [BLOCK_M, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], KDesc.dtype),
-    )
-    fence_async_shared()
-    _barrier()
-    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
-    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
-    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
-    acc, m_i, l_i = gl.warp_specialize(
-        [
-            (_consume, (acc, m_i, l_i, q_smem, qr_smem, p_smem, k_smem, kr_smem, ready, free, lo,
-                        n_full, visible, qk_scale_log2, S_L, O_L, BLOCK_M, BLOCK_N)),
-            (_produce, (KDesc, KRDesc, Batch, k_smem, kr_smem, ready, free, b, lo, n_full, L,
-                        PAGE, BLOCK_N)),
-        ],
-        [1],
-        [PRODUCER_REGS],
-    )  # fmt: skip
-    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
-    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
-    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
-    _store_rows(
-        Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, False
-    )
-
-
 @dataclass
 class Probe:
     """One random decode batch (`probe_seesaw.paged_setup`: page 64, shuffled pages) with its
@@ -480,7 +438,6 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
             {"STAGES": 2, "maxnreg": cap},
         )
     variants.update({name: (_diag_kernel, {"MODE": mode}) for name, mode in MODES.items()})
-    variants["producer"] = (_producer_kernel, {"PRODUCER_REGS": PRODUCER_REGS})
     only = _only()
     variants = {k: v for k, v in variants.items() if k == "gluon" or not only or k in only}
     for name, (kern, extra) in variants.items():
@@ -559,7 +516,7 @@ def compile_offline() -> None:
     desc = {w: f"tensordesc<bf16[64, {w}],{glu._smem_layout((64, w), dt)!r}>" for w in (512, 64)}
     kernels = {
         "full": (_diag_kernel, {"MODE": 0}),
-        "producer": (_producer_kernel, {"PRODUCER_REGS": PRODUCER_REGS}),
+        "producer": (_diag_kernel, {"MODE": MODES["producer"]}),
     }
     for name, (fn, extra) in kernels.items():
         sig = offline.decode_signature("bf16", desc[512], desc[64])
