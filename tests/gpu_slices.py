@@ -40,7 +40,7 @@ class Rule:
 SLICES: dict[str, str] = {
     "tests-1": "regressions (issue 15): zero-key MHA rows, fp32 Triton, Gluon compiles, routes",
     "tests-2": "triton bf16 / fp16: parity, batch sizes, MHA prefill, graph replays; the "
-    "narrow Gluon kernel's compiles",
+    "narrow Gluon kernel's and the tile probe's compiles",
     "tests-3": "triton FP8 parity; DeepSeek-V3 models; SGLang plug-in",
     "tests-4": "flashinfer_mla: parity, batch sizes, MHA prefill, graphs, metadata, schedule",
     "tests-5": "flashmla; DeepSeek-V3.2 sparse attention (DSA)",
@@ -62,11 +62,15 @@ RULES: list[Rule] = [
         ("test_backend_takes_narrow_kernel", "test_narrow_off_keeps_the_earlier_kernels"),
         seconds=5.0,
     ),
-    # tests-2: the narrow kernel's offline compiles (tests-1 holds the 64-row kernel's)
+    # tests-2: the narrow kernel's and the tile probe's offline compiles (tests-1 holds the
+    # 64-row kernel's)
     Rule(
         "tests-2",
         "test_gluon.py",
-        ("test_narrow_kernel_compiles_for_sm90_without_spills",),
+        (
+            "test_narrow_kernel_compiles_for_sm90_without_spills",
+            "test_tile_probe_kernels_compile_for_sm90_without_spills",
+        ),
         seconds=8.0,
         cpu=True,
     ),
