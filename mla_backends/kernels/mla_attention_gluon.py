@@ -45,7 +45,7 @@ from mla_backends.kernels.mla_attention import decode_args
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
 # Hazard: left to itself ptxas gives this kernel 250-255 registers (the tail tile's code
 # sets the peak) and schedules the tile loop worse with them. Capped at 224 (no spills at
-# bf16 or fp16, offline SM90) single-token decode ran 2-8 % faster at H128 on the H100, as
+# bf16 or fp16, offline SM90) single-token decode ran 2-10 % faster at H128 on the H100, as
 # fast as the kernel without its tail code; 208 gave part of it back, and q_len 2 grids ran
 # 0.5-2 % slower capped, so they keep ptxas's count (BENCHMARKS.md, twelfth session).
 MAXNREG = 224
