@@ -59,6 +59,7 @@ from mla_backends.kernels.gluon_tiles import (
     _store_rows,
     _tail_tile,
     _tma_load,
+    _visible,
     _whole_tiles,
 )
 from mla_backends.kernels.mla_attention import _merge
@@ -260,7 +261,7 @@ def _diag_kernel(
     fence_async_shared()
     _barrier()
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
-    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    visible = _visible(rows_s, seq, q_len, H)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
     acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
@@ -303,7 +304,7 @@ def _diag_kernel(
             Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, True
         )
         rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
-        visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+        visible = _visible(rows_s, seq, q_len, H)
         start = lo + gl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, m_i, l_i = _tail_tile(
             acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, Pool, Batch, b, start, hi, visible,

@@ -51,6 +51,13 @@ def _bounds(
 
 
 @gluon.jit
+def _visible(rows, seq, q_len, H: gl.constexpr):
+    """How many of the request's `seq` keys each query row (token, head) may see: its
+    token's causal limit (the last token sees all of them)."""
+    return gl.minimum(gl.maximum(seq - q_len + rows // H + 1, 0), seq)
+
+
+@gluon.jit
 def _open_ring(
     KDesc,
     KRDesc,

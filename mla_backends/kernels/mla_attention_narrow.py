@@ -31,6 +31,7 @@ from mla_backends.kernels.gluon_tiles import (
     _stage_q,
     _store_rows,
     _tail_tile,
+    _visible,
     _whole_tiles,
 )
 
@@ -86,7 +87,7 @@ def _mla_attn_narrow_kernel(
     _barrier()
 
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, S_L))
-    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    visible = _visible(rows_s, seq, q_len, H)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(0, S_L))
     l_i = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, S_L)
     acc = gl.zeros([L, BLOCK_M], gl.float32, O_L)

@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_backends.kernels.gluon_tiles import _bounds, _store_rows, _tma_load
+from mla_backends.kernels.gluon_tiles import _bounds, _store_rows, _tma_load, _visible
 
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -180,7 +180,7 @@ def _warpgroup(
     )
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW)
-    visible = gl.minimum(gl.maximum(seq - q_len + rows_s // H + 1, 0), seq)
+    visible = _visible(rows_s, seq, q_len, H)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_L)
