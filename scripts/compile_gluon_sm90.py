@@ -43,7 +43,7 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
 
         sig.update({k: "constexpr" for k in const})
         src = GluonASTSource(ms._seesaw_kernel, sig, const, offline.aligned(ms._seesaw_kernel, sig))
-        return triton.compile(src, target=offline.SM90, options={"num_warps": 4, "maxnreg": 240})
+        return triton.compile(src, target=offline.SM90, options=ms.EXTRA)
     const.update(STAGES=mg.STAGES)
     kernel_fn, warps = mg._mla_attn_gluon_kernel, 8
     cap = mg.launch_options(2 if kernel == "gluon_q2" else 1).get("maxnreg")
@@ -51,8 +51,8 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
         from mla_backends.kernels import mla_attention_narrow as mn
 
         rows = int(kernel[len("narrow") :])
-        const.update(H=rows, BLOCK_M=rows)
-        kernel_fn, warps, cap = mn._mla_attn_narrow_kernel, 4, None
+        const.update(H=rows, BLOCK_M=rows, STAGES=mn.EXTRA["STAGES"])
+        kernel_fn, warps, cap = mn.KERNEL, mn.EXTRA["num_warps"], None
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(kernel_fn, sig, const, offline.aligned(kernel_fn, sig))
     return offline.compile_sm90(src, num_warps=warps, maxnreg=cap)

@@ -462,8 +462,8 @@ def run_narrow(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
     pr = Probe.make(h, b, kv, b + kv + h)
     res: dict[str, float] = {"heads": h, "batch": b, "kv": kv, "splits": splits}
     for cap in (None, *CAPS):
-        extra = {"STAGES": 2, "num_warps": 4, **({"maxnreg": cap} if cap else {})}
-        call = pr.call(mn._mla_attn_narrow_kernel, extra, 1, splits, block_m=h)
+        extra = {**mn.EXTRA, **({"maxnreg": cap} if cap else {})}
+        call = pr.call(mn.KERNEL, extra, 1, splits, block_m=h)
         call()
         res[f"narrow_maxnreg{cap}_us"] = round(graph_us(call), 1)
     res["flashmla_us"] = pr.flashmla_us()
@@ -481,8 +481,7 @@ def run_h64(b: int, kv: int, splits: int) -> dict[str, float]:
     ref = None
     runs = [("rows64", None, None, 1, 64, splits)]
     for sp in sorted({max(1, splits // 2), splits}):
-        narrow = {"STAGES": 2, "num_warps": 4}
-        runs.append((f"narrow32_splits{sp}", mn._mla_attn_narrow_kernel, narrow, 2, 32, sp))
+        runs.append((f"narrow32_splits{sp}", mn.KERNEL, mn.EXTRA, 2, 32, sp))
     for name, kern, extra, mb, bm, sp in runs:
         call = pr.call(kern, extra, mb, sp, block_m=bm)
         call()

@@ -336,8 +336,7 @@ def mla_attention(
             if block_m in NARROW_ROWS:
                 from mla_backends.kernels import mla_attention_narrow as mn
 
-                rows, kernel = block_m, mn._mla_attn_narrow_kernel
-                extra = {"STAGES": mg.STAGES, "num_warps": 4}
+                rows, kernel, extra = block_m, mn.KERNEL, mn.EXTRA
             mg.launch(
                 q_nope,
                 q_rope,

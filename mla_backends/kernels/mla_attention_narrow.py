@@ -114,3 +114,9 @@ def _mla_attn_narrow_kernel(
     _store_rows(
         Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, True
     )
+
+
+# `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, block_m=16 | 32)` launches it:
+# one warpgroup, two 72 KB key stages (168 / 189 KB of shared memory at 16 / 32 rows).
+KERNEL = _mla_attn_narrow_kernel
+EXTRA = {"STAGES": 2, "num_warps": 4}
