@@ -333,21 +333,9 @@ def _whole_tiles(
         acc = warpgroup_mma_wait(1, deps=[pv])
         _barrier()  # every warp is done reading slot cur and P(j)
         _issue_tile(
-            KDesc,
-            KRDesc,
-            Batch,
-            k_smem,
-            kr_smem,
-            bars,
-            b,
-            lo,
-            j + STAGES,
-            n_full,
-            L,
-            PAGE,
-            BLOCK_N,
-            STAGES,
-        )
+            KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, j + STAGES, n_full, L, PAGE,
+            BLOCK_N, STAGES,
+        )  # fmt: skip
         sc = warpgroup_mma_wait(0, deps=[sc])
         start = lo + (j + 1) * BLOCK_N
         acc, m_i, l_i = _soften(
