@@ -14,7 +14,11 @@ keys, the output over its columns, a two-stage TMA ring), with parts taken out:
                 the request, its tail tile (not taken: whole tiles), or both: the kernel
                 less its merge
     producer    `full` with its refills (page ids, expect, TMA) in a one-warp producer
-                partition: the consumers only hand slots back (not GPU-run yet)
+                partition: the consumers only hand slots back
+    loads<S>, loads<S>_m1   the split's tiles streamed through a ring of S slots and
+                nothing else (each slot refilled as soon as its tile landed; no Q, no
+                GEMMs, no output): how fast one CTA's TMA can bring 72 KB tiles in, with both
+                64-row blocks of a request launched or only the first (_m1)
 
 Timed against raw FlashMLA on one random pool (page 64, shuffled pages, bf16), CUDA-graph
 replay, µs; every split a whole number of tiles. GPU only (SM90).
@@ -23,6 +27,8 @@ replay, µs; every split a whole number of tiles. GPU only (SM90).
     python3 scripts/probe_tile_chain.py --only full,no_rescale   # those variants only
     python3 scripts/probe_tile_chain.py --narrow  # the narrow kernel (H16 / H32) under caps
     python3 scripts/probe_tile_chain.py --h64     # H64: the 64-row kernel or two narrow blocks
+    python3 scripts/probe_tile_chain.py --loads   # small batches: the stream floor (loads only)
+    python3 scripts/probe_tile_chain.py --spin    # the stream with each slot held longer
     python3 scripts/probe_tile_chain.py --compile # its kernels for SM90 offline (no GPU)
 """
 
@@ -396,7 +402,16 @@ class Probe:
         out = torch.empty(b, h, 512, device=st.pool.device, dtype=torch.bfloat16)
         return cls(st, out, torch.empty(b, h, device=st.pool.device))
 
-    def call(self, kern: Any, extra: Any, m_blocks: int, splits: int, block_m: int = 64) -> Any:
+    def call(
+        self,
+        kern: Any,
+        extra: Any,
+        m_blocks: int,
+        splits: int,
+        block_m: int = 64,
+        k_box: int | None = None,
+        merge: bool = True,
+    ) -> Any:
         st, (b, h) = self.st, self.lse.shape
         po = torch.empty(b * h * splits, 512, device=st.pool.device)
         pl = torch.empty(b * h * splits, device=st.pool.device)
@@ -404,9 +419,9 @@ class Probe:
 
         def run() -> None:
             glu.launch(
-                *args, m_blocks, splits, self.out, self.lse, po, pl, kern, extra, block_m=block_m
+                *args, m_blocks, splits, self.out, self.lse, po, pl, kern, extra, k_box, block_m
             )
-            if splits > 1:
+            if splits > 1 and merge:
                 _merge(po, pl, self.out, self.lse, splits)
 
         return run
@@ -439,10 +454,13 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
             {"STAGES": 2, "maxnreg": cap},
         )
     variants.update({name: (_diag_kernel, {"MODE": mode}) for name, mode in MODES.items()})
+    for st in (2, 3):
+        variants[f"loads{st}"] = variants[f"loads{st}_m1"] = (_loads_kernel, {"STAGES": st})
     only = _only()
     variants = {k: v for k, v in variants.items() if k == "gluon" or not only or k in only}
     for name, (kern, extra) in variants.items():
-        call = pr.call(kern, None if extra is None else {**extra, "num_warps": 8}, 2, splits)
+        m_blocks = 1 if name.endswith("_m1") else 2
+        call = pr.call(kern, None if extra is None else {**extra, "num_warps": 8}, m_blocks, splits)
         call()
         torch.cuda.synchronize()
         if name == "gluon":
@@ -495,8 +513,253 @@ def run_h64(b: int, kv: int, splits: int) -> dict[str, float]:
     return res
 
 
+def run_loads(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
+    """`--loads`: the stream floor of a shape (`_loads_kernel`, two slots, the policy's
+    splits, and `_strided_loads_kernel`; `_flat_loads_kernel` over 128 or 132 CTAs; no
+    merge) against the kernel the backend takes there (narrow for H16 / H32, else
+    the 64-row kernel; with its merge and without) and FlashMLA."""
+    from mla_backends.kernels import mla_attention_narrow as mn
+
+    pr = Probe.make(h, b, kv, b + kv + h)
+    res: dict[str, float] = {"heads": h, "batch": b, "kv": kv, "splits": splits}
+    block_m = h if h <= 32 else 64
+    m_blocks = max(1, h // 64)
+    kern, extra = (mn.KERNEL, mn.EXTRA) if h <= 32 else (None, None)
+    for merge in (True, False):
+        call = pr.call(kern, extra, m_blocks, splits, block_m=block_m, merge=merge)
+        call()
+        res["kernel_us" if merge else "kernel_no_merge_us"] = round(graph_us(call), 1)
+    for name, kern in (("loads2", _loads_kernel), ("strided_loads2", _strided_loads_kernel)):
+        extra = {"STAGES": 2, "num_warps": 4}
+        call = pr.call(kern, extra, m_blocks, splits, block_m, merge=False)
+        call()
+        res[f"{name}_no_merge_us"] = round(graph_us(call), 1)
+    for ctas in (128, 132):  # one request's tiles in each of 128 / across 132 CTAs
+        res[f"flat_loads2_ctas{ctas}_us"] = flat_loads_us(pr, ctas)
+    res["flashmla_us"] = pr.flashmla_us()
+    res["stream_us"] = round(b * kv * 576 * 2 / 2.63e6, 1)  # at the B64 kv 4k loads' rate
+    return res
+
+
+LOADS_SHAPES = [(16, 16, 4096, 8), (32, 16, 4096, 8), (64, 16, 4096, 8), (16, 64, 4096, 2),
+                (128, 64, 4096, 1), (128, 16, 4096, 4), (128, 4, 32768, 16)]  # fmt: skip
+
+
+def run_spin(b: int, kv: int, splits: int) -> dict[str, float]:
+    """`--spin`: `_loads_kernel` (H16 rows, no merge) with 2 or 3 slots and a slot held for
+    SPIN dependent FMAs a tile: how the stream of a split grid slows as each tile's slot is
+    held longer, with a ring of two tiles (every kernel here) or three."""
+    pr = Probe.make(16, b, kv, b + kv)
+    res: dict[str, float] = {"batch": b, "kv": kv, "splits": splits}
+    for stages in (2, 3):
+        for spin in SPINS:
+            extra = {"STAGES": stages, "SPIN": spin, "num_warps": 4}
+            call = pr.call(_loads_kernel, extra, 1, splits, 16, merge=False)
+            call()
+            res[f"stages{stages}_spin{spin}_us"] = round(graph_us(call), 1)
+    return res
+
+
+SPINS = (0, 256, 512, 1024, 2048)
+SPIN_SHAPES = [(1, 4096, 1), (16, 4096, 8), (64, 4096, 2)]
 H64_SHAPES = [(16, 4096, 8), (64, 4096, 2), (16, 32768, 8), (64, 32768, 2), (256, 4096, 1)]
 NARROW_SHAPES = [(16, 16, 4096, 8), (32, 16, 4096, 8), (32, 64, 4096, 2), (16, 64, 4096, 2)]
+
+
+@gluon.jit
+def _issue_boxes(
+    KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, j, n_full, L: gl.constexpr,
+    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """`gluon_tiles._issue_tile` in KDesc's boxes (L // box latent copies, then the rope)."""
+    Table, stride_tab, _, _ = Batch
+    W: gl.constexpr = KDesc.block_type.shape[1]
+    pred = j < n_full
+    start = lo + j * BLOCK_N
+    page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
+    row = page * PAGE + start % PAGE
+    s = j % STAGES
+    bar = bars.index(s)
+    nbytes: gl.constexpr = (L // W) * KDesc.block_type.nbytes + KRDesc.block_type.nbytes
+    mbarrier.expect(bar, nbytes, pred)
+    for c in gl.static_range(L // W):
+        _tma_load(KDesc, [row, c * W], bar, k_smem.index(s).slice(c * W, W, dim=1), pred)
+    _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+
+
+@gluon.jit
+def _loads_kernel(
+    Q, Pool, KDesc, KRDesc, Batch, Dest, qk_scale_log2, H: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, SPIN: gl.constexpr = 0,
+):  # fmt: skip
+    """The split's whole tiles through a ring of STAGES slots, each refilled with the tile
+    STAGES ahead as soon as its tile landed: the CTA's TMA rate alone (writes nothing);
+    the latent part in KDesc's boxes (`launch(k_box=...)`). SPIN: a chain of that many
+    dependent FMAs between a tile's arrival and its slot's refill, standing in for the
+    time a kernel holds a slot to compute on it."""
+    mblk = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    _, _, _, lo, hi = _bounds(Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False)
+    n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    dtype: gl.constexpr = KDesc.dtype
+    k_smem = gl.allocate_shared_memory(
+        dtype, [STAGES, BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    )
+    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], KRDesc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    for i in gl.static_range(STAGES):
+        _issue_boxes(
+            KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, i, n_full, L, PAGE, BLOCK_N,
+            STAGES,
+        )  # fmt: skip
+    x = qk_scale_log2 * 0.0
+    for j in range(n_full):
+        s = j % STAGES
+        mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+        for _ in range(SPIN):
+            x = x * 0.999 + 1.0
+        _barrier()
+        _issue_boxes(
+            KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, j + STAGES, n_full, L, PAGE,
+            BLOCK_N, STAGES,
+        )  # fmt: skip
+    if SPIN > 0:  # keeps the chain (x tends to 1000, never stored)
+        gl.store(Batch[0], x.to(gl.int32), mask=x == 12345.0)
+
+
+@gluon.jit
+def _flat_issue(
+    KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, t, n, i, per_req,
+    L: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """TMA for the CTA's i-th tile, flat tile t of the batch (request t // per_req), into
+    slot i % STAGES (skipped past the CTA's n tiles)."""
+    pred = i < n
+    page = gl.load(Table + (t // per_req) * stride_tab + t % per_req, mask=pred, other=0)
+    bar = bars.index(i % STAGES)
+    mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, pred)
+    _tma_load(KDesc, [page * PAGE, 0], bar, k_smem.index(i % STAGES), pred)
+    _tma_load(KRDesc, [page * PAGE, L], bar, kr_smem.index(i % STAGES), pred)
+
+
+@gluon.jit
+def _flat_loads_kernel(
+    KDesc, KRDesc, Table, stride_tab, n_tiles, per_req, L: gl.constexpr, R: gl.constexpr,
+    PAGE: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """`_loads_kernel` over FlashMLA's kind of grid: the batch's tiles as one flat list, CTA
+    c streaming its contiguous share [c T / P, (c + 1) T / P) across request boundaries."""
+    c = gl.program_id(0)
+    progs = gl.num_programs(0)
+    lo = c * n_tiles // progs
+    n = (c + 1) * n_tiles // progs - lo
+    dtype: gl.constexpr = KDesc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, PAGE, L], KDesc.layout)
+    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, PAGE, R], KRDesc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    for i in gl.static_range(STAGES):
+        _flat_issue(
+            KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, lo + i, n, i, per_req, L,
+            PAGE, STAGES,
+        )  # fmt: skip
+    for j in range(n):
+        mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
+        _barrier()
+        _flat_issue(
+            KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, lo + j + STAGES, n,
+            j + STAGES, per_req, L, PAGE, STAGES,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _strided_issue(
+    KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, tile, page, ok, i,
+    L: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """TMA of key tile `tile` of request b (its page id `page` already loaded) into slot
+    i % STAGES when `ok`."""
+    row = page * PAGE + (tile * BLOCK_N) % PAGE
+    bar = bars.index(i % STAGES)
+    mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, ok)
+    _tma_load(KDesc, [row, 0], bar, k_smem.index(i % STAGES), ok)
+    _tma_load(KRDesc, [row, L], bar, kr_smem.index(i % STAGES), ok)
+
+
+@gluon.jit
+def _strided_loads_kernel(
+    Q, Pool, KDesc, KRDesc, Batch, Dest, qk_scale_log2, H: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """`_loads_kernel` with split s taking tiles s, s + NUM_SPLITS, ... of its request: the
+    page ids of its first STAGES tiles depend only on (request, split), so they load beside
+    the request's length instead of after it (one dependent round trip fewer before the
+    first TMA). Decode only (one query token)."""
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    Table, stride_tab, _, SeqLens = Batch
+    width = stride_tab  # the table's row: page ids past the request are read, never used
+    dtype: gl.constexpr = KDesc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], KDesc.layout)
+    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], KRDesc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    gl.static_assert(STAGES == 2, "two slots")
+    t1 = split + NUM_SPLITS
+    page0 = gl.load(Table + b * stride_tab + gl.minimum(split * BLOCK_N // PAGE, width - 1))
+    page1 = gl.load(Table + b * stride_tab + gl.minimum(t1 * BLOCK_N // PAGE, width - 1))
+    seq = gl.load(SeqLens + b)
+    n = gl.maximum(seq // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
+    _strided_issue(
+        KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, split, page0, 0 < n, 0, L,
+        PAGE, BLOCK_N, STAGES,
+    )  # fmt: skip
+    _strided_issue(
+        KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, t1, page1, 1 < n, 1, L,
+        PAGE, BLOCK_N, STAGES,
+    )  # fmt: skip
+    for j in range(n):
+        mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
+        _barrier()
+        tile = split + (j + STAGES) * NUM_SPLITS
+        ok = j + STAGES < n
+        page = gl.load(Table + b * stride_tab + tile * BLOCK_N // PAGE, mask=ok, other=0)
+        _strided_issue(
+            KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, tile, page, ok,
+            j + STAGES, L, PAGE, BLOCK_N, STAGES,
+        )  # fmt: skip
+
+
+def flat_loads_us(pr: Probe, ctas: int) -> float:
+    """`_flat_loads_kernel` on the probe's pool (page 64, every request as long) over `ctas`
+    CTAs, graph replay µs."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    pool, table = pr.st.pool, pr.st.table
+    dt = glu._GL_DTYPES[pool.dtype]
+    k_desc, kr_desc = (
+        TensorDescriptor(pool, list(pool.shape), [576, 1], [64, w], glu._smem_layout((64, w), dt))
+        for w in (512, 64)
+    )
+
+    def run() -> None:
+        _flat_loads_kernel[(ctas,)](
+            k_desc, kr_desc, table, table.stride(0), table.numel(), table.shape[1], L=512,
+            R=64, PAGE=64, STAGES=2, num_warps=4,
+        )  # fmt: skip
+
+    run()
+    return round(graph_us(run), 1)
 
 
 def _only() -> set[str]:
@@ -514,12 +777,13 @@ def compile_offline() -> None:
 
     dt = glu._GL_DTYPES[torch.bfloat16]
     desc = {w: f"tensordesc<bf16[64, {w}],{glu._smem_layout((64, w), dt)!r}>" for w in (512, 64)}
-    kernels = {
-        "full": (_diag_kernel, {"MODE": 0}),
-        "producer": (_diag_kernel, {"MODE": MODES["producer"]}),
+    kernels = {  # name: (kernel, constexprs, latent TMA box)
+        "full": (_diag_kernel, {"MODE": 0}, 512),
+        "producer": (_diag_kernel, {"MODE": MODES["producer"]}, 512),
+        "loads": (_loads_kernel, {"STAGES": 2}, 64),
     }
-    for name, (fn, extra) in kernels.items():
-        sig = offline.decode_signature("bf16", desc[512], desc[64])
+    for name, (fn, extra, box) in kernels.items():
+        sig = offline.decode_signature("bf16", desc[box], desc[64])
         const = dict(H=128, L=512, R=64, PAGE=64, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=1, **extra)
         sig.update({"qk_scale_log2": "fp32", **{k: "constexpr" for k in const}})
         src = GluonASTSource(fn, sig, const, offline.aligned(fn, sig))
@@ -531,6 +795,14 @@ def main() -> None:
         compile_offline()
         return
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
+    if "--spin" in sys.argv:
+        for shape in SPIN_SHAPES:
+            print(json.dumps(run_spin(*shape)), flush=True)
+        return
+    if "--loads" in sys.argv:
+        for shape in LOADS_SHAPES:
+            print(json.dumps(run_loads(*shape)), flush=True)
+        return
     if "--h64" in sys.argv:
         for shape in H64_SHAPES:
             print(json.dumps(run_h64(*shape)), flush=True)
