@@ -780,7 +780,7 @@ def compile_offline() -> None:
     kernels = {  # name: (kernel, constexprs, latent TMA box)
         "full": (_diag_kernel, {"MODE": 0}, 512),
         "producer": (_diag_kernel, {"MODE": MODES["producer"]}, 512),
-        "loads": (_loads_kernel, {"STAGES": 2}, 64),
+        "loads": (_loads_kernel, {"STAGES": 2, "SPIN": 0}, 64),
     }
     for name, (fn, extra, box) in kernels.items():
         sig = offline.decode_signature("bf16", desc[box], desc[64])
