@@ -567,24 +567,49 @@ NARROW_SHAPES = [(16, 16, 4096, 8), (32, 16, 4096, 8), (32, 64, 4096, 2), (16, 6
 
 
 @gluon.jit
-def _issue_boxes(
-    KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, j, n_full, L: gl.constexpr,
-    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _empty_ring(KDesc, KRDesc, L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """(k_smem, kr_smem, bars): `gluon_tiles._open_ring`'s slots and barriers with nothing
+    issued; the latent slots in the whole row's layout, whatever KDesc's box."""
+    dtype: gl.constexpr = KDesc.dtype
+    k_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], k_l)
+    kr_smem = gl.allocate_shared_memory(
+        dtype, [STAGES, BLOCK_N, KRDesc.block_type.shape[1]], KRDesc.layout
+    )
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    return k_smem, kr_smem, bars
+
+
+@gluon.jit
+def _issue_row(
+    KDesc, KRDesc, ring, row, ok, i, L: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """`gluon_tiles._issue_tile` in KDesc's boxes (L // box latent copies, then the rope)."""
-    Table, stride_tab, _, _ = Batch
+    """TMA of the 64-key tile at pool row `row` into slot i % STAGES when `ok`: the latent
+    part in KDesc's boxes (L // box copies), then the rope."""
+    k_smem, kr_smem, bars = ring
     W: gl.constexpr = KDesc.block_type.shape[1]
+    s = i % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, (L // W) * KDesc.block_type.nbytes + KRDesc.block_type.nbytes, ok)
+    for c in gl.static_range(L // W):
+        _tma_load(KDesc, [row, c * W], bar, k_smem.index(s).slice(c * W, W, dim=1), ok)
+    _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), ok)
+
+
+@gluon.jit
+def _issue_boxes(
+    KDesc, KRDesc, Batch, ring, b, lo, j, n_full, L: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """`gluon_tiles._issue_tile` through `_issue_row` (KDesc's boxes)."""
+    Table, stride_tab, _, _ = Batch
     pred = j < n_full
     start = lo + j * BLOCK_N
     page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
-    row = page * PAGE + start % PAGE
-    s = j % STAGES
-    bar = bars.index(s)
-    nbytes: gl.constexpr = (L // W) * KDesc.block_type.nbytes + KRDesc.block_type.nbytes
-    mbarrier.expect(bar, nbytes, pred)
-    for c in gl.static_range(L // W):
-        _tma_load(KDesc, [row, c * W], bar, k_smem.index(s).slice(c * W, W, dim=1), pred)
-    _tma_load(KRDesc, [row, L], bar, kr_smem.index(s), pred)
+    _issue_row(KDesc, KRDesc, ring, page * PAGE + start % PAGE, pred, j, L, STAGES)
 
 
 @gluon.jit
@@ -603,54 +628,26 @@ def _loads_kernel(
     split = gl.program_id(2)
     _, _, _, lo, hi = _bounds(Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False)
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
-    dtype: gl.constexpr = KDesc.dtype
-    k_smem = gl.allocate_shared_memory(
-        dtype, [STAGES, BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
-    )
-    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], KRDesc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ring = _empty_ring(KDesc, KRDesc, L, BLOCK_N, STAGES)
     for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-    for i in gl.static_range(STAGES):
-        _issue_boxes(
-            KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, i, n_full, L, PAGE, BLOCK_N,
-            STAGES,
-        )  # fmt: skip
+        _issue_boxes(KDesc, KRDesc, Batch, ring, b, lo, i, n_full, L, PAGE, BLOCK_N, STAGES)
     x = qk_scale_log2 * 0.0
     for j in range(n_full):
-        s = j % STAGES
-        mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+        mbarrier.wait(ring[2].index(j % STAGES), (j // STAGES) & 1)
         for _ in range(SPIN):
             x = x * 0.999 + 1.0
         _barrier()
         _issue_boxes(
-            KDesc, KRDesc, Batch, k_smem, kr_smem, bars, b, lo, j + STAGES, n_full, L, PAGE,
-            BLOCK_N, STAGES,
-        )  # fmt: skip
+            KDesc, KRDesc, Batch, ring, b, lo, j + STAGES, n_full, L, PAGE, BLOCK_N, STAGES
+        )
     if SPIN > 0:  # keeps the chain (x tends to 1000, never stored)
         gl.store(Batch[0], x.to(gl.int32), mask=x == 12345.0)
 
 
 @gluon.jit
-def _flat_issue(
-    KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, t, n, i, per_req,
-    L: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-):  # fmt: skip
-    """TMA for the CTA's i-th tile, flat tile t of the batch (request t // per_req), into
-    slot i % STAGES (skipped past the CTA's n tiles)."""
-    pred = i < n
-    page = gl.load(Table + (t // per_req) * stride_tab + t % per_req, mask=pred, other=0)
-    bar = bars.index(i % STAGES)
-    mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, pred)
-    _tma_load(KDesc, [page * PAGE, 0], bar, k_smem.index(i % STAGES), pred)
-    _tma_load(KRDesc, [page * PAGE, L], bar, kr_smem.index(i % STAGES), pred)
-
-
-@gluon.jit
 def _flat_loads_kernel(
-    KDesc, KRDesc, Table, stride_tab, n_tiles, per_req, L: gl.constexpr, R: gl.constexpr,
-    PAGE: gl.constexpr, STAGES: gl.constexpr,
+    KDesc, KRDesc, Table, stride_tab, n_tiles, per_req, L: gl.constexpr, PAGE: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """`_loads_kernel` over FlashMLA's kind of grid: the batch's tiles as one flat list, CTA
     c streaming its contiguous share [c T / P, (c + 1) T / P) across request boundaries."""
@@ -658,39 +655,15 @@ def _flat_loads_kernel(
     progs = gl.num_programs(0)
     lo = c * n_tiles // progs
     n = (c + 1) * n_tiles // progs - lo
-    dtype: gl.constexpr = KDesc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, PAGE, L], KDesc.layout)
-    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, PAGE, R], KRDesc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-    for i in gl.static_range(STAGES):
-        _flat_issue(
-            KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, lo + i, n, i, per_req, L,
-            PAGE, STAGES,
-        )  # fmt: skip
-    for j in range(n):
-        mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
-        _barrier()
-        _flat_issue(
-            KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, lo + j + STAGES, n,
-            j + STAGES, per_req, L, PAGE, STAGES,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _strided_issue(
-    KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, tile, page, ok, i,
-    L: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-):  # fmt: skip
-    """TMA of key tile `tile` of request b (its page id `page` already loaded) into slot
-    i % STAGES when `ok`."""
-    row = page * PAGE + (tile * BLOCK_N) % PAGE
-    bar = bars.index(i % STAGES)
-    mbarrier.expect(bar, KDesc.block_type.nbytes + KRDesc.block_type.nbytes, ok)
-    _tma_load(KDesc, [row, 0], bar, k_smem.index(i % STAGES), ok)
-    _tma_load(KRDesc, [row, L], bar, kr_smem.index(i % STAGES), ok)
+    ring = _empty_ring(KDesc, KRDesc, L, PAGE, STAGES)
+    for j in range(-STAGES, n):  # the first STAGES issues, then a refill per tile landed
+        if j >= 0:
+            mbarrier.wait(ring[2].index(j % STAGES), (j // STAGES) & 1)
+            _barrier()
+        i = j + STAGES
+        t = lo + i
+        page = gl.load(Table + (t // per_req) * stride_tab + t % per_req, mask=i < n, other=0)
+        _issue_row(KDesc, KRDesc, ring, page * PAGE, i < n, i, L, STAGES)
 
 
 @gluon.jit
@@ -700,44 +673,30 @@ def _strided_loads_kernel(
     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """`_loads_kernel` with split s taking tiles s, s + NUM_SPLITS, ... of its request: the
-    page ids of its first STAGES tiles depend only on (request, split), so they load beside
+    page ids of its first two tiles depend only on (request, split), so they load beside
     the request's length instead of after it (one dependent round trip fewer before the
     first TMA). Decode only (one query token)."""
+    gl.static_assert(STAGES == 2, "two slots")
     b = gl.program_id(1)
     split = gl.program_id(2)
     Table, stride_tab, _, SeqLens = Batch
-    width = stride_tab  # the table's row: page ids past the request are read, never used
-    dtype: gl.constexpr = KDesc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], KDesc.layout)
-    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], KRDesc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-    gl.static_assert(STAGES == 2, "two slots")
+    row_b = Table + b * stride_tab  # page ids past the request are read (within the row),
+    last = stride_tab - 1  # never used
+    ring = _empty_ring(KDesc, KRDesc, L, BLOCK_N, STAGES)
     t1 = split + NUM_SPLITS
-    page0 = gl.load(Table + b * stride_tab + gl.minimum(split * BLOCK_N // PAGE, width - 1))
-    page1 = gl.load(Table + b * stride_tab + gl.minimum(t1 * BLOCK_N // PAGE, width - 1))
+    page0 = gl.load(row_b + gl.minimum(split * BLOCK_N // PAGE, last))
+    page1 = gl.load(row_b + gl.minimum(t1 * BLOCK_N // PAGE, last))
     seq = gl.load(SeqLens + b)
     n = gl.maximum(seq // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
-    _strided_issue(
-        KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, split, page0, 0 < n, 0, L,
-        PAGE, BLOCK_N, STAGES,
-    )  # fmt: skip
-    _strided_issue(
-        KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, t1, page1, 1 < n, 1, L,
-        PAGE, BLOCK_N, STAGES,
-    )  # fmt: skip
+    _issue_row(KDesc, KRDesc, ring, page0 * PAGE + split * BLOCK_N % PAGE, 0 < n, 0, L, 2)
+    _issue_row(KDesc, KRDesc, ring, page1 * PAGE + t1 * BLOCK_N % PAGE, 1 < n, 1, L, 2)
     for j in range(n):
-        mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.wait(ring[2].index(j % 2), (j // 2) & 1)
         _barrier()
-        tile = split + (j + STAGES) * NUM_SPLITS
-        ok = j + STAGES < n
-        page = gl.load(Table + b * stride_tab + tile * BLOCK_N // PAGE, mask=ok, other=0)
-        _strided_issue(
-            KDesc, KRDesc, Table, stride_tab, k_smem, kr_smem, bars, b, tile, page, ok,
-            j + STAGES, L, PAGE, BLOCK_N, STAGES,
-        )  # fmt: skip
+        tile = split + (j + 2) * NUM_SPLITS
+        ok = j + 2 < n
+        page = gl.load(row_b + tile * BLOCK_N // PAGE, mask=ok, other=0)
+        _issue_row(KDesc, KRDesc, ring, page * PAGE + tile * BLOCK_N % PAGE, ok, j + 2, L, 2)
 
 
 def flat_loads_us(pr: Probe, ctas: int) -> float:
@@ -755,7 +714,7 @@ def flat_loads_us(pr: Probe, ctas: int) -> float:
     def run() -> None:
         _flat_loads_kernel[(ctas,)](
             k_desc, kr_desc, table, table.stride(0), table.numel(), table.shape[1], L=512,
-            R=64, PAGE=64, STAGES=2, num_warps=4,
+            PAGE=64, STAGES=2, num_warps=4,
         )  # fmt: skip
 
     run()
@@ -795,24 +754,15 @@ def main() -> None:
         compile_offline()
         return
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
-    if "--spin" in sys.argv:
-        for shape in SPIN_SHAPES:
-            print(json.dumps(run_spin(*shape)), flush=True)
-        return
-    if "--loads" in sys.argv:
-        for shape in LOADS_SHAPES:
-            print(json.dumps(run_loads(*shape)), flush=True)
-        return
-    if "--h64" in sys.argv:
-        for shape in H64_SHAPES:
-            print(json.dumps(run_h64(*shape)), flush=True)
-        return
-    if "--narrow" in sys.argv:
-        for shape in NARROW_SHAPES:
-            print(json.dumps(run_narrow(*shape)), flush=True)
-        return
-    for shape in SHAPES:
-        print(json.dumps(run_shape(*shape)), flush=True)
+    runs: dict[str, tuple[Any, list[tuple[int, ...]]]] = {
+        "--spin": (run_spin, SPIN_SHAPES),
+        "--loads": (run_loads, LOADS_SHAPES),
+        "--h64": (run_h64, H64_SHAPES),
+        "--narrow": (run_narrow, NARROW_SHAPES),
+    }
+    run, shapes = next((v for k, v in runs.items() if k in sys.argv), (run_shape, SHAPES))
+    for shape in shapes:
+        print(json.dumps(run(*shape)), flush=True)
 
 
 if __name__ == "__main__":
