@@ -27,7 +27,7 @@ replay, µs; every split a whole number of tiles. GPU only (SM90).
     python3 scripts/probe_tile_chain.py --only full,no_rescale   # those variants only
     python3 scripts/probe_tile_chain.py --narrow  # the narrow kernel (H16 / H32) under caps
     python3 scripts/probe_tile_chain.py --h64     # H64: the 64-row kernel or two narrow blocks
-    python3 scripts/probe_tile_chain.py --loads   # small batches: the stream floor (loads only)
+    python3 scripts/probe_tile_chain.py --loads   # each row's stream floor (loads, no compute)
     python3 scripts/probe_tile_chain.py --spin    # the stream with each slot held longer
     python3 scripts/probe_tile_chain.py --compile # its kernels for SM90 offline (no GPU)
 """
