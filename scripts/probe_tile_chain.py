@@ -515,9 +515,10 @@ def run_h64(b: int, kv: int, splits: int) -> dict[str, float]:
 
 def run_loads(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
     """`--loads`: the stream floor of a shape (`_loads_kernel`, two slots, the policy's
-    splits, and `_strided_loads_kernel`; `_flat_loads_kernel` over 128 or 132 CTAs; no
-    merge) against the kernel the backend takes there (narrow for H16 / H32, else
-    the 64-row kernel; with its merge and without) and FlashMLA."""
+    splits, the latent part in one copy or in 256- / 64-column TMA boxes, and
+    `_strided_loads_kernel`; `_flat_loads_kernel` over 128 or 132 CTAs; no merge) against
+    the kernel the backend takes there (narrow for H16 / H32, else the 64-row kernel; with
+    its merge and without) and FlashMLA."""
     from mla_backends.kernels import mla_attention_narrow as mn
 
     pr = Probe.make(h, b, kv, b + kv + h)
@@ -529,9 +530,11 @@ def run_loads(h: int, b: int, kv: int, splits: int) -> dict[str, float]:
         call = pr.call(kern, extra, m_blocks, splits, block_m=block_m, merge=merge)
         call()
         res["kernel_us" if merge else "kernel_no_merge_us"] = round(graph_us(call), 1)
-    for name, kern in (("loads2", _loads_kernel), ("strided_loads2", _strided_loads_kernel)):
+    loads = [("loads2", _loads_kernel, None), ("strided_loads2", _strided_loads_kernel, None)]
+    loads += [(f"loads2_box{box}", _loads_kernel, box) for box in (256, 64)]
+    for name, kern, box in loads:
         extra = {"STAGES": 2, "num_warps": 4}
-        call = pr.call(kern, extra, m_blocks, splits, block_m, merge=False)
+        call = pr.call(kern, extra, m_blocks, splits, block_m, box, merge=False)
         call()
         res[f"{name}_no_merge_us"] = round(graph_us(call), 1)
     for ctas in (128, 132):  # one request's tiles in each of 128 / across 132 CTAs
@@ -702,14 +705,8 @@ def _strided_loads_kernel(
 def flat_loads_us(pr: Probe, ctas: int) -> float:
     """`_flat_loads_kernel` on the probe's pool (page 64, every request as long) over `ctas`
     CTAs, graph replay µs."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     pool, table = pr.st.pool, pr.st.table
-    dt = glu._GL_DTYPES[pool.dtype]
-    k_desc, kr_desc = (
-        TensorDescriptor(pool, list(pool.shape), [576, 1], [64, w], glu._smem_layout((64, w), dt))
-        for w in (512, 64)
-    )
+    k_desc, kr_desc = glu.pool_descriptors(pool, 512, 64)
 
     def run() -> None:
         _flat_loads_kernel[(ctas,)](

@@ -175,6 +175,21 @@ def _smem_layout(block: tuple[int, int], dt: gl.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), dt)
 
 
+def pool_descriptors(
+    kv: torch.Tensor, lat: int, r: int, k_box: int | None = None
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of a pool layer's [slots, lat + r] rows in BLOCK_N-key tiles: the
+    latent columns in boxes of `k_box` (default: all of them) and the rope columns. Built
+    per call: a cached descriptor would keep a freed pool alive."""
+    dt = _GL_DTYPES[kv.dtype]
+    shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
+    k_desc, kr_desc = (
+        TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout((BLOCK_N, w), dt))
+        for w in (k_box or lat, r)
+    )
+    return k_desc, kr_desc
+
+
 def launch(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
@@ -201,13 +216,7 @@ def launch(
     `mla_attention_narrow`), `k_box` the width of its latent TMA box (default: the whole
     latent row); with no `kernel`, `extra` defaults to `launch_options(1)`."""
     lat, r = q_nope.shape[2], q_rope.shape[2]
-    dt = _GL_DTYPES[kv.dtype]
-    shape, strides = [kv.shape[0], lat + r], [kv.stride(0), 1]
-    # built per call: a cached descriptor would keep a freed pool alive
-    k_desc, kr_desc = (
-        TensorDescriptor(kv, shape, strides, [BLOCK_N, w], _smem_layout((BLOCK_N, w), dt))
-        for w in (k_box or lat, r)
-    )
+    k_desc, kr_desc = pool_descriptors(kv, lat, r, k_box)
     outs = (out, lse, part_out, part_lse)
     if kernel is None:
         kernel, extra = _mla_attn_gluon_kernel, extra or launch_options(1)
