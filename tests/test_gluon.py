@@ -67,6 +67,23 @@ def test_narrow_kernel_compiles_for_sm90_without_spills(dtype: str, rows: int) -
     assert use["wgmma"] == [f"m64n{rows}k16"], use
 
 
+@pytest.mark.parametrize(
+    "kernel", ["gluon_join", "gluon_q2_join", "narrow16_join", "narrow32_join"]
+)
+def test_kernels_with_the_split_join_compile_for_sm90_without_spills(kernel: str) -> None:
+    """The 64-row and narrow kernels with their splits merged in the launch (`gluon_join`):
+    still no spills (the 64-row kernel under its register cap for single-token decode), the
+    same shared memory and wgmma shapes as without it."""
+    use = _compile_sm90("bf16", kernel)
+    plain = _compile_sm90("bf16", kernel.removesuffix("_join"))
+    assert use["local"] == 0 and use["stack"] == 0, f"register spills: {use}"
+    cap = 255
+    if kernel.startswith("gluon"):
+        cap = gluon_mod.launch_options(2 if "q2" in kernel else 1).get("maxnreg", 255)
+    assert use["reg"] <= cap, use
+    assert use["shared"] == plain["shared"] and use["wgmma"] == plain["wgmma"], (use, plain)
+
+
 def test_tile_probe_kernels_compile_for_sm90_without_spills() -> None:
     """scripts/probe_tile_chain.py's kernels (the 64-row loop, its variant with a one-warp
     TMA producer partition, `gl.warp_specialize`, and the loads-only stream in 64-column TMA
@@ -164,3 +181,134 @@ def test_fp8_pool_and_small_pages_keep_the_triton_kernel(monkeypatch: pytest.Mon
     ):
         r = run_case(c, "cuda")
         assert r.ok, f"{c.id}: {r.detail}"
+
+
+def _decode_inputs(
+    h: int, q_lens: list[int], lens: list[int], page: int = 64, seed: int = 0
+) -> dict[str, Any]:
+    """A random bf16 pool on the GPU (free rows NaN), shuffled pages, and queries for
+    requests of `q_lens` query tokens over `lens` keys."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in lens]
+    kv = torch.full((sum(pages) * page + page, 576), float("nan"))
+    order = (torch.randperm(sum(pages), generator=gen) + 1).tolist()  # page 0: never read
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    for i, n in enumerate(lens):
+        ids = [order.pop() for _ in range(pages[i])]
+        table[i, : len(ids)] = torch.tensor(ids)
+        for j, p in enumerate(ids):
+            keys = min(page, n - j * page)
+            kv[p * page : p * page + keys] = torch.randn(keys, 576, generator=gen)
+    t = sum(q_lens)
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    dev = "cuda"
+    return {
+        "q_nope": torch.randn(t, h, 512, generator=gen).bfloat16().to(dev),
+        "q_rope": torch.randn(t, h, 64, generator=gen).bfloat16().to(dev),
+        "kv": kv.bfloat16().to(dev),
+        "table": table.to(dev),
+        "qo_indptr": qo.to(dev),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+        "page_size": page,
+        "max_q_len": max(q_lens),
+    }
+
+
+# (heads, query tokens a request, keys a request, splits): grids of <= 128 CTAs that take
+# the narrow kernel (H16, H32, H16 at q_len 2) and the 64-row one (H64, H128), single
+# requests of 128 / 64 splits, and H64 q_len 2 / 1 mixed (the q_len 1 requests' second row
+# block exits at once, its counters never touched).
+_JOIN_CASES = [
+    (16, [1] * 16, [4096, 1, 17, 300, 64, 4000, 65, 129] * 2, 8),
+    (16, [1], [20000], 128),
+    (32, [1] * 4, [5000, 63, 1, 4096], 32),
+    (16, [2] * 8, [2, 700, 4096, 3000, 65, 64, 128, 1000], 16),
+    (64, [1] * 16, [4096, 1, 17, 300, 64, 4000, 65, 129] * 2, 8),
+    (128, [1], [30000], 64),
+    (128, [1] * 16, [4096, 1, 17, 300, 64, 4000, 65, 129] * 2, 4),
+    (128, [2] * 4, [4096, 2, 900, 8000], 8),
+    (64, [2, 1, 2, 1], [3000, 5000, 2, 64], 16),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(
+    "case", _JOIN_CASES, ids=lambda c: f"h{c[0]}-q{max(c[1])}-b{len(c[1])}-s{c[3]}"
+)
+def test_join_matches_the_merge_kernel(
+    case: tuple[int, list[int], list[int], int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The splits merged inside the Gluon launch (`gluon_join`) give the merge kernel's out
+    and LSE (one merge order apart: 1 bf16 ulp, fp32 LSE to 1e-5), the same bits on every
+    call and on every replay of a captured graph, and leave every counter at zero."""
+    import torch
+
+    from mla_backends.kernels import mla_attention as ma
+
+    h, q_lens, lens, splits = case
+    x = _decode_inputs(h, q_lens, lens)
+    joined: list[bool] = []
+    launch = gluon_mod.launch
+
+    def record(*a: object, **k: Any) -> None:
+        joined.append(k.get("join") is not None)
+        launch(*a, **k)
+
+    monkeypatch.setattr(gluon_mod, "launch", record)
+    counters = ma.new_join_counters(x["kv"].device)
+    rows = h * x["max_q_len"]
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+    def attend(join: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.full_like(x["q_nope"], float("nan"))
+        lse = torch.full(out.shape[:2], 7.0, device=out.device)
+        ma.mla_attention(
+            x["q_nope"], x["q_rope"], x["kv"], x["table"], x["qo_indptr"], x["seq_lens"],
+            x["page_size"], 0.07, 1.0, x["max_q_len"], splits, out, lse, block_m=block_m,
+            gluon=True, join=join,
+        )  # fmt: skip
+        return out, lse
+
+    want = attend(None)
+    got = attend(counters)
+    assert joined == [False, True], joined
+    assert not got[0].isnan().any() and torch.equal(got[0].isnan(), want[0].isnan())
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    assert torch.equal(attend(counters)[0], got[0]), "a second joined call differs"
+    assert int(counters.abs().sum()) == 0, counters
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend(counters)
+    for _ in range(3):
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], got[0]) and torch.equal(captured[1], got[1])
+    assert int(counters.abs().sum()) == 0, counters
+
+
+@pytest.mark.sm90
+def test_backend_joins_small_grids_and_merges_large_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the triton backend: a small batch (one wave of CTAs) merges its splits in the
+    launch; H128 at batch 44 (two splits: 176 CTAs, more than an H100's 132 SMs) keeps the
+    merge kernel; both match the reference."""
+    joined: list[bool] = []
+    launch = gluon_mod.launch
+
+    def record(*a: object, **k: Any) -> None:
+        joined.append(k.get("join") is not None)
+        launch(*a, **k)
+
+    monkeypatch.setattr(gluon_mod, "launch", record)
+    small = parity_cases("triton", (64,), (16,), ("bfloat16",), ("decode",), 20000)[0]
+    long = parity_cases("triton", (64,), (128,), ("bfloat16",), ("decode",), 20000)[0]
+    large = with_batch(long, 44)
+    for case, want in ((small, True), (large, False)):
+        joined.clear()
+        r = run_case(case, "cuda")
+        assert r.ok, f"{case.id}: {r.detail}"
+        assert joined and set(joined) == {want}, (case.id, joined)
