@@ -2,7 +2,7 @@
 what the compiled kernel uses, as JSON: registers, local memory and stack frame (spills go
 to either), shared memory, and the wgmma shapes in its PTX.
 
-python3 scripts/compile_gluon_sm90.py [bf16|fp16] [gluon|gluon_q2|seesaw|narrow16|narrow32][_join]
+python3 scripts/compile_gluon_sm90.py [bf16|fp16] [gluon|gluon_q2|seesaw|narrow16|narrow32]
 
 Run without TRITON_INTERPRET=1: under the interpreter the nested @gluon.jit helpers become
 interpreted functions the compiler cannot call.
@@ -27,8 +27,7 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
     (a register cap) / of q_len 2 grids (`mla_attention_gluon.launch_options`); "seesaw":
     the warp-specialised prototype (`mla_attention_seesaw`, 4 warps + 4); "narrow16" /
     "narrow32": the keys-as-rows kernel (`mla_attention_narrow`) for 16 / 32 query rows a
-    CTA (H16 / H32); a "_join" suffix (not the seesaw): with the split merge in the launch
-    (`gluon_join`)."""
+    CTA (H16 / H32)."""
     gl_dt = mg._GL_DTYPES[torch.bfloat16 if dtype == "bf16" else torch.float16]
     k_box = 256 if kernel == "seesaw" else 512  # the prototype loads half-row pieces
     descs = {
@@ -45,13 +44,7 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
         sig.update({k: "constexpr" for k in const})
         src = GluonASTSource(ms._seesaw_kernel, sig, const, offline.aligned(ms._seesaw_kernel, sig))
         return triton.compile(src, target=offline.SM90, options=ms.EXTRA)
-    join = kernel.endswith("_join")
-    kernel = kernel.removesuffix("_join")
-    const.update(STAGES=mg.STAGES, JOIN=join)
-    if join:  # the splits merged in the launch (`gluon_join`), on int32 counters
-        sig["Join"] = "*i32"
-    else:
-        const["Join"] = None
+    const.update(STAGES=mg.STAGES)
     kernel_fn, warps = mg._mla_attn_gluon_kernel, 8
     cap = mg.launch_options(2 if kernel == "gluon_q2" else 1).get("maxnreg")
     if kernel.startswith("narrow"):

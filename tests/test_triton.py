@@ -438,25 +438,3 @@ def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
     atol, rtol, _ = TOLERANCES["float32"]
     err, detail = compare("out (no LSE)", out, want, atol, rtol)
     assert not detail, detail
-
-
-def test_join_fits_one_wave_grids_of_split_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon kernels merge their own splits only where every CTA can be resident at
-    once (at most one an SM: the CTAs wait for each other), with more than one split and a
-    counter for every row block; MLA_JOIN=0 turns it off for the process."""
-    from mla_backends.kernels import mla_attention as ma
-
-    counters = ma.new_join_counters(torch.device("cpu"))  # num_sms: 4 off a GPU
-    assert counters.dtype == torch.int32 and counters.numel() == 4 and not counters.any()
-    assert ma.join_fits(4, 2, counters) and ma.join_fits(4, 4, counters)
-    assert not ma.join_fits(5, 5, counters), "more CTAs than SMs"
-    assert not ma.join_fits(4, 1, counters), "one split: nothing to merge"
-    assert not ma.join_fits(4, 2, counters[:1]), "two row blocks, one counter"
-    monkeypatch.setenv("MLA_JOIN", "0")
-    ma.join_on.cache_clear()
-    try:
-        assert not ma.join_fits(4, 2, counters)
-    finally:
-        monkeypatch.delenv("MLA_JOIN")
-        ma.join_on.cache_clear()
-    assert ma.join_fits(4, 2, counters)

@@ -82,9 +82,6 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         kv = self.pool.kv_buffer[0]
         lat = self.dims.kv_lora_rank
         self._gluon = mla_attention.gluon_usable(kv.dtype, kv, self.pool.page_size, lat)
-        # Split counters of the Gluon kernels' in-launch merge (`kernels/gluon_join`): zero,
-        # reset by each launch, shared by every layer and captured graph of this backend.
-        self._join = mla_attention.new_join_counters(self.device) if self._gluon else None
         self._cudnn_lse = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
 
     # ------------------------------------------------------------------ tuning
@@ -243,7 +240,6 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             md.workspace,
             block_m=block_m,
             dot_f32=self._interp,
-            join=self._join,
             **self._launch_cfg(block_m, batch.batch_size, md.num_splits, q_nope.dtype),
         )
         return out, lse

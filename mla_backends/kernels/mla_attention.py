@@ -11,9 +11,7 @@ them with log-sum-exp; with one split the program writes the final result direct
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,7 +299,6 @@ def mla_attention(
     dot_f32: bool = False,
     tma: bool = True,
     gluon: bool = False,
-    join: torch.Tensor | None = None,
 ) -> None:
     """q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], table [B, W] page ids,
     qo_indptr [B + 1], seq_lens [B] (KV length incl. new tokens) -> out [T, H, L], lse [T, H].
@@ -313,11 +310,7 @@ def mla_attention(
     gluon: take a Gluon kernel where `gluon_ok`: 64-row blocks (`mla_attention_gluon`), or
     with `block_m` 16 / 32 the narrow kernel (`mla_attention_narrow`); block_n / warps /
     stages then apply only to the fallback, which also takes the call (and every later one)
-    if the Gluon kernel fails to build here (`gluon_error`).
-    join: int32 split counters, zero, >= `num_sms` of them (`new_join_counters`): where a
-    Gluon kernel runs a grid that `join_fits`, its CTAs merge the splits themselves
-    (`gluon_join`) instead of `_merge_kernel` after them. Reset by the launch that used
-    them; one caller (stream) at a time."""
+    if the Gluon kernel fails to build here (`gluon_error`)."""
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     b = seq_lens.numel()
@@ -339,15 +332,11 @@ def mla_attention(
         rows = mg.BLOCK_M
         kernel: Any = None
         extra = mg.launch_options(max_q_len)
-        if block_m in NARROW_ROWS:
-            rows = block_m
-        grid = cdiv(max_q_len * h, rows) * b * num_splits
-        joined = join if join is not None and join_fits(grid, num_splits, join) else None
         try:
             if block_m in NARROW_ROWS:
                 from mla_backends.kernels import mla_attention_narrow as mn
 
-                kernel, extra = mn.KERNEL, mn.EXTRA
+                rows, kernel, extra = block_m, mn.KERNEL, mn.EXTRA
             mg.launch(
                 q_nope,
                 q_rope,
@@ -366,13 +355,11 @@ def mla_attention(
                 kernel,
                 extra,
                 block_m=rows,
-                join=joined,
             )
         except Exception as e:  # import, first-use compile: a failure there never fails a decode
             _gluon_failed(f"{type(e).__name__}: {e}")
         else:
-            if joined is None:
-                _merge(part_out, part_lse, out, lse, num_splits)
+            _merge(part_out, part_lse, out, lse, num_splits)
             return
     outs = (out, lse, part_out, part_lse)
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
@@ -402,32 +389,6 @@ def mla_attention(
         num_stages=num_stages,
     )
     _merge(part_out, part_lse, out, lse, num_splits)
-
-
-@functools.cache  # read once a process, like tuning.narrow_on
-def join_on() -> bool:
-    """The Gluon kernels merge their own splits where `join_fits`; MLA_JOIN=0 in the
-    environment the process starts with keeps `_merge_kernel` (A/B runs, and processes that
-    may not have every SM of the device: `gluon_join`'s hazard)."""
-    return os.environ.get("MLA_JOIN", "1") != "0"
-
-
-def join_fits(grid: int, num_splits: int, join: torch.Tensor) -> bool:
-    """Whether a Gluon grid of `grid` CTAs may merge its `num_splits` splits itself: more than
-    one split, at most one CTA an SM (every CTA resident at once: its CTAs wait for each
-    other), counters for every (row block, request) (grid / splits of them)."""
-    return (
-        num_splits > 1
-        and join_on()
-        and grid <= num_sms(join.device)
-        and grid // num_splits <= join.numel()
-    )
-
-
-def new_join_counters(device: torch.device) -> torch.Tensor:
-    """Split counters for `mla_attention(join=...)`: one int32 a possible (row block, request)
-    of a joined grid (at most one CTA an SM, two splits or more), zero."""
-    return torch.zeros(num_sms(device), dtype=torch.int32, device=device)
 
 
 def decode_args(

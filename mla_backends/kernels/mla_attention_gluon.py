@@ -28,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_backends.kernels.common import interpreting
-from mla_backends.kernels.gluon_join import _join_splits
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
     _bounds,
@@ -94,11 +93,8 @@ def _mla_attn_gluon_kernel(
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
-    Join=None,
-    JOIN: gl.constexpr = False,
 ):
-    """The leading arguments `mla_attention.decode_args` builds; JOIN: merge the splits in
-    this launch on the counters `Join` (`gluon_join`)."""
+    """The leading arguments `mla_attention.decode_args` builds."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
@@ -163,8 +159,6 @@ def _mla_attn_gluon_kernel(
     _store_rows(
         Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, False
     )
-    if JOIN:  # the split merge in this launch (`gluon_join`), no `_merge_kernel` after it
-        _join_splits(Dest, Join, q_start, q_len, b, mblk, split, H, L, BLOCK_M, NUM_SPLITS, 8)
 
 
 def launch_options(max_q_len: int) -> dict[str, int]:
@@ -215,16 +209,12 @@ def launch(
     extra: dict[str, int] | None = None,
     k_box: int | None = None,
     block_m: int = BLOCK_M,
-    join: torch.Tensor | None = None,
 ) -> None:
     """One launch over (m_blocks, batch, num_splits) of `block_m`-row programs; arguments
     as `mla_attention`'s. Check `gluon_ok` first. `kernel` / `extra`: another Gluon kernel of
     the same contract and its other constexprs and launch options (`mla_attention_seesaw`,
     `mla_attention_narrow`), `k_box` the width of its latent TMA box (default: the whole
-    latent row); with no `kernel`, `extra` defaults to `launch_options(1)`. `join`: the
-    split counters (`gluon_join`; int32, >= m_blocks x batch, zero) for a grid of more than
-    one split that `mla_attention.join_fits`: the splits merge in this launch, and the caller
-    runs no `_merge_kernel` (the 64-row and narrow kernels only)."""
+    latent row); with no `kernel`, `extra` defaults to `launch_options(1)`."""
     lat, r = q_nope.shape[2], q_rope.shape[2]
     k_desc, kr_desc = pool_descriptors(kv, lat, r, k_box)
     outs = (out, lse, part_out, part_lse)
@@ -241,5 +231,4 @@ def launch(
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
         **(extra or {}),
-        **({} if join is None else {"Join": join, "JOIN": True}),
     )

@@ -24,7 +24,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from mla_backends.kernels.gluon_join import _join_splits
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
     _bounds,
@@ -54,12 +53,9 @@ def _mla_attn_narrow_kernel(
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
-    Join=None,
-    JOIN: gl.constexpr = False,
 ):
     """The leading arguments `mla_attention.decode_args` builds; BLOCK_M query rows a CTA
-    (`mla_attention.NARROW_ROWS`), the N side of its GEMMs; JOIN: merge the splits in this
-    launch on the counters `Join` (`gluon_join`)."""
+    (`mla_attention.NARROW_ROWS`), the N side of its GEMMs."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup: launch with num_warps=4")
     gl.static_assert(BLOCK_M == 16 or BLOCK_M == 32, "16 or 32 query rows a CTA")
     # S^T [BLOCK_N keys, BLOCK_M rows] and O^T [L, BLOCK_M]: keys / latent columns over the
@@ -118,8 +114,6 @@ def _mla_attn_narrow_kernel(
     _store_rows(
         Dest, out, lse, rows_o, offs_o, rows_s, q_start, q_len, split, H, L, NUM_SPLITS, True, True
     )
-    if JOIN:  # the split merge in this launch (`gluon_join`), no `_merge_kernel` after it
-        _join_splits(Dest, Join, q_start, q_len, b, mblk, split, H, L, BLOCK_M, NUM_SPLITS, 4)
 
 
 # `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, block_m=16 | 32)` launches it:
