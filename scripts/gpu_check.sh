@@ -21,6 +21,8 @@
 #     MLA kit on one backend (KIT_BACKEND, default mlab_triton) at every page size it takes;
 #     the same kit cases through that backend and its SGLang counterpart; decode B64 / kv 4096
 #     against SGLang's counterparts; our adapter under real CUDA graphs (scripts/sglang_kit.py).
+#   sglang-dsa: SGLang's V3.2 sparse attention call before and after our hook, against fp64
+#     and timed (scripts/sglang_dsa_gpu.py; deep_gemm, missing here, stubbed for the import).
 #   dcp: decode context parallelism on 2 GPUs: the NCCL equality test, then 128k / B16 / H128
 #     DCP 2 against one GPU (scripts/bench_dcp.py), for each of DCP_BACKENDS (default triton;
 #     one backend a call on a fresh machine: compiles and FlashInfer's JIT build take minutes).
@@ -107,6 +109,10 @@ elif [ "$mode" = models ]; then
   bench_step graphs 150 python3 -m mla_backends bench --config deepseek_v3_h100 \
     --backends flashinfer_mla,flashmla,triton --batch 1,2,4,8 --kv-len 4096 --heads 16,128 \
     --graphs --layers 8 --out "$out/bench-graphs"
+elif [ "$mode" = sglang-dsa ]; then
+  [ -f .sgl/activate.sh ] && source .sgl/activate.sh
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || rc=1
+  bench_step sglang-dsa 570 python3 scripts/sglang_dsa_gpu.py "$out/sglang" --budget 540
 elif [[ $mode == sglang-* ]]; then
   case $mode in
     sglang-kit) args=(kit "$out/sglang" --backend "${KIT_BACKEND:-mlab_triton}") ;;
@@ -200,7 +206,7 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
   echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
-    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, dcp, dsa, hopper, suite," \
+    "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, sglang-dsa, dcp, dsa, hopper, suite," \
     "compare)" >&2
   exit 2
 fi

@@ -48,7 +48,9 @@ def test_hook_installed_only_when_asked(hooks: None, monkeypatch: pytest.MonkeyP
     monkeypatch.delenv(dsa.ENV, raising=False)
     assert dsa.register_hook() is None and dsa.TARGET not in HookRegistry._hooks
     monkeypatch.setenv(dsa.ENV, "flashmla")
-    with pytest.raises(ValueError, match=r"MLAB_DSA_SPARSE='flashmla' is not one of \['triton'\]"):
+    with pytest.raises(
+        ValueError, match=r"MLAB_DSA_SPARSE='flashmla' is not one of \['triton', 'auto'\]"
+    ):
         dsa.register_hook()
     original = getattr(DeepseekSparseAttnBackend, METHOD)
     HookRegistry.apply_hooks()
@@ -103,3 +105,37 @@ def test_bad_inputs_refused_with_a_reason() -> None:
         dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 32, idx[:1], 0.1)
     with pytest.raises(ValueError, match="v_head_dim 48 must be below"):
         dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 48, idx, 0.1)
+
+
+def test_auto_wraps_sglangs_call(hooks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`MLAB_DSA_SPARSE=auto` wraps SGLang's method (HookType.AROUND): SGLang's own call
+    still runs for calls above `AUTO_ROWS` query rows."""
+    monkeypatch.setenv(dsa.ENV, "auto")
+    assert dsa.register_hook() == "auto"
+    assert [h[:2] for h in HookRegistry._hooks[dsa.TARGET]] == [(HookType.AROUND, dsa.auto_sparse)]
+
+
+@pytest.mark.interp
+def test_auto_takes_ours_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to AUTO_ROWS tokens x heads a call is ours (the same bits as `forward_sparse`),
+    above it SGLang's own method gets every argument unchanged."""
+    calls: list[tuple[object, ...]] = []
+
+    def sglangs(*args: object) -> torch.Tensor:
+        calls.append(args)
+        return torch.full((1,), 7.0)
+
+    gen = torch.Generator().manual_seed(0)
+    lat, r, slots, k = 32, 16, 64, 8
+    pool = torch.randn(slots, 1, lat + r, generator=gen).half()
+    small = torch.randn(3, 16, lat + r, generator=gen).half()
+    idx = torch.randperm(slots, generator=gen)[: 3 * k].view(3, k).to(torch.int32)
+    got = dsa.auto_sparse(sglangs, None, small, pool, lat, idx, 0.1, None)
+    assert not calls and torch.equal(got, dsa.forward_sparse(None, small, pool, lat, idx, 0.1))
+    t = dsa.AUTO_ROWS // 16 + 1  # one token past the limit at 16 heads
+    large = torch.zeros(t, 16, lat + r).half()
+    big_idx = torch.zeros(t, k, dtype=torch.int32)
+    out = dsa.auto_sparse(sglangs, "self", large, pool, lat, big_idx, 0.1, None)
+    assert out.item() == 7.0 and len(calls) == 1
+    assert calls[0][0] == "self" and calls[0][1] is large and calls[0][2] is pool
+    assert calls[0][4] is big_idx

@@ -13,8 +13,8 @@ import SGLang; `register()` does. It adds, per suite backend in this build:
   by LSE, for long cached prefixes; absorbed attention otherwise),
 - a check after `ServerArgs.check_server_args` that refuses settings our backend cannot run
   (page size, KV dtype, GPU) in the launching process, before any worker starts,
-- with `MLAB_DSA_SPARSE=triton`, our sparse kernel in SGLang's own DeepSeek-V3.2 `dsa`
-  backend (`dsa.py`).
+- with `MLAB_DSA_SPARSE=triton` (or `auto`: where it is the faster one), our sparse kernel in
+  SGLang's own DeepSeek-V3.2 `dsa` backend (`dsa.py`).
 SGLang logs and swallows exceptions raised by plugins, so the factory checks again.
 """
 

@@ -5,16 +5,19 @@ module replaces only its sparse attention call on bf16 / fp16 latent pools,
 `DeepseekSparseAttnBackend._forward_flashmla_sparse` (taken with `--dsa-prefill-backend
 flashmla_sparse` / `--dsa-decode-backend flashmla_sparse`), by our `triton` sparse kernel
 (`sparse/triton_kernel.py`: it gathers only the selected rows, takes any head count, and needs
-no FlashMLA Hopper kernel). Opt in with `MLAB_DSA_SPARSE=triton` in the server's environment;
-`register` (the plug-in's entry point) then installs it through SGLang's HookRegistry.
+no FlashMLA Hopper kernel). Opt in with `MLAB_DSA_SPARSE=triton` (always ours) or `auto` (ours
+up to `AUTO_ROWS` query rows a call, where it is the faster one; SGLang's FlashMLA call above)
+in the server's environment; `register` (the plug-in's entry point) then installs it through
+SGLang's HookRegistry.
 
 The contract, from SGLang 0.5.17's source: q_all [T, H, L + R] (latent then rope),
 kv_cache the layer's pool rows (L + R wide, any leading shape), page_table_1 [T, K] int32
 pool slots with -1 for unused entries, out [T, H, v_head_dim = L]; `topk_length` (the valid
-entries a row) is not needed, as every unused entry is -1. Not checked end to end in SGLang
-here: its DSA path imports `deep_gemm`, which the GPU hosts of this project lack
-(docs/SGLANG_DSA.md); the hook is checked against SGLang's own method signature and our
-reference on CPU (tests/test_sglang_dsa.py).
+entries a row) is not needed, as every unused entry is -1. Checked against SGLang's own
+method signature and our reference on CPU (tests/test_sglang_dsa.py), and on an H100 inside
+SGLang 0.5.17 through the entry point, against fp64 and SGLang's FlashMLA call
+(scripts/sglang_dsa_gpu.py, `deep_gemm` stubbed for the import); no server run: SGLang's
+indexer needs `deep_gemm`, which the GPU hosts of this project lack (docs/SGLANG_DSA.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ TARGET = (
     "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend._forward_flashmla_sparse"
 )
 ENV = "MLAB_DSA_SPARSE"
-CHOICES = ("triton",)
+CHOICES = ("triton", "auto")
+# `auto`: our kernel while tokens x heads stays at or below this, SGLang's own FlashMLA sparse
+# call above it. H100, graph replay, top-k 2048 (BENCHMARKS.md, fourteenth session): ours
+# 3.1-4.4x faster at one token, 1.04 / 1.01x at 1536 rows (H128 x 12 / H64 x 24 tokens),
+# 0.74-0.91x at 2048 rows at every head count (FlashMLA's kernel is a prefill kernel: its
+# ~60 us floor pays off once many query rows share it). Measured on the H100 only.
+AUTO_ROWS = 1536
 
 
 def forward_sparse(
@@ -72,9 +81,30 @@ def forward_sparse(
     return triton_kernel.attend(q_nope, q_rope, kv, indices, sm_scale, 1.0, launch)[0]
 
 
+def auto_sparse(
+    original: Any,
+    backend: Any,
+    q_all: torch.Tensor,
+    kv_cache: torch.Tensor,
+    v_head_dim: int,
+    page_table_1: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SGLang's `_forward_flashmla_sparse` wrapped (`MLAB_DSA_SPARSE=auto`): `forward_sparse`
+    for calls of at most AUTO_ROWS query rows (tokens x heads), SGLang's own method above.
+    Shapes only: the same choice at capture and replay of a graph, no host sync."""
+    if q_all.dim() == 3 and q_all.shape[0] * q_all.shape[1] <= AUTO_ROWS:
+        return forward_sparse(
+            backend, q_all, kv_cache, v_head_dim, page_table_1, sm_scale, topk_length
+        )
+    return original(backend, q_all, kv_cache, v_head_dim, page_table_1, sm_scale, topk_length)
+
+
 def register_hook() -> str | None:
-    """Install `forward_sparse` in place of SGLang's FlashMLA sparse call when the
-    environment asks for it (`MLAB_DSA_SPARSE=triton`); returns the choice, or None."""
+    """Install our sparse call in SGLang's `dsa` backend when the environment asks for it:
+    `MLAB_DSA_SPARSE=triton` replaces SGLang's FlashMLA sparse call with `forward_sparse`,
+    `auto` wraps it (`auto_sparse`); returns the choice, or None."""
     choice = os.environ.get(ENV, "").strip()
     if not choice:
         return None
@@ -82,7 +112,11 @@ def register_hook() -> str | None:
         raise ValueError(f"{ENV}={choice!r} is not one of {list(CHOICES)} (or unset)")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    # REPLACE sets the class attribute: SGLang's calls pass the backend as `backend`
-    HookRegistry.register(TARGET, forward_sparse, HookType.REPLACE)
-    logger.info("mla-backends: DSA sparse attention through our %s kernel", choice)
+    # REPLACE sets the class attribute: SGLang's calls pass the backend as `backend`; AROUND
+    # passes SGLang's own method first
+    if choice == "triton":
+        HookRegistry.register(TARGET, forward_sparse, HookType.REPLACE)
+    else:
+        HookRegistry.register(TARGET, auto_sparse, HookType.AROUND)
+    logger.info("mla-backends: DSA sparse attention through our kernel (%s)", choice)
     return choice
