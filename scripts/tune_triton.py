@@ -139,7 +139,7 @@ def decode_sweep() -> list[dict]:
         assert md is not None
         mine = []
         for bm, bn, w, st in SWEEP_CFGS:
-            bm = bm or be._block_m(q_len * heads, s.q_nope.dtype, batch)
+            bm = bm or md.block_m
             for splits in SWEEP_SPLITS:
                 try:
                     us = bench_us(decode_call(s, bm, bn, w, st, splits)[0], 10, 40)
@@ -210,7 +210,7 @@ def split_sweep(out: Path, small: bool, shapes: list[tuple[int, ...]] | None = N
         md = be.metadata
         assert md is not None
         fm = graph_us(flashmla_call(s))
-        bm = be._block_m(s.q_len * s.heads, s.q_nope.dtype, s.batch.batch_size)
+        bm = md.block_m  # the backend's own choice for this grid (its rows a program)
         line = []
         for splits in (1, 2, 4, 8, 16, 32, 64, 128):
             if splits * 64 > s.kv_len:

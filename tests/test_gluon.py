@@ -81,15 +81,39 @@ def test_tile_probe_kernels_compile_for_sm90_without_spills() -> None:
 
 
 def _gluon_cases() -> list[Case]:
-    """Rows the backend gives the 64-row Gluon kernel: H128, and H16 at q_len 3 (48 query
-    rows), bf16 and fp16, pages 64 and 128, the core matrix's edge lengths and NaN."""
+    """Rows the backend gives the Gluon kernels at 48-256 query rows a request: H128, and
+    H16 at q_len 3 (48 query rows), bf16 and fp16, pages 64 and 128, the core matrix's edge
+    lengths and NaN. Short one-wave grids take the narrow kernel's 32-row blocks
+    (`tuning.narrow_pays`), the rest the 64-row kernel: batch 64 and contexts of 20000 keys
+    keep the 64-row kernel's parity here (`test_gluon_cases_cover_both_kernels`)."""
     cases = parity_cases("triton", (64, 128), (128,), ("bfloat16", "float16"), ("decode",))
+    long = parity_cases("triton", (64,), (128,), ("bfloat16", "float16"), ("decode",), 20000)
     verify = parity_cases("triton", (64,), (16, 128), ("bfloat16",), ("verify",))
     return (
         cases
+        + long
+        + [with_batch(cases[0], 64)]
         + [c for c in verify if c.num_heads == 128]
         + [replace(c, q_len=3) for c in verify if c.num_heads == 16]
     )
+
+
+def _expected_rows(case: Case, sms: int) -> int:
+    """The rows a CTA the backend's policy gives this case's decode grid."""
+    import torch
+
+    from mla_backends.kernels import tuning
+
+    rows = case.num_heads * max(case.q_len, 1)
+    batch, max_kv = len(case.kv_lens), max(case.kv_lens)
+    return tuning.block_m_for(rows, torch.bfloat16, True, batch, max_kv, sms)
+
+
+def test_gluon_cases_cover_both_kernels() -> None:
+    """On an H100's 132 SMs the Gluon cases below run both the 64-row kernel and the narrow
+    kernel's 32-row blocks, each at H128 decode."""
+    h128 = [c for c in _gluon_cases() if c.num_heads == 128 and c.q_len <= 1]
+    assert {_expected_rows(c, 132) for c in h128} == {32, 64}
 
 
 def _narrow_cases() -> list[Case]:
@@ -120,12 +144,19 @@ def _recorded_launch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("case", _gluon_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", _gluon_cases(), ids=lambda c: f"{c.id}-b{len(c.kv_lens)}-kv{max(c.kv_lens)}"
+)
 def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mla_backends.kernels.common import num_sms
+
     rows = _recorded_launch(monkeypatch)
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"
-    assert rows and set(rows) == {64}, f"{case.id}: 64-row Gluon launches expected, got {rows}"
+    want = _expected_rows(case, num_sms(torch.device("cuda")))
+    assert rows and set(rows) == {want}, f"{case.id}: {want}-row Gluon launches expected: {rows}"
 
 
 @pytest.mark.sm90

@@ -438,3 +438,31 @@ def test_gpu_fp32_mha_prefill_nine_ragged_causal(prefix: bool) -> None:
     atol, rtol, _ = TOLERANCES["float32"]
     err, detail = compare("out (no LSE)", out, want, atol, rtol)
     assert not detail, detail
+
+
+def test_narrow_blocks_only_for_short_one_wave_grids(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """33-128 query rows a request take the narrow kernel's 32-row blocks only where its
+    grid is one wave of CTAs streaming <= NARROW_MAX_TILES tiles each (the H100 shapes it
+    measured faster on), never without the grid's KV length, Gluon or MLA_NARROW."""
+    from mla_backends.kernels import tuning
+
+    sms, bf16 = 132, torch.bfloat16
+    faster = [(128, 1, 2048), (128, 1, 4096), (128, 1, 16384), (128, 2, 4096), (128, 4, 4096)]
+    faster += [(64, 1, 4096), (64, 1, 32768), (64, 4, 4096)]
+    slower = [(128, 1, 32768), (128, 8, 4096), (128, 16, 4096), (128, 4, 32768), (64, 16, 4096)]
+    slower += [(128, 64, 256)]  # few tiles, but 256 CTAs: two waves, not measured
+    for rows, bs, kv in faster:
+        assert tuning.narrow_pays(rows, bs, kv, sms), (rows, bs, kv)
+        assert tuning.block_m_for(rows, bf16, True, bs, kv, sms) == 32
+    for rows, bs, kv in slower:
+        assert not tuning.narrow_pays(rows, bs, kv, sms), (rows, bs, kv)
+        assert tuning.block_m_for(rows, bf16, True, bs, kv, sms) == 64
+    assert not tuning.narrow_pays(256, 1, 4096, sms) and not tuning.narrow_pays(32, 1, 4096, sms)
+    assert tuning.block_m_for(128, bf16, True, 1, None, None) == 64  # no grid given
+    assert tuning.block_m_for(128, bf16, False, 1, 4096, sms) == 64  # no Gluon
+    monkeypatch.setenv("MLA_NARROW", "0")
+    tuning.narrow_on.cache_clear()
+    request.addfinalizer(tuning.narrow_on.cache_clear)
+    assert tuning.block_m_for(128, bf16, True, 1, 4096, sms) == 64

@@ -35,6 +35,7 @@ class TritonMetadata:
     max_q_len: int  # host
     num_splits: int  # host
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials (out, lse), device
+    block_m: int  # host: query rows a program (`tuning.block_m_for`, chosen with the splits)
 
 
 @dataclass
@@ -89,8 +90,13 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         # The first failure to build the Gluon kernel turns it off for the process.
         return self._gluon and self._k_attn.gluon_error() is None
 
-    def _block_m(self, rows: int, dot_dtype: torch.dtype, batch_size: int) -> int:
-        return self._tune.block_m_for(rows, dot_dtype, self._gluon_on(), batch_size)
+    def _block_m(
+        self, rows: int, dot_dtype: torch.dtype, batch_size: int, max_kv: int | None = None
+    ) -> int:
+        """Rows a program; `max_kv` (decode / verify grids) lets short grids of 33-128 rows
+        take the narrow kernel (`tuning.narrow_pays`)."""
+        sms = None if max_kv is None else self._sms
+        return self._tune.block_m_for(rows, dot_dtype, self._gluon_on(), batch_size, max_kv, sms)
 
     def _launch_cfg(
         self, block_m: int, batch_size: int, num_splits: int, dot_dtype: torch.dtype
@@ -109,12 +115,13 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             self._smem_limit,
         )
 
-    def _num_splits(self, batch_size: int, max_q: int, max_kv: int) -> int:
-        """KV splits for a decode / verify grid of batch_size x head blocks (`split_policy`)."""
+    def _grid(self, batch_size: int, max_q: int, max_kv: int) -> tuple[int, int]:
+        """(rows a program, KV splits) of a decode / verify grid of batch_size x head blocks
+        (`block_m_for`, `split_policy`)."""
         rows = max_q * self.dims.num_heads
-        bm = self._block_m(rows, self.ctx.config.torch_dtype, batch_size)
+        bm = self._block_m(rows, self.ctx.config.torch_dtype, batch_size, max_kv)
         narrow = self._tune.is_narrow(bm, self._gluon_on())
-        return self._tune.decode_splits(batch_size, rows, bm, max_kv, self._sms, narrow)
+        return bm, self._tune.decode_splits(batch_size, rows, bm, max_kv, self._sms, narrow)
 
     # ------------------------------------------------------------------ metadata
     def _fill(
@@ -139,13 +146,16 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         max_q, max_kv = batch.max_q_len, batch.max_kv_len
         qo, table = self._fill(batch, page_table_width(max_kv, self.pool.page_size), None)
         splits = 1
+        h, dtype = self.dims.num_heads, self.ctx.config.torch_dtype
         if batch.mode.is_decode_or_verify:
-            splits = self._num_splits(batch.batch_size, max_q, max_kv)
+            bm, splits = self._grid(batch.batch_size, max_q, max_kv)
+        else:
+            bm = self._block_m(max_q * h, dtype, batch.batch_size)
         ws = None
         if splits > 1:
-            rows = batch.num_tokens * self.dims.num_heads * splits
+            rows = batch.num_tokens * h * splits
             ws = self._workspace(rows)
-        return TritonMetadata(qo, table, max_q, splits, ws)
+        return TritonMetadata(qo, table, max_q, splits, ws, bm)
 
     def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         lat, dev = self.dims.kv_lora_rank, self.device
@@ -178,8 +188,9 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         bs, max_q = batch.batch_size, max(batch.num_draft_tokens, 1)
         key = (bs, max_q)
         if capture:
-            # Splits are fixed per captured size, for the longest context the graph may see.
-            splits = self._num_splits(bs, max_q, self.req_to_token.shape[1])
+            # Rows a program and splits are fixed per captured size, for the longest context
+            # the graph may see.
+            bm, splits = self._grid(bs, max_q, self.req_to_token.shape[1])
             rows = batch.num_tokens * self.dims.num_heads * splits
             if splits > 1 and rows > state.workspace[1].numel():
                 # tuning.split_rows_bound is wrong if this is reached
@@ -189,7 +200,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
                 )
             ws = (state.workspace[0][:rows], state.workspace[1][:rows]) if splits > 1 else None
             state.captured[key] = TritonMetadata(
-                state.qo_indptr[: bs + 1], state.table[:bs], max_q, splits, ws
+                state.qo_indptr[: bs + 1], state.table[:bs], max_q, splits, ws, bm
             )
         static = state.captured.get(key)
         if static is None:
@@ -222,7 +233,9 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         if batch.batch_size == 0:
             return out, lse
         md = self._require_metadata()
-        block_m = self._block_m(md.max_q_len * h, q_nope.dtype, batch.batch_size)
+        block_m = md.block_m  # chosen with the splits, for the config's dtype
+        if q_nope.dtype != self.ctx.config.torch_dtype:
+            block_m = self._block_m(md.max_q_len * h, q_nope.dtype, batch.batch_size)
         self._k_attn.mla_attention(
             q_nope,
             q_rope,

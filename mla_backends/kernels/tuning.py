@@ -26,8 +26,17 @@ def is_narrow(block_m: int, gluon: bool) -> bool:
     return gluon and block_m < 64 and narrow_on()
 
 
-def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool, batch_size: int) -> int:
-    """Query rows (token, head) per program of the absorbed kernel, for `rows` per request."""
+def block_m_for(
+    rows: int,
+    dot_dtype: torch.dtype,
+    gluon: bool,
+    batch_size: int,
+    max_kv: int | None = None,
+    sms: int | None = None,
+) -> int:
+    """Query rows (token, head) per program of the absorbed kernel, for `rows` per request;
+    with `max_kv` and `sms` (decode / verify grids), short grids of 33-128 rows may take the
+    narrow kernel (`narrow_pays`)."""
     if dot_dtype == torch.float32:
         # fp32 dots are FMA loops, not tensor-core MMAs: 32- and 64-row blocks spilled 8-16 KB
         # a thread on SM90 (offline compile), 16 rows none.
@@ -36,6 +45,14 @@ def block_m_for(rows: int, dot_dtype: torch.dtype, gluon: bool, batch_size: int)
         # The narrow Gluon kernel: query rows are its MMAs' N side (`NARROW_ROWS`), so a
         # 16-row request no longer pays for a 64-row MMA.
         return 16 if rows <= 16 else 32
+    if (
+        gluon
+        and narrow_on()
+        and max_kv is not None
+        and sms is not None
+        and narrow_pays(rows, batch_size, max_kv, sms)
+    ):
+        return 32
     if rows <= 16:
         # H16 decode at batch <= 16: the Gluon kernel's 64-row block (rows past 16 masked)
         # at one wave beat the 16-row tl.dot kernel at every shape of the H100 sweep
@@ -185,6 +202,26 @@ def decode_splits(
     waves, min_keys = split_policy(block_m, rows, narrow)
     programs = batch_size * cdiv(rows, block_m)
     return choose_num_splits(programs, max_kv_len, sms, waves, min_keys)
+
+
+# The most 64-key tiles a CTA of the narrow kernel may stream when it takes 33-128 rows a
+# request in 32-row blocks (each block streams the request's tiles again, from L2): H100,
+# graph replay against the 64-row kernel in one process (BENCHMARKS.md, fourteenth session):
+# 4-8 tiles a CTA 7-18 % faster (H128 B1 kv 2k-16k, B2 / B4 kv 4k; H64 B1 kv 4k / 32k, B4
+# kv 4k), 16 tiles -3 % to +8 % (H128 B1 kv 32k +5 %, B8 kv 4k +8 %, H64 B16 kv 4k -3 %),
+# more tiles 21-42 % slower.
+NARROW_MAX_TILES = 8
+
+
+def narrow_pays(rows: int, batch_size: int, max_kv: int, sms: int) -> bool:
+    """Whether a decode grid of `batch_size` requests of 33-128 query rows runs faster in the
+    narrow kernel's 32-row blocks than in 64-row blocks: one wave of CTAs (the measured
+    grids), each streaming at most NARROW_MAX_TILES tiles."""
+    if not 32 < rows <= 128:
+        return False
+    splits = decode_splits(batch_size, rows, 32, max_kv, sms, narrow=True)
+    ctas = batch_size * cdiv(rows, 32) * splits
+    return ctas <= sms and cdiv(cdiv(max_kv, splits), 64) <= NARROW_MAX_TILES
 
 
 def split_rows_bound(sms: int) -> int:
