@@ -1,5 +1,7 @@
 """Absorbed MLA decode for requests of at most 32 query rows on Hopper, in Gluon, with the
-keys as the MMA's rows (bf16 / fp16 latent).
+keys as the MMA's rows (bf16 / fp16 latent); also short grids of 33-128 rows a request, in
+32-row blocks (`tuning.narrow_pays`: few tiles a CTA, where its ramp beats the 64-row
+kernel's).
 
 Why a third kernel: a wgmma's M side is 64 rows a warpgroup. The 64-row Gluon kernel
 (`mla_attention_gluon`) puts query rows there, so an H16 decode (16 rows a request) fills a
