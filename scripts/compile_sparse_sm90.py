@@ -5,7 +5,10 @@ one JSON line each: registers, local memory and stack frame (spills go to either
 memory. Pointers are marked aligned and strides multiples of 16, as the JIT specialises
 them at run time for these shapes.
 
-python3 scripts/compile_sparse_sm90.py
+python3 scripts/compile_sparse_sm90.py [gluon]
+
+`gluon`: the Gluon prototype (`sparse/gluon_kernel.py`, not wired in) at H128, bf16 rows,
+instead: one JSON line with its wgmma shapes too.
 
 Run without TRITON_INTERPRET=1.
 """
@@ -49,7 +52,38 @@ def rows(fp8: bool) -> dict[str, int]:
     )
 
 
+def gluon_usage(num_splits: int = 2) -> dict:  # type: ignore[type-arg]
+    """The Gluon prototype compiled for SM90 at H128, bf16 rows, top-k 2048."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_backends.sparse import gluon_kernel as gk
+
+    fn = gk._sparse_gluon_kernel
+    sig = {
+        "Q": ("*bf16", "*bf16", "i32", "i32", "i32", "i32"),
+        "KV": "*bf16",
+        "stride_kv": "i32",
+        "Idx": "*i32",
+        "stride_idx": "i32",
+        "topk": "i32",
+        "Dest": ("*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"),
+        "qk_scale_log2": "fp32",
+    }
+    const = dict(H=128, L=512, R=64, BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
+    const |= dict(NUM_SPLITS=num_splits, STAGES=gk.STAGES)
+    ints = ("stride_kv", "stride_idx", "topk")
+    src = GluonASTSource(
+        fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, offline.aligned(fn, sig, ints)
+    )
+    return offline.usage(offline.compile_sm90(src, num_warps=8))
+
+
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["gluon"]:
+        print(json.dumps({"launch": "gluon prototype H128 bf16 64x64", **gluon_usage()}))
+        raise SystemExit(0)
     fn = sk._sparse_mla_kernel
     for (block, fp8), cfg in LAUNCH.items():
         heads = 16 if block == 16 else 128

@@ -536,6 +536,17 @@ def test_sparse_kernel_launches_compile_for_sm90() -> None:
     assert h16["stack"] == 0, h16
 
 
+def test_gluon_sparse_prototype_compiles_for_sm90() -> None:
+    """The Gluon sparse prototype (`sparse/gluon_kernel.py`, not wired in) keeps building for
+    SM90 at H128: no spills, one block's shared memory, and the split layouts it exists for
+    (each warpgroup 32 keys of a score tile, `m64n32k16`, and 256 output columns,
+    `m64n256k16`), with its gathers as `cp.async`."""
+    (use,) = compile_usage("compile_sparse_sm90.py", "gluon")
+    assert use["local"] == 0 and use["stack"] == 0 and use["reg"] <= 255, use
+    assert use["shared"] <= 232448, use
+    assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
+
+
 def test_topk_slots_refuses_non_fp32_logits() -> None:
     from mla_backends.sparse.topk_kernel import topk_slots
 

@@ -528,3 +528,42 @@ def test_v32_model_decode_graphs_equal_eager(sparse: str, fp8_rows: bool) -> Non
         near = beside.decode(rows[2][:k], toks)
         err = float((near - want).abs().max() / want.abs().max())
         assert err <= 2e-2, f"step {i}, indexer on its stream: {err}"
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gluon_sparse_prototype_matches_the_reference(splits: int) -> None:
+    """The Gluon sparse prototype (`sparse/gluon_kernel.py`, not wired into a backend) against
+    the fp64 sparse reference at H128: -1 entries in the middle and at the tail of a list, a
+    token with none, NaN in every pool row no list names (a masked gather lane must write
+    zeros, never a stale or NaN row)."""
+    from mla_backends.sparse import gluon_kernel as gk
+    from mla_backends.sparse.reference import sparse_attention
+    from mla_backends.testing import TOLERANCES
+
+    gen = torch.Generator().manual_seed(0)
+    t, h, slots, k = 4, 128, 8192, TOPK
+    pool = torch.full((slots, 576), float("nan"))
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    for i, n in enumerate((k, 1500, 0, 700)):
+        chosen = torch.randperm(slots, generator=gen)[:n].to(torch.int32)
+        idx[i, :n] = chosen
+        pool[chosen.long()] = torch.randn(n, 576, generator=gen)
+    idx[3, 100:164] = -1  # a whole tile of unused entries inside a list
+    q = torch.randn(t, h, 576, generator=gen)
+    scale = 576**-0.5
+    valid = idx >= 0
+    rows = torch.where(valid[..., None], pool[idx.clamp(min=0).long()].double(), 0.0)
+    want, want_lse = sparse_attention(q[..., :512], q[..., 512:], rows, valid, scale)
+    dev = torch.device("cuda")
+    qb, kv = q.bfloat16().to(dev), pool.bfloat16().to(dev)
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((t, h), 7.0, device=dev)
+    gk.sparse_mla(qb[..., :512], qb[..., 512:], kv, idx.to(dev), scale, splits, out, lse)
+    atol, rtol, _ = TOLERANCES["bfloat16"]
+    torch.testing.assert_close(out.double().cpu()[[0, 1, 3]], want[[0, 1, 3]], atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        lse.double().cpu()[[0, 1, 3]], want_lse[[0, 1, 3]], atol=atol, rtol=rtol
+    )
+    assert torch.equal(out[2].cpu(), torch.zeros(h, 512, dtype=torch.bfloat16))  # no index
+    assert bool((lse[2] == float("-inf")).all())

@@ -1,0 +1,233 @@
+"""PROTOTYPE (issue 18, not wired into any backend, not yet run on a GPU): sparse absorbed MLA
+for 64 heads of a query token on Hopper, in Gluon, with the dense 64-row kernel's layouts.
+
+Why: the `triton` sparse kernel (`triton_kernel.py`) lays its score dots out over eight warps
+in M (`warpsPerCTA = [8, 1]`, read in its SM90 TTGIR), so both warpgroups compute the whole
+64 x 64 score tile, and its 64 x 512 accumulator spills; at H128 it runs 0.41-0.46x FlashMLA's
+sparse kernel from 64 tokens a call (BENCHMARKS.md, "SGLang's DeepSeek-V3.2 sparse attention
+call"). Here the score tile is split over keys and the output over its 512 columns (`[4, 2]`,
+`gluon_tiles._score` / `_pv`, as in `kernels/mla_attention_gluon.py`), and each tile's 64
+selected rows are gathered by index with `cp.async` into a two-slot ring: tile j + 2 is
+requested once P @ V(j) has retired, so its gather runs behind tile j + 1's maths.
+
+Contract: `triton_kernel.sparse_mla`'s for bf16 / fp16 pool rows (q_nope [T, H, L], q_rope
+[T, H, R], kv [slots, L + R], indices [T, K] int32 with -1 unused) at L = 512, R = 64, H a
+multiple of 64; partials merged by `mla_attention._merge`. Hazards: a -1 entry's row must
+stand in as zeros, never a stale or NaN row (P is 0 there, but 0 x NaN is NaN): masked
+`cp.async` lanes carry a source size of 0, which zero-fills (read in the PTX, offline); and
+the generic-proxy writes of `cp.async` are fenced before the wgmma reads them. Offline
+compile (`scripts/compile_sparse_sm90.py gluon`, triton 3.9): 234 registers, no spills,
+229,888 B of shared memory. Its GPU test, not yet run:
+`tests/test_sparse_gpu.py::test_gluon_sparse_prototype_matches_the_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma_wait,
+)
+
+from mla_backends.kernels.gluon_tiles import (
+    _barrier,
+    _pairs,
+    _pv,
+    _score,
+    _stage_q,
+    _store_rows,
+)
+from mla_backends.kernels.mla_attention import LOG2E, _merge
+
+# async_copy_global_to_shared (3.6) is async_load from 3.9
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
+
+
+@gluon.jit
+def _gather(
+    KV,
+    stride_kv,
+    Idx,
+    lo,
+    hi,
+    j,
+    k_smem,
+    kr_smem,
+    LD_L: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """cp.async of tile j's selected rows (indices lo + j * BLOCK_N ..., below hi) into slot
+    j % STAGES, then one commit group (empty past the split: the groups stay one a tile)."""
+    n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
+    idx = gl.load(Idx + n, mask=n < hi, other=-1)
+    ok = idx >= 0
+    slot = gl.where(ok, idx, 0).to(gl.int64) * stride_kv
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
+    s = j % STAGES
+    # masked lanes zero-fill: an unused entry is a zero row (see the module's hazards)
+    _cp_async(k_smem.index(s), KV + slot[:, None] + offs_l[None, :], mask=ok[:, None])
+    _cp_async(kr_smem.index(s), KV + slot[:, None] + L + offs_r[None, :], mask=ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _soften_keys(
+    acc,
+    m_i,
+    l_i,
+    s,
+    p_smem,
+    ok,
+    qk_scale_log2,
+    S_L: gl.constexpr,
+    O_L: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Online softmax of one score tile with a mask a key (`ok`: entry in range and not -1),
+    P to shared memory for P @ V; as `gluon_tiles._soften` without the causal limit."""
+    s = gl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: never -inf - -inf
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
+    p_even, p_odd = _pairs(p, BLOCK_N)
+    l_i = l_i * alpha_pair + (p_even + p_odd)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    _barrier()
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _sparse_gluon_kernel(
+    Q,
+    KV,
+    stride_kv,
+    Idx,
+    stride_idx,
+    topk,
+    Dest,
+    qk_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Grid (H / BLOCK_M, tokens, splits). Q: `mla_attention.decode_args`' query group; Dest:
+    its output group (out, lse, partials, strides)."""
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    dtype: gl.constexpr = Q[0].dtype.element_ty
+
+    mblk = gl.program_id(0)
+    t = gl.program_id(1)
+    split = gl.program_id(2)
+    chunk = gl.cdiv(gl.cdiv(topk, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, topk)
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    Row = Idx + t.to(gl.int64) * stride_idx
+
+    k_smem = gl.allocate_shared_memory(
+        dtype, [STAGES, BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    )
+    kr_smem = gl.allocate_shared_memory(
+        dtype, [STAGES, BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+    )
+    for i in gl.static_range(STAGES):
+        _gather(KV, stride_kv, Row, lo, hi, i, k_smem, kr_smem, LD_L, L, R, BLOCK_N, STAGES)
+    q_smem, qr_smem = _stage_q(Q, t, 1, mblk, dtype, LD_L, H, L, R, BLOCK_M)
+    p_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    )
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
+    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+    for j in range(n_tiles):
+        cur = j % STAGES
+        async_copy.wait_group(STAGES - 1)  # tile j's group (groups retire in order)
+        fence_async_shared()  # this thread's cp.async writes, before the wgmma reads them
+        _barrier()  # ... and every other thread's
+        sc = _score(
+            q_smem, qr_smem, k_smem.index(cur), kr_smem.index(cur), S_L, BLOCK_M, BLOCK_N, False
+        )
+        n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        acc, m_i, l_i = _soften_keys(
+            acc, m_i, l_i, sc, p_smem, ok, qk_scale_log2, S_L, O_L, BLOCK_N
+        )
+        acc = _pv(p_smem, k_smem.index(cur), acc, False, False)
+        _barrier()  # every warp is done reading slot cur and P(j)
+        _gather(
+            KV, stride_kv, Row, lo, hi, j + STAGES, k_smem, kr_smem, LD_L, L, R, BLOCK_N, STAGES
+        )
+    async_copy.wait_group(0)
+
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    _store_rows(Dest, out, lse, rows_o, offs_o, rows_s, t, 1, split, H, L, NUM_SPLITS, True, False)
+
+
+def sparse_mla(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """`triton_kernel.sparse_mla`'s contract for bf16 / fp16 pool rows, H a multiple of 64,
+    L 512 and R 64: q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], indices [T, K]
+    int32 (-1 unused) -> out [T, H, L], lse [T, H]. SM90 only."""
+    t, h, lat = q_nope.shape
+    r = q_rope.shape[2]
+    if h % BLOCK_M or (lat, r) != (512, 64) or kv.shape[1] != lat + r or kv.stride(1) != 1:
+        raise ValueError(
+            f"the Gluon sparse prototype takes H % 64 == 0, L 512, R 64 and contiguous rows, "
+            f"got H {h}, L {lat}, R {r}, kv {tuple(kv.shape)}"
+        )
+    if kv.dtype != q_nope.dtype or kv.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"bf16 / fp16 rows in q's dtype, got kv {kv.dtype}, q {q_nope.dtype}")
+    if t == 0:
+        return
+    part_out, part_lse = out, lse  # unused with one split
+    if num_splits > 1:
+        part_out = torch.empty(t * h * num_splits, lat, dtype=torch.float32, device=kv.device)
+        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=kv.device)
+    q = (q_nope, q_rope, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
+    dest = (out, lse, part_out, part_lse, out.stride(0), out.stride(1), lse.stride(0))
+    _sparse_gluon_kernel[(h // BLOCK_M, t, num_splits)](
+        q, kv, kv.stride(0), indices, indices.stride(0), indices.shape[1], dest,
+        sm_scale * LOG2E, H=h, L=lat, R=r, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, STAGES=STAGES, num_warps=8,
+    )  # fmt: skip
+    _merge(part_out, part_lse, out, lse, num_splits)
