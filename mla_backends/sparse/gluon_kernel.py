@@ -16,8 +16,8 @@ multiple of 64; partials merged by `mla_attention._merge`. Hazards: a -1 entry's
 stand in as zeros, never a stale or NaN row (P is 0 there, but 0 x NaN is NaN): masked
 `cp.async` lanes carry a source size of 0, which zero-fills (read in the PTX, offline); and
 the generic-proxy writes of `cp.async` are fenced before the wgmma reads them. Offline
-compile (`scripts/compile_sparse_sm90.py gluon`, triton 3.9): 234 registers, no spills,
-229,888 B of shared memory. Its GPU test, not yet run:
+compile (`scripts/compile_sparse_sm90.py gluon`): 234 registers (triton 3.9) / 210 (3.6, the
+GPU hosts'), no spills, 229,888 B of shared memory. Its GPU test, not yet run:
 `tests/test_sparse_gpu.py::test_gluon_sparse_prototype_matches_the_reference`.
 """
 
