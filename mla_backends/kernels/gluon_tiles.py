@@ -219,26 +219,41 @@ def _soften(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, O_L))[None, :]
     else:
         n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-        s = gl.where(n[None, :] < (visible - start)[:, None], s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed
-        # once at the end: a per-tile row sum would be a second cross-warpgroup reduction
-        # (two more barriers) on every tile; per element it took 8 more registers, which
-        # spilled (3.7, 3.8).
-        alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
-        p_even, p_odd = _pairs(p, BLOCK_N)
-        l_i = l_i * alpha_pair + (p_even + p_odd)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        keep = n[None, :] < (visible - start)[:, None]
+        acc, m_new, l_i, p = _online_rows(acc, m_i, l_i, s, keep, qk_scale_log2, O_L, BLOCK_N)
+    _store_p(p, p_smem)
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _online_rows(acc, m_i, l_i, s, keep, qk_scale_log2, O_L: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online softmax of a [rows, keys] score tile, scores where `keep` is false masked out:
+    (acc rescaled, the new row max, l, P). Also the sparse prototype's step (its mask a key)."""
+    s = gl.where(keep, s * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    # l is kept per pair of columns ([M, N / 2], the pair inside one thread) and summed
+    # once at the end: a per-tile row sum would be a second cross-warpgroup reduction
+    # (two more barriers) on every tile; per element it took 8 more registers, which
+    # spilled (3.7, 3.8).
+    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
+    p_even, p_odd = _pairs(p, BLOCK_N)
+    l_i = l_i * alpha_pair + (p_even + p_odd)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    return acc, m_new, l_i, p
+
+
+@gluon.jit
+def _store_p(p, p_smem):
+    """P into shared memory for the P @ V wgmma."""
     # Hazard: each warp (T) or warpgroup wrote part of P and the wgmma reads all of it; the
     # rest must be in shared memory (and visible to the async proxy) before any wgmma starts.
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
     _barrier()
-    return acc, m_new, l_i
 
 
 @gluon.jit

@@ -34,10 +34,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
+    _online_rows,
     _pairs,
     _pv,
     _score,
     _stage_q,
+    _store_p,
     _store_rows,
 )
 from mla_backends.kernels.mla_attention import LOG2E, _merge
@@ -76,36 +78,6 @@ def _gather(
     _cp_async(k_smem.index(s), KV + slot[:, None] + offs_l[None, :], mask=ok[:, None])
     _cp_async(kr_smem.index(s), KV + slot[:, None] + L + offs_r[None, :], mask=ok[:, None])
     async_copy.commit_group()
-
-
-@gluon.jit
-def _soften_keys(
-    acc,
-    m_i,
-    l_i,
-    s,
-    p_smem,
-    ok,
-    qk_scale_log2,
-    S_L: gl.constexpr,
-    O_L: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """Online softmax of one score tile with a mask a key (`ok`: entry in range and not -1),
-    P to shared memory for P @ V; as `gluon_tiles._soften` without the causal limit."""
-    s = gl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: never -inf - -inf
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None])
-    alpha_pair = _pairs(gl.zeros_like(p) + alpha[:, None], BLOCK_N)[0]
-    p_even, p_odd = _pairs(p, BLOCK_N)
-    l_i = l_i * alpha_pair + (p_even + p_odd)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    _barrier()
-    return acc, m_new, l_i
 
 
 @gluon.jit
@@ -174,9 +146,8 @@ def _sparse_gluon_kernel(
         n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
         sc = warpgroup_mma_wait(0, deps=[sc])
-        acc, m_i, l_i = _soften_keys(
-            acc, m_i, l_i, sc, p_smem, ok, qk_scale_log2, S_L, O_L, BLOCK_N
-        )
+        acc, m_i, l_i, p = _online_rows(acc, m_i, l_i, sc, ok[None, :], qk_scale_log2, O_L, BLOCK_N)
+        _store_p(p, p_smem)
         acc = _pv(p_smem, k_smem.index(cur), acc, False, False)
         _barrier()  # every warp is done reading slot cur and P(j)
         _gather(
