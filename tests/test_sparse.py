@@ -547,6 +547,24 @@ def test_gluon_sparse_prototype_compiles_for_sm90() -> None:
     assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
 
 
+def test_gluon_sparse_prototype_refuses_what_it_cannot_take() -> None:
+    """Its host wrapper names what it takes (no launch happens: every check fails first)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_backends.sparse import gluon_kernel as gk
+
+    q, qr = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 64, 64).bfloat16()
+    kv, idx = torch.zeros(8, 576, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32)
+    out, lse = torch.zeros(2, 64, 512).bfloat16(), torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="H % 64 == 0"):
+        gk.sparse_mla(q[:, :16], qr[:, :16], kv, idx, 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="bf16 / fp16 rows in q's dtype"):
+        gk.sparse_mla(q, qr, kv.half(), idx, 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        gk.sparse_mla(q, qr, kv, idx.long(), 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        gk.sparse_mla(q, qr, kv, torch.zeros(4, 2, dtype=torch.int32).t(), 0.1, 1, out, lse)
+
+
 def test_topk_slots_refuses_non_fp32_logits() -> None:
     from mla_backends.sparse.topk_kernel import topk_slots
 

@@ -188,6 +188,10 @@ def sparse_mla(
         )
     if kv.dtype != q_nope.dtype or kv.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"bf16 / fp16 rows in q's dtype, got kv {kv.dtype}, q {q_nope.dtype}")
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(f"indices must be int32 [T = {t}, K], got {tuple(indices.shape)}")
+    if indices.stride(1) != 1:
+        raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
     if t == 0:
         return
     part_out, part_lse = out, lse  # unused with one split
