@@ -317,15 +317,10 @@ def mla_attention(
     if t == 0 or b == 0:
         return
     m_blocks = cdiv(max_q_len * h, block_m)
-    if num_splits > 1:
-        if workspace is None:
-            workspace = (
-                torch.empty(t * h * num_splits, lat, dtype=torch.float32, device=q_nope.device),
-                torch.empty(t * h * num_splits, dtype=torch.float32, device=q_nope.device),
-            )
+    if num_splits > 1 and workspace is not None:
         part_out, part_lse = workspace
     else:
-        part_out, part_lse = out, lse  # unused
+        part_out, part_lse = split_partials(out, lse, num_splits)
     if gluon and kv_scale == 1.0 and gluon_usable(q_nope.dtype, kv, page_size, lat):
         from mla_backends.kernels import mla_attention_gluon as mg
 
@@ -412,11 +407,37 @@ def decode_args(
     Hazard: the kernels unpack these by position; change them here and in both kernels.
     Triton 3.6's launcher cannot pass a descriptor inside a tuple (an assertion in its
     driver), so the descriptors stay top-level arguments."""
-    out, lse = outs[0], outs[1]
-    q = (q_nope, q_rope, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
     batch = (table, table.stride(0), qo_indptr, seq_lens)
-    dest = (*outs, out.stride(0), out.stride(1), lse.stride(0))
-    return q, (kv, kv.stride(0)), *descs, batch, dest
+    return query_group(q_nope, q_rope), (kv, kv.stride(0)), *descs, batch, dest_group(outs)
+
+
+def query_group(q_nope: torch.Tensor, q_rope: torch.Tensor) -> tuple[object, ...]:
+    """`decode_args`' Q group: (q_nope, q_rope, their token and head strides)."""
+    return q_nope, q_rope, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1)
+
+
+def dest_group(
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[object, ...]:
+    """`decode_args`' Dest group: (out, lse, part_out, part_lse, out's token and head strides,
+    lse's token stride), as `gluon_tiles._store_rows` unpacks it."""
+    out, lse = outs[0], outs[1]
+    return (*outs, out.stride(0), out.stride(1), lse.stride(0))
+
+
+def split_partials(
+    out: torch.Tensor, lse: torch.Tensor, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32) for a split
+    grid whose out is [T, H, L]; with one split, out and lse themselves (never written)."""
+    if num_splits == 1:
+        return out, lse
+    t, h, lat = out.shape
+    rows = t * h * num_splits
+    return (
+        torch.empty(rows, lat, dtype=torch.float32, device=out.device),
+        torch.empty(rows, dtype=torch.float32, device=out.device),
+    )
 
 
 def _merge(

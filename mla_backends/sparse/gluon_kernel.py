@@ -42,7 +42,13 @@ from mla_backends.kernels.gluon_tiles import (
     _store_p,
     _store_rows,
 )
-from mla_backends.kernels.mla_attention import LOG2E, _merge
+from mla_backends.kernels.mla_attention import (
+    LOG2E,
+    _merge,
+    dest_group,
+    query_group,
+    split_partials,
+)
 
 # async_copy_global_to_shared (3.6) is async_load from 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -194,12 +200,8 @@ def sparse_mla(
         raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
     if t == 0:
         return
-    part_out, part_lse = out, lse  # unused with one split
-    if num_splits > 1:
-        part_out = torch.empty(t * h * num_splits, lat, dtype=torch.float32, device=kv.device)
-        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=kv.device)
-    q = (q_nope, q_rope, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1))
-    dest = (out, lse, part_out, part_lse, out.stride(0), out.stride(1), lse.stride(0))
+    part_out, part_lse = split_partials(out, lse, num_splits)
+    q, dest = query_group(q_nope, q_rope), dest_group((out, lse, part_out, part_lse))
     _sparse_gluon_kernel[(h // BLOCK_M, t, num_splits)](
         q, kv, kv.stride(0), indices, indices.stride(0), indices.shape[1], dest,
         sm_scale * LOG2E, H=h, L=lat, R=r, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv
 from mla_backends.kernels.common import interpreting
-from mla_backends.kernels.mla_attention import LOG2E, _merge, _online_softmax
+from mla_backends.kernels.mla_attention import LOG2E, _merge, _online_softmax, split_partials
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat
 
@@ -170,11 +170,7 @@ def sparse_mla(
     r = q_rope.shape[2]
     if t == 0:
         return
-    if num_splits > 1:
-        part_out = torch.empty(t * h * num_splits, lat, dtype=torch.float32, device=q_nope.device)
-        part_lse = torch.empty(t * h * num_splits, dtype=torch.float32, device=q_nope.device)
-    else:
-        part_out, part_lse = out, lse  # unused
+    part_out, part_lse = split_partials(out, lse, num_splits)
     if fmt is not None:
         if kv_scale != 1.0:
             raise ValueError("FP8 rows carry their own scales: kv_scale must be 1")
