@@ -7,7 +7,7 @@ them at run time for these shapes.
 
 python3 scripts/compile_sparse_sm90.py [gluon]
 
-`gluon`: the Gluon prototype (`sparse/gluon_kernel.py`, not wired in) at H128, bf16 rows,
+`gluon`: the Gluon sparse kernel (`sparse/gluon_kernel.py`, SM90) at H128, bf16 rows,
 instead: one JSON line with its wgmma shapes too.
 
 Run without TRITON_INTERPRET=1.
@@ -53,7 +53,7 @@ def rows(fp8: bool) -> dict[str, int]:
 
 
 def gluon_usage(num_splits: int = 2) -> dict:  # type: ignore[type-arg]
-    """The Gluon prototype compiled for SM90 at H128, bf16 rows, top-k 2048."""
+    """The Gluon sparse kernel compiled for SM90 at H128, bf16 rows, top-k 2048."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_backends.sparse import gluon_kernel as gk
@@ -82,7 +82,7 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] == ["gluon"]:
-        print(json.dumps({"launch": "gluon prototype H128 bf16 64x64", **gluon_usage()}))
+        print(json.dumps({"launch": "gluon H128 bf16 64x64", **gluon_usage()}))
         raise SystemExit(0)
     fn = sk._sparse_mla_kernel
     for (block, fp8), cfg in LAUNCH.items():

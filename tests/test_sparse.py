@@ -536,33 +536,67 @@ def test_sparse_kernel_launches_compile_for_sm90() -> None:
     assert h16["stack"] == 0, h16
 
 
-def test_gluon_sparse_prototype_compiles_for_sm90() -> None:
-    """The Gluon sparse prototype (`sparse/gluon_kernel.py`, not wired in) keeps building for
-    SM90 at H128: no spills, one block's shared memory, and the split layouts it exists for
-    (each warpgroup 32 keys of a score tile, `m64n32k16`, and 256 output columns,
-    `m64n256k16`), with its gathers as `cp.async`."""
+def test_gluon_sparse_kernel_compiles_for_sm90() -> None:
+    """The Gluon sparse kernel (`sparse/gluon_kernel.py`, the `triton` sparse backend's on
+    SM90) keeps building for SM90 at H128: no spills, one block's shared memory, and the
+    split layouts it exists for (each warpgroup 32 keys of a score tile, `m64n32k16`, and
+    256 output columns, `m64n256k16`), with its gathers as `cp.async`."""
     (use,) = compile_usage("compile_sparse_sm90.py", "gluon")
     assert use["local"] == 0 and use["stack"] == 0 and use["reg"] <= 255, use
     assert use["shared"] <= 232448, use
     assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
 
 
-def test_gluon_sparse_prototype_refuses_what_it_cannot_take() -> None:
-    """Its host wrapper names what it takes (no launch happens: every check fails first)."""
+def test_gluon_sparse_kernel_refuses_what_it_cannot_take() -> None:
+    """Its host wrapper names what it takes (no launch happens: every check fails first);
+    off an SM90 GPU every call is refused, whatever its shapes."""
     pytest.importorskip("triton.experimental.gluon")
     from mla_backends.sparse import gluon_kernel as gk
 
     q, qr = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 64, 64).bfloat16()
     kv, idx = torch.zeros(8, 576, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32)
     out, lse = torch.zeros(2, 64, 512).bfloat16(), torch.zeros(2, 64)
-    with pytest.raises(ValueError, match="H % 64 == 0"):
-        gk.sparse_mla(q[:, :16], qr[:, :16], kv, idx, 0.1, 1, out, lse)
-    with pytest.raises(ValueError, match="bf16 / fp16 rows in q's dtype"):
-        gk.sparse_mla(q, qr, kv.half(), idx, 0.1, 1, out, lse)
     with pytest.raises(ValueError, match="indices must be int32"):
         gk.sparse_mla(q, qr, kv, idx.long(), 0.1, 1, out, lse)
     with pytest.raises(ValueError, match="contiguous along K"):
         gk.sparse_mla(q, qr, kv, torch.zeros(4, 2, dtype=torch.int32).t(), 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="takes SM90.*got H 16"):
+        gk.sparse_mla(q[:, :16], qr[:, :16], kv, idx, 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="takes SM90.*kv torch.float16"):
+        gk.sparse_mla(q, qr, kv.half(), idx, 0.1, 1, out, lse)
+    assert not gk.usable(q, qr, kv)  # CPU tensors
+
+
+def test_gluon_sparse_splits_fill_one_wave() -> None:
+    """The Gluon sparse kernel holds one CTA an SM: its split rule takes the most splits that
+    keep the grid in one wave (measured: two waves 1.3-1.6x slower from 4 tokens at H128),
+    never below one key block a split; the `tl.dot` kernel's rule keeps about two waves."""
+    from mla_backends.sparse.triton_backend import choose_splits
+
+    assert choose_splits(2, 2048, 132, 64, 32, waves=1) == 32  # H128, 1 token: the cap
+    assert choose_splits(8, 2048, 132, 64, 32, waves=1) == 16  # H128, 4 tokens: 128 CTAs
+    assert choose_splits(32, 2048, 132, 64, 32, waves=1) == 4  # H128, 16 tokens
+    assert choose_splits(32, 2048, 132, 64, 32) == 8  # the tl.dot rule: two waves
+    assert choose_splits(64, 2048, 132, 64, 32, waves=1) == 2
+    assert choose_splits(200, 2048, 132, 64, 32, waves=1) == 1
+
+
+def test_sparse_launch_takes_gluon_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`launch_config` marks the Gluon kernel for bf16 rows at H a multiple of 64 when the
+    caller says the machine has it (SM90, route open), with the one-wave split rule; FP8 rows,
+    H16 and other machines keep the `tl.dot` kernel and its rule. Off the interpreter's
+    fixed config, as on a GPU."""
+    from mla_backends.sparse import triton_backend as tb
+
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    g = tb.launch_config(128, False, 16, 2048, 132, gluon=True)
+    assert g["gluon"] == 1 and g["splits"] == 4 and g["block_m"] == 64, g
+    assert tb.launch_config(64, False, 1, 2048, 132, gluon=True)["splits"] == 32
+    plain = tb.launch_config(128, False, 16, 2048, 132)
+    assert "gluon" not in plain and plain["splits"] == 8, plain
+    for heads, fp8_rows in ((128, True), (16, False), (96, False)):
+        assert "gluon" not in tb.launch_config(heads, fp8_rows, 16, 2048, 132, gluon=True)
+    assert not tb.gluon_here(torch.device("cpu"))
 
 
 def test_topk_slots_refuses_non_fp32_logits() -> None:

@@ -532,11 +532,11 @@ def test_v32_model_decode_graphs_equal_eager(sparse: str, fp8_rows: bool) -> Non
 
 @pytest.mark.sm90
 @pytest.mark.parametrize("splits", [1, 4])
-def test_gluon_sparse_prototype_matches_the_reference(splits: int) -> None:
-    """The Gluon sparse prototype (`sparse/gluon_kernel.py`, not wired into a backend) against
-    the fp64 sparse reference at H128: -1 entries in the middle and at the tail of a list, a
-    token with none, NaN in every pool row no list names (a masked gather lane must write
-    zeros, never a stale or NaN row)."""
+def test_gluon_sparse_kernel_matches_the_reference(splits: int) -> None:
+    """The Gluon sparse kernel (`sparse/gluon_kernel.py`) against the fp64 sparse reference
+    at H128: -1 entries in the middle and at the tail of a list, a token with none, NaN in
+    every pool row no list names (a masked gather lane must write zeros, never a stale or
+    NaN row)."""
     from mla_backends.sparse import gluon_kernel as gk
     from mla_backends.sparse.reference import sparse_attention
     from mla_backends.testing import TOLERANCES
@@ -567,3 +567,40 @@ def test_gluon_sparse_prototype_matches_the_reference(splits: int) -> None:
     )
     assert torch.equal(out[2].cpu(), torch.zeros(h, 512, dtype=torch.bfloat16))  # no index
     assert bool((lse[2] == float("-inf")).all())
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("heads", [64, 128])
+def test_triton_sparse_backend_takes_the_gluon_kernel(
+    heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SM90 the `triton` sparse backend runs bf16 rows at H a multiple of 64 through the
+    Gluon kernel, with the one-wave split count, and matches the fp64 reference; H16 and FP8
+    rows stay on the `tl.dot` kernel. (The parity grid above runs H128 bf16 through it too.)"""
+    from mla_backends.kernels.common import num_sms
+    from mla_backends.sparse import gluon_kernel
+    from mla_backends.sparse.triton_backend import launch_config
+
+    calls: list[int] = []
+    real = gluon_kernel.sparse_mla
+
+    def spy(*args: object) -> None:
+        calls.append(int(args[5]))  # type: ignore[call-overload]
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gluon_kernel, "sparse_mla", spy)
+    plan = (("bfloat16", heads, True), ("bfloat16", 16, False), ("fp8_row", heads, False))
+    for pool, h, want in plan:
+        calls.clear()
+        case = SparseCase(
+            "triton", pool, "bfloat16", ForwardMode.DECODE, 1, KV_LENS, TOPK, 64, _dims(h),
+            drop=0.2, empty_row=True,
+        )  # fmt: skip
+        _, _, detail = run(case, "cuda")
+        assert not detail, detail
+        if not want:
+            assert calls == [], (pool, h, calls)
+            continue
+        sms = num_sms(torch.device("cuda"))
+        splits = launch_config(h, False, len(KV_LENS), TOPK, sms, gluon=True)["splits"]
+        assert calls == [splits], (calls, splits)

@@ -321,7 +321,7 @@ def test_backend_block_sizes_after_gluon_failure(
     assert not tuning.is_narrow(16, True)
     monkeypatch.delenv("MLA_NARROW")
     tuning.narrow_on.cache_clear()
-    ma._gluon_failed("simulated")
+    ma.gluon_failed("simulated")
     assert be._block_m(32, torch.bfloat16, 64) == 32
     assert be._block_m(16, torch.bfloat16, 1) == 16
     assert be._block_m(64, torch.float32, 1) == 16  # fp32 never takes Gluon or 64-row blocks

@@ -352,7 +352,7 @@ def mla_attention(
                 block_m=rows,
             )
         except Exception as e:  # import, first-use compile: a failure there never fails a decode
-            _gluon_failed(f"{type(e).__name__}: {e}")
+            gluon_failed(f"{type(e).__name__}: {e}")
         else:
             _merge(part_out, part_lse, out, lse, num_splits)
             return
@@ -490,24 +490,32 @@ def gluon_error() -> str | None:
     return _gluon_route.error
 
 
-def _gluon_failed(reason: str) -> None:
+def gluon_failed(reason: str) -> None:
+    """Turn the Gluon route off for this process (dense and sparse kernels alike: a Triton
+    whose Gluon API moved breaks them all), logging why once."""
     if _gluon_route.error is None:
         _gluon_route.error = reason
         logger.warning(
-            "Gluon decode kernel unavailable with triton %s, the tl.dot kernel takes its "
+            "Gluon kernels unavailable with triton %s, the tl.dot kernels take their "
             "calls from now on: %s",
             triton.__version__,
             reason,
         )
 
 
+def gluon_route_open(kv: torch.Tensor) -> bool:
+    """Whether any Gluon kernel may run on `kv`'s device now: a GPU (no Gluon interpreter), a
+    Triton with the Gluon API, and no earlier failure to build one (`gluon_error`)."""
+    return kv.is_cuda and not interpreting() and _GLUON_API and _gluon_route.error is None
+
+
 def gluon_usable(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
     """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
-    if not kv.is_cuda or interpreting() or not _GLUON_API or _gluon_route.error is not None:
+    if not gluon_route_open(kv):
         return False
     try:
         from mla_backends.kernels.mla_attention_gluon import gluon_ok
     except Exception as e:  # no triton.experimental.gluon, or names in it moved again
-        _gluon_failed(f"{type(e).__name__}: {e}")
+        gluon_failed(f"{type(e).__name__}: {e}")
         return False
     return gluon_ok(q_dtype, kv, page_size, lat)

@@ -1,24 +1,25 @@
-"""PROTOTYPE (issue 18, not wired into any backend, not yet run on a GPU): sparse absorbed MLA
-for 64 heads of a query token on Hopper, in Gluon, with the dense 64-row kernel's layouts.
+"""Sparse absorbed MLA on Hopper in Gluon: the `triton` sparse backend's kernel for bf16 /
+fp16 pool rows at H a multiple of 64 on SM90 (`usable`); everything else takes the `tl.dot`
+kernel (`triton_kernel.py`), which is also the fallback if this one fails to build.
 
-Why: the `triton` sparse kernel (`triton_kernel.py`) lays its score dots out over eight warps
-in M (`warpsPerCTA = [8, 1]`, read in its SM90 TTGIR), so both warpgroups compute the whole
-64 x 64 score tile, and its 64 x 512 accumulator spills; at H128 it runs 0.41-0.46x FlashMLA's
-sparse kernel from 64 tokens a call (BENCHMARKS.md, "SGLang's DeepSeek-V3.2 sparse attention
-call"). Here the score tile is split over keys and the output over its 512 columns (`[4, 2]`,
-`gluon_tiles._score` / `_pv`, as in `kernels/mla_attention_gluon.py`), and each tile's 64
-selected rows are gathered by index with `cp.async` into a two-slot ring: tile j + 2 is
-requested once P @ V(j) has retired, so its gather runs behind tile j + 1's maths.
+Why: the `tl.dot` sparse kernel lays its score dots out over eight warps in M
+(`warpsPerCTA = [8, 1]`, read in its SM90 TTGIR), so both warpgroups compute the whole 64 x 64
+score tile, and its 64 x 512 accumulator spills. Here the score tile is split over keys and
+the output over its 512 columns (`[4, 2]`, `gluon_tiles._score` / `_pv`, as in
+`kernels/mla_attention_gluon.py`), and each tile's 64 selected rows are gathered by index with
+`cp.async` into a two-slot ring: tile j + 2 is requested once P @ V(j) has retired, so its
+gather runs behind tile j + 1's maths. H100, same indices (BENCHMARKS.md, fifteenth session):
+1.07-1.47x the `tl.dot` kernel at every token count, 1.1-3.6x FlashMLA's sparse kernel up to
+16 tokens, 0.58-0.85x from 64.
 
 Contract: `triton_kernel.sparse_mla`'s for bf16 / fp16 pool rows (q_nope [T, H, L], q_rope
 [T, H, R], kv [slots, L + R], indices [T, K] int32 with -1 unused) at L = 512, R = 64, H a
 multiple of 64; partials merged by `mla_attention._merge`. Hazards: a -1 entry's row must
 stand in as zeros, never a stale or NaN row (P is 0 there, but 0 x NaN is NaN): masked
-`cp.async` lanes carry a source size of 0, which zero-fills (read in the PTX, offline); and
-the generic-proxy writes of `cp.async` are fenced before the wgmma reads them. Offline
-compile (`scripts/compile_sparse_sm90.py gluon`): 234 registers (triton 3.9) / 210 (3.6, the
-GPU hosts'), no spills, 229,888 B of shared memory. Its GPU test, not yet run:
-`tests/test_sparse_gpu.py::test_gluon_sparse_prototype_matches_the_reference`.
+`cp.async` lanes carry a source size of 0, which zero-fills (read in the PTX; the GPU test
+poisons every unnamed row with NaN); and the generic-proxy writes of `cp.async` are fenced
+before the wgmma reads them. One CTA an SM (229,888 B of shared memory; 210 registers with
+triton 3.6, no spills), so the split rule fills one wave (`triton_backend.launch_config`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla_backends.kernels.common import interpreting
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
     _online_rows,
@@ -53,6 +55,25 @@ from mla_backends.kernels.mla_attention import (
 # async_copy_global_to_shared (3.6) is async_load from 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
+    """This kernel's conditions: SM90 exactly (wgmma), bf16 / fp16 rows read by queries of the
+    same dtype, L 512 and R 64 in 576-wide rows contiguous along their columns (queries too)
+    whose starts `cp.async` can read 16 bytes at a time, H a multiple of 64."""
+    return (
+        kv.is_cuda
+        and not interpreting()
+        and torch.cuda.get_device_capability(kv.device) == (9, 0)
+        and kv.dtype in _DTYPES
+        and q_nope.dtype == q_rope.dtype == kv.dtype
+        and q_nope.shape[1] % BLOCK_M == 0
+        and (q_nope.shape[2], q_rope.shape[2], kv.shape[1]) == (512, 64, 576)
+        and q_nope.stride(2) == q_rope.stride(2) == kv.stride(1) == 1
+        and (kv.stride(0) * kv.element_size()) % 16 == 0
+        and kv.data_ptr() % 16 == 0
+    )
 
 
 @gluon.jit
@@ -186,25 +207,24 @@ def sparse_mla(
     L 512 and R 64: q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], indices [T, K]
     int32 (-1 unused) -> out [T, H, L], lse [T, H]. SM90 only."""
     t, h, lat = q_nope.shape
-    r = q_rope.shape[2]
-    if h % BLOCK_M or (lat, r) != (512, 64) or kv.shape[1] != lat + r or kv.stride(1) != 1:
-        raise ValueError(
-            f"the Gluon sparse prototype takes H % 64 == 0, L 512, R 64 and contiguous rows, "
-            f"got H {h}, L {lat}, R {r}, kv {tuple(kv.shape)}"
-        )
-    if kv.dtype != q_nope.dtype or kv.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"bf16 / fp16 rows in q's dtype, got kv {kv.dtype}, q {q_nope.dtype}")
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t:
         raise ValueError(f"indices must be int32 [T = {t}, K], got {tuple(indices.shape)}")
     if indices.stride(1) != 1:
         raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
+    if not usable(q_nope, q_rope, kv):
+        raise ValueError(
+            "the Gluon sparse kernel takes SM90, bf16 / fp16 rows in q's dtype, H % 64 == 0, "
+            f"L 512, R 64, contiguous 16-byte-aligned rows: got H {h}, q {q_nope.dtype} "
+            f"{tuple(q_nope.shape)} / {tuple(q_rope.shape)}, kv {kv.dtype} {tuple(kv.shape)} "
+            f"on {kv.device}"
+        )
     if t == 0:
         return
     part_out, part_lse = split_partials(out, lse, num_splits)
     q, dest = query_group(q_nope, q_rope), dest_group((out, lse, part_out, part_lse))
     _sparse_gluon_kernel[(h // BLOCK_M, t, num_splits)](
         q, kv, kv.stride(0), indices, indices.stride(0), indices.shape[1], dest,
-        sm_scale * LOG2E, H=h, L=lat, R=r, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        sm_scale * LOG2E, H=h, L=lat, R=q_rope.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits, STAGES=STAGES, num_warps=8,
     )  # fmt: skip
     _merge(part_out, part_lse, out, lse, num_splits)

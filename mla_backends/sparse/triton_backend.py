@@ -10,6 +10,7 @@ import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.kernels.common import interpreting, num_sms
+from mla_backends.kernels.mla_attention import gluon_error
 from mla_backends.sparse.base import (
     SparseCaps,
     SparseContext,
@@ -19,12 +20,19 @@ from mla_backends.sparse.base import (
 from mla_backends.sparse.fp8_row import Fp8RowPool
 
 
-def choose_splits(programs: int, topk: int, sms: int, block_n: int, max_splits: int = 64) -> int:
-    """Split the index list until the grid fills the GPU about twice, down to one key block
-    a split; a power of two (the merge kernel's arange needs one). At batch 1 a program's time
-    is a chain of dependent loads (indices, then the rows they name) per block, so one block a
-    program is the shortest chain; the merge then reads splits x heads partial rows."""
-    want = max(1, min(round(2 * sms / max(programs, 1)), topk // block_n, max_splits))
+def choose_splits(
+    programs: int, topk: int, sms: int, block_n: int, max_splits: int = 64, waves: int = 2
+) -> int:
+    """Split the index list until the grid fills the GPU about `waves` times, down to one key
+    block a split; a power of two (the merge kernel's arange needs one). At batch 1 a
+    program's time is a chain of dependent loads (indices, then the rows they name) per
+    block, so one block a program is the shortest chain; the merge then reads splits x heads
+    partial rows. The `tl.dot` kernel's rule rounds to about two waves; the Gluon kernel
+    (one CTA an SM) takes the most splits that stay in one wave (`waves=1`, rounding down):
+    at H128 on an H100 two waves took 1.3-1.6x one wave's time from 4 tokens on (BENCHMARKS.md,
+    fifteenth session)."""
+    fill = round(2 * sms / max(programs, 1)) if waves == 2 else waves * sms // max(programs, 1)
+    want = max(1, min(fill, topk // block_n, max_splits))
     return 1 << (want.bit_length() - 1)
 
 
@@ -46,19 +54,39 @@ LAUNCH = {
 
 
 def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: int) -> int:
-    """KV splits of the index list for `cfg`'s programs (`choose_splits`)."""
+    """KV splits of the index list for `cfg`'s programs (`choose_splits`; one wave where
+    `cfg` takes the Gluon kernel)."""
     programs = tokens * -(-heads // cfg["block_m"])
     # <= 4096 partial rows a token (8 MB of fp32 partials to write and merge at H128)
     cap = max(1, min(64, 4096 // heads))
-    return choose_splits(programs, topk, sms, cfg["block_n"], cap)
+    waves = 1 if cfg.get("gluon") else 2
+    return choose_splits(programs, topk, sms, cfg["block_n"], cap, waves)
 
 
-def launch_config(heads: int, fp8_rows: bool, tokens: int, topk: int, sms: int) -> dict[str, int]:
+def gluon_here(device: torch.device) -> bool:
+    """Whether sparse calls on `device` may take the Gluon kernel: an SM90 GPU and the Gluon
+    route open (`mla_attention.gluon_error`); the call's own tensors decide the rest."""
+    return (
+        device.type == "cuda"
+        and not interpreting()
+        and gluon_error() is None
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
+def launch_config(
+    heads: int, fp8_rows: bool, tokens: int, topk: int, sms: int, gluon: bool = False
+) -> dict[str, int]:
     """Tiles, warps, stages and KV splits of one `triton_kernel.sparse_mla` call: `tokens`
-    query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows, on `sms` SMs."""
+    query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows, on `sms` SMs.
+    gluon: the call may take the Gluon kernel (an SM90 and a bf16 / fp16 pool, the Gluon
+    route open; the caller says): then "gluon" is set for H a multiple of 64 with bf16 rows,
+    with the `tl.dot` kernel's 64-row tiles as its fallback."""
     if interpreting():
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
     cfg = dict(LAUNCH[(16 if heads <= 16 else 64, fp8_rows)])
+    if gluon and not fp8_rows and heads % 64 == 0:
+        cfg["gluon"] = 1
     return {**cfg, "splits": launch_splits(cfg, heads, tokens, topk, sms)}
 
 
@@ -92,13 +120,16 @@ class TritonSparseBackend(SparseMLABackend):
         self._interp = interpreting()
         self._sms = num_sms(self.device)
         self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
+        # bf16 / fp16 pools may take the Gluon kernel (`gluon_here`, `gluon_kernel.usable`)
+        self._gluon_pool = self._fmt is None and not getattr(ctx.pool, "is_fp8", False)
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
 
     def _launch(self, tokens: int) -> dict[str, int]:
         h = self.dims.num_heads
         if self.launch is None or self._interp:
-            return launch_config(h, self._fmt is not None, tokens, self.topk, self._sms)
+            gluon = self._gluon_pool and gluon_here(self.device)
+            return launch_config(h, self._fmt is not None, tokens, self.topk, self._sms, gluon)
         cfg = dict(self.launch)  # a sweep's config (with "splits": that split count)
         if "splits" not in cfg:
             cfg["splits"] = launch_splits(cfg, h, tokens, self.topk, self._sms)

@@ -19,7 +19,14 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv
 from mla_backends.kernels.common import interpreting
-from mla_backends.kernels.mla_attention import LOG2E, _merge, _online_softmax, split_partials
+from mla_backends.kernels.mla_attention import (
+    LOG2E,
+    _merge,
+    _online_softmax,
+    gluon_failed,
+    gluon_route_open,
+    split_partials,
+)
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.fp8_row import TILE, Fp8RowFormat
 
@@ -245,15 +252,48 @@ def attend(
     fmt: Fp8RowFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_mla` into new tensors: out [T, H, L] in q's dtype and lse [T, H] fp32, with
-    the tiles, warps, stages and "splits" of `launch` (`triton_backend.launch_config`)."""
+    the tiles, warps, stages and "splits" of `launch` (`triton_backend.launch_config`); with
+    "gluon" set there, the Gluon kernel where it runs (`_gluon_attend`)."""
     t, h, lat = q_nope.shape
     out = torch.empty(t, h, lat, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
     cfg = dict(launch)
     splits = cfg.pop("splits")
+    gluon = cfg.pop("gluon", 0) and fmt is None and kv_scale == 1.0
+    if gluon and _gluon_attend(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse):
+        return out, lse
     # dot_f32 in the interpreter: its bf16 dots are wrong (DESIGN.md)
     sparse_mla(
         q_nope, q_rope, kv, indices, sm_scale, kv_scale, splits, out, lse, fmt,
         dot_f32=interpreting(), **cfg,
     )  # fmt: skip
     return out, lse
+
+
+def _gluon_attend(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> bool:
+    """The Gluon sparse kernel's call where it can run here (`gluon_kernel.usable`, the Gluon
+    route open); False leaves the call to the `tl.dot` kernel. A failure to import, build or
+    launch it turns the route off for the process (`mla_attention.gluon_failed`) and is
+    never a failed decode: nothing is written before the launch, so the fallback starts
+    clean."""
+    if not gluon_route_open(kv):
+        return False
+    try:
+        from mla_backends.sparse import gluon_kernel
+
+        if not gluon_kernel.usable(q_nope, q_rope, kv):
+            return False
+        gluon_kernel.sparse_mla(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse)
+    except Exception as e:  # no triton.experimental.gluon, or names in it moved again
+        gluon_failed(f"{type(e).__name__}: {e}")
+        return False
+    return True

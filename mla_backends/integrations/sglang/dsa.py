@@ -57,7 +57,7 @@ def forward_sparse(
     page_table_1 names -> [T, H, v_head_dim] in q_all's dtype."""
     from mla_backends.kernels.common import num_sms
     from mla_backends.sparse import triton_kernel
-    from mla_backends.sparse.triton_backend import launch_config
+    from mla_backends.sparse.triton_backend import gluon_here, launch_config
 
     if q_all.dim() != 3:
         raise ValueError(f"q_all must be [tokens, heads, L + R], got {tuple(q_all.shape)}")
@@ -75,7 +75,8 @@ def forward_sparse(
             f"page_table_1 must be [tokens = {t}, topk], got {tuple(page_table_1.shape)}"
         )
     indices = page_table_1.to(torch.int32)  # a no-op for SGLang's int32 table
-    launch = launch_config(h, False, t, indices.shape[1], num_sms(q_all.device))
+    dev = q_all.device
+    launch = launch_config(h, False, t, indices.shape[1], num_sms(dev), gluon_here(dev))
     kv = kv_cache.view(-1, width)  # the pool itself: a copy would be the whole layer
     q_nope, q_rope = q_all[..., :v_head_dim], q_all[..., v_head_dim:]
     return triton_kernel.attend(q_nope, q_rope, kv, indices, sm_scale, 1.0, launch)[0]
