@@ -109,7 +109,7 @@ def test_bad_inputs_refused_with_a_reason() -> None:
 
 def test_auto_wraps_sglangs_call(hooks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """`MLAB_DSA_SPARSE=auto` wraps SGLang's method (HookType.AROUND): SGLang's own call
-    still runs for calls above `AUTO_ROWS` query rows."""
+    still runs for calls above `auto_rows` query rows."""
     monkeypatch.setenv(dsa.ENV, "auto")
     assert dsa.register_hook() == "auto"
     assert [h[:2] for h in HookRegistry._hooks[dsa.TARGET]] == [(HookType.AROUND, dsa.auto_sparse)]
@@ -117,8 +117,9 @@ def test_auto_wraps_sglangs_call(hooks: None, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.interp
 def test_auto_takes_ours_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to AUTO_ROWS tokens x heads a call is ours (the same bits as `forward_sparse`),
-    above it SGLang's own method gets every argument unchanged."""
+    """Up to `auto_rows` tokens x heads a call is ours (the same bits as `forward_sparse`),
+    above it SGLang's own method gets every argument unchanged. Off an SM90 GPU the limit is
+    the `tl.dot` kernel's (AUTO_ROWS), whatever the head count."""
     calls: list[tuple[object, ...]] = []
 
     def sglangs(*args: object) -> torch.Tensor:
@@ -132,6 +133,7 @@ def test_auto_takes_ours_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) ->
     idx = torch.randperm(slots, generator=gen)[: 3 * k].view(3, k).to(torch.int32)
     got = dsa.auto_sparse(sglangs, None, small, pool, lat, idx, 0.1, None)
     assert not calls and torch.equal(got, dsa.forward_sparse(None, small, pool, lat, idx, 0.1))
+    assert dsa.auto_rows(torch.zeros(1, 64, lat + r).half()) == dsa.AUTO_ROWS  # no SM90 here
     t = dsa.AUTO_ROWS // 16 + 1  # one token past the limit at 16 heads
     large = torch.zeros(t, 16, lat + r).half()
     big_idx = torch.zeros(t, k, dtype=torch.int32)

@@ -3,10 +3,11 @@
 SGLang's `dsa` attention backend keeps its indexer, metadata, CUDA-graph state and MTP; this
 module replaces only its sparse attention call on bf16 / fp16 latent pools,
 `DeepseekSparseAttnBackend._forward_flashmla_sparse` (taken with `--dsa-prefill-backend
-flashmla_sparse` / `--dsa-decode-backend flashmla_sparse`), by our `triton` sparse kernel
-(`sparse/triton_kernel.py`: it gathers only the selected rows, takes any head count, and needs
-no FlashMLA Hopper kernel). Opt in with `MLAB_DSA_SPARSE=triton` (always ours) or `auto` (ours
-up to `AUTO_ROWS` query rows a call, where it is the faster one; SGLang's FlashMLA call above)
+flashmla_sparse` / `--dsa-decode-backend flashmla_sparse`), by our `triton` sparse backend's
+kernels (`sparse/gluon_kernel.py` on SM90 at H a multiple of 64, `sparse/triton_kernel.py`
+elsewhere: they gather only the selected rows, take any head count, and need no FlashMLA
+Hopper kernel). Opt in with `MLAB_DSA_SPARSE=triton` (always ours) or `auto` (ours
+up to `auto_rows` query rows a call, where it is the faster one; SGLang's FlashMLA call above)
 in the server's environment; `register` (the plug-in's entry point) then installs it through
 SGLang's HookRegistry.
 
@@ -35,12 +36,24 @@ TARGET = (
 )
 ENV = "MLAB_DSA_SPARSE"
 CHOICES = ("triton", "auto")
-# `auto`: our kernel while tokens x heads stays at or below this, SGLang's own FlashMLA sparse
-# call above it. H100, graph replay, top-k 2048 (BENCHMARKS.md, fourteenth session): ours
-# 3.1-4.4x faster at one token, 1.04 / 1.01x at 1536 rows (H128 x 12 / H64 x 24 tokens),
-# 0.74-0.91x at 2048 rows at every head count (FlashMLA's kernel is a prefill kernel: its
-# ~60 us floor pays off once many query rows share it). Measured on the H100 only.
-AUTO_ROWS = 1536
+# `auto`: our kernel while tokens x heads stays at or below `auto_rows`, SGLang's own FlashMLA
+# sparse call above it (FlashMLA's is a prefill kernel: its ~60 us floor pays off once many
+# query rows share it). H100, graph replay, top-k 2048 (BENCHMARKS.md, fifteenth session):
+# through the Gluon kernel (H a multiple of 64, SM90) ours 1.38-3.69x up to 2048 rows (H128 x
+# 16, H64 x 32 tokens), 0.96-0.99x at 3072-4096; through the `tl.dot` kernel (H16) 1.17-4.49x
+# up to 1024 rows (64 tokens), 0.72x at 1536. Measured on the H100 only.
+AUTO_ROWS_GLUON = 2048
+AUTO_ROWS = 1024
+
+
+def auto_rows(q_all: torch.Tensor) -> int:
+    """Query rows (tokens x heads) a call up to which `auto` takes ours: more where the call
+    would take the Gluon kernel."""
+    from mla_backends.sparse.triton_backend import gluon_here
+
+    h = q_all.shape[1]
+    gluon = h % 64 == 0 and q_all.dtype in (torch.bfloat16, torch.float16)
+    return AUTO_ROWS_GLUON if gluon and gluon_here(q_all.device) else AUTO_ROWS
 
 
 def forward_sparse(
@@ -93,9 +106,9 @@ def auto_sparse(
     topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SGLang's `_forward_flashmla_sparse` wrapped (`MLAB_DSA_SPARSE=auto`): `forward_sparse`
-    for calls of at most AUTO_ROWS query rows (tokens x heads), SGLang's own method above.
+    for calls of at most `auto_rows` query rows (tokens x heads), SGLang's own method above.
     Shapes only: the same choice at capture and replay of a graph, no host sync."""
-    if q_all.dim() == 3 and q_all.shape[0] * q_all.shape[1] <= AUTO_ROWS:
+    if q_all.dim() == 3 and q_all.shape[0] * q_all.shape[1] <= auto_rows(q_all):
         return forward_sparse(
             backend, q_all, kv_cache, v_head_dim, page_table_1, sm_scale, topk_length
         )
