@@ -5,10 +5,11 @@ one JSON line each: registers, local memory and stack frame (spills go to either
 memory. Pointers are marked aligned and strides multiples of 16, as the JIT specialises
 them at run time for these shapes.
 
-python3 scripts/compile_sparse_sm90.py [gluon]
+python3 scripts/compile_sparse_sm90.py [gluon | gluon-fp8]
 
-`gluon`: the Gluon sparse kernel (`sparse/gluon_kernel.py`, SM90) at H128, bf16 rows,
-instead: one JSON line with its wgmma shapes too.
+`gluon` / `gluon-fp8`: the Gluon sparse kernel (`sparse/gluon_kernel.py`, SM90) at H128,
+bf16 rows, or its FP8-row form (`sparse/gluon_fp8row.py`), instead: one JSON line with its
+wgmma shapes too.
 
 Run without TRITON_INTERPRET=1.
 """
@@ -52,26 +53,28 @@ def rows(fp8: bool) -> dict[str, int]:
     )
 
 
-def gluon_usage(num_splits: int = 2) -> dict:  # type: ignore[type-arg]
-    """The Gluon sparse kernel compiled for SM90 at H128, bf16 rows, top-k 2048."""
+def gluon_usage(num_splits: int = 2, fp8: bool = False) -> dict:  # type: ignore[type-arg]
+    """A Gluon sparse kernel compiled for SM90 at H128, top-k 2048: bf16 rows
+    (`gluon_kernel`) or the 656-byte FP8 rows (`gluon_fp8row`)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from mla_backends.sparse import gluon_fp8row as gf
     from mla_backends.sparse import gluon_kernel as gk
 
-    fn = gk._sparse_gluon_kernel
-    sig = {
-        "Q": ("*bf16", "*bf16", "i32", "i32", "i32", "i32"),
-        "KV": "*bf16",
-        "stride_kv": "i32",
-        "Idx": "*i32",
-        "stride_idx": "i32",
-        "topk": "i32",
-        "Dest": ("*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"),
-        "qk_scale_log2": "fp32",
-    }
+    q = ("*bf16", "*bf16", "i32", "i32", "i32", "i32")
+    dest = ("*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32")
     const = dict(H=128, L=512, R=64, BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
     const |= dict(NUM_SPLITS=num_splits, STAGES=gk.STAGES)
-    ints = ("stride_kv", "stride_idx", "topk")
+    if fp8:
+        fn = gf._sparse_fp8row_kernel
+        sig = {"Q": q, "Rows": ("*fp8e4nv", "*fp32", "*bf16"), "Idx": "*i32"}
+        ints: tuple[str, ...] = ("stride_idx", "topk")
+        const |= {k.upper(): v for k, v in rows(True).items()} | {"CH": gf.CH}
+    else:
+        fn = gk._sparse_gluon_kernel
+        sig = {"Q": q, "KV": "*bf16", "stride_kv": "i32", "Idx": "*i32"}
+        ints = ("stride_kv", "stride_idx", "topk")
+    sig |= {"stride_idx": "i32", "topk": "i32", "Dest": dest, "qk_scale_log2": "fp32"}
     src = GluonASTSource(
         fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, offline.aligned(fn, sig, ints)
     )
@@ -83,6 +86,9 @@ if __name__ == "__main__":
 
     if sys.argv[1:] == ["gluon"]:
         print(json.dumps({"launch": "gluon H128 bf16 64x64", **gluon_usage()}))
+        raise SystemExit(0)
+    if sys.argv[1:] == ["gluon-fp8"]:
+        print(json.dumps({"launch": "gluon H128 fp8 rows 64x64", **gluon_usage(fp8=True)}))
         raise SystemExit(0)
     fn = sk._sparse_mla_kernel
     for (block, fp8), cfg in LAUNCH.items():

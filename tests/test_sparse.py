@@ -536,12 +536,14 @@ def test_sparse_kernel_launches_compile_for_sm90() -> None:
     assert h16["stack"] == 0, h16
 
 
-def test_gluon_sparse_kernel_compiles_for_sm90() -> None:
-    """The Gluon sparse kernel (`sparse/gluon_kernel.py`, the `triton` sparse backend's on
-    SM90) keeps building for SM90 at H128: no spills, one block's shared memory, and the
-    split layouts it exists for (each warpgroup 32 keys of a score tile, `m64n32k16`, and
-    256 output columns, `m64n256k16`), with its gathers as `cp.async`."""
-    (use,) = compile_usage("compile_sparse_sm90.py", "gluon")
+@pytest.mark.parametrize("rows", ["gluon", "gluon-fp8"])
+def test_gluon_sparse_kernel_compiles_for_sm90(rows: str) -> None:
+    """The Gluon sparse kernels (`sparse/gluon_kernel.py` for bf16 rows, `gluon_fp8row.py`
+    for the 656-byte FP8 rows: the `triton` sparse backend's on SM90) keep building for SM90
+    at H128: no spills, one block's shared memory, and the split layouts they exist for (each
+    warpgroup 32 keys of a score tile, `m64n32k16`, and 256 output columns, `m64n256k16`),
+    with their gathers as `cp.async`."""
+    (use,) = compile_usage("compile_sparse_sm90.py", rows)
     assert use["local"] == 0 and use["stack"] == 0 and use["reg"] <= 255, use
     assert use["shared"] <= 232448, use
     assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
@@ -567,6 +569,27 @@ def test_gluon_sparse_kernel_refuses_what_it_cannot_take() -> None:
     assert not gk.usable(q, qr, kv)  # CPU tensors
 
 
+def test_gluon_fp8row_kernel_refuses_what_it_cannot_take() -> None:
+    """The FP8-row Gluon kernel's host wrapper: indices checked first, then everything else
+    (bf16 queries, H % 64, 656-byte rows, SM90) in one message."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_backends.sparse import gluon_fp8row as gf
+    from mla_backends.sparse import gluon_kernel as gk
+    from mla_backends.sparse.triton_backend import GLUON_BLOCK_N
+
+    assert GLUON_BLOCK_N == gk.BLOCK_N  # the split rule's tile is the kernels'
+    q, qr = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 64, 64).bfloat16()
+    rows, idx = torch.zeros(8, 656, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.int32)
+    out, lse = torch.zeros(2, 64, 512).bfloat16(), torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        gf.sparse_mla(q, qr, rows, idx.long(), 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="takes SM90.*q torch.float16"):
+        gf.sparse_mla(q.half(), qr.half(), rows, idx, 0.1, 1, out, lse)
+    with pytest.raises(ValueError, match="takes SM90.*kv torch.uint8 \\(8, 640\\)"):
+        gf.sparse_mla(q, qr, rows[:, :640], idx, 0.1, 1, out, lse)
+    assert not gf.usable(q, qr, rows)  # CPU tensors
+
+
 def test_gluon_sparse_splits_fill_one_wave() -> None:
     """The Gluon sparse kernel holds one CTA an SM: its split rule takes the most splits that
     keep the grid in one wave (measured: two waves 1.3-1.6x slower from 4 tokens at H128),
@@ -582,10 +605,10 @@ def test_gluon_sparse_splits_fill_one_wave() -> None:
 
 
 def test_sparse_launch_takes_gluon_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`launch_config` marks the Gluon kernel for bf16 rows at H a multiple of 64 when the
-    caller says the machine has it (SM90, route open), with the one-wave split rule; FP8 rows,
-    H16 and other machines keep the `tl.dot` kernel and its rule. Off the interpreter's
-    fixed config, as on a GPU."""
+    """`launch_config` marks the Gluon kernels for H a multiple of 64 (bf16 rows and FP8 rows)
+    when the caller says the machine has them (SM90, route open), with the one-wave split
+    rule over 64-key tiles; H16 and other machines keep the `tl.dot` kernel and its rule. Off
+    the interpreter's fixed config, as on a GPU."""
     from mla_backends.sparse import triton_backend as tb
 
     monkeypatch.setattr(tb, "interpreting", lambda: False)
@@ -594,7 +617,10 @@ def test_sparse_launch_takes_gluon_only_where_it_can(monkeypatch: pytest.MonkeyP
     assert tb.launch_config(64, False, 1, 2048, 132, gluon=True)["splits"] == 32
     plain = tb.launch_config(128, False, 16, 2048, 132)
     assert "gluon" not in plain and plain["splits"] == 8, plain
-    for heads, fp8_rows in ((128, True), (16, False), (96, False)):
+    fp8 = tb.launch_config(128, True, 16, 2048, 132, gluon=True)  # FP8 rows: the same rule
+    assert fp8["gluon"] == 1 and fp8["splits"] == 4 and fp8["block_n"] == 16, fp8
+    assert tb.launch_config(64, True, 1, 2048, 132, gluon=True)["splits"] == 32  # 64-key tiles
+    for heads, fp8_rows in ((16, False), (16, True), (96, False)):
         assert "gluon" not in tb.launch_config(heads, fp8_rows, 16, 2048, 132, gluon=True)
     assert not tb.gluon_here(torch.device("cpu"))
 

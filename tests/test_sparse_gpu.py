@@ -570,27 +570,83 @@ def test_gluon_sparse_kernel_matches_the_reference(splits: int) -> None:
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gluon_fp8row_kernel_matches_the_reference(splits: int) -> None:
+    """The FP8-row Gluon kernel (`sparse/gluon_fp8row.py`) against the fp64 sparse reference
+    over the dequantised rows (`dequant_rows`, the one scale contract) at H128: -1 entries
+    mid-list and at the tail, a token with none, every unnamed row 0xFF (NaN codes, scales
+    and rope), so a masked lane or scale that read the pool would show."""
+    from mla_backends.sparse import gluon_fp8row as gf
+    from mla_backends.sparse.fp8_row import Fp8RowFormat, dequant_rows, pack_rows
+    from mla_backends.sparse.reference import sparse_attention
+    from mla_backends.testing import TOLERANCES
+
+    gen = torch.Generator().manual_seed(1)
+    t, h, slots, k, fmt = 4, 128, 8192, TOPK, Fp8RowFormat()
+    rows = torch.full((slots, fmt.row_bytes), 0xFF, dtype=torch.uint8)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    for i, n in enumerate((k, 1500, 0, 700)):
+        chosen = torch.randperm(slots, generator=gen)[:n]
+        idx[i, :n] = chosen.to(torch.int32)
+        latent = torch.randn(n, 512, generator=gen) * torch.rand(n, 1, generator=gen) * 4
+        rows[chosen] = pack_rows(fmt, latent, torch.randn(n, 64, generator=gen))
+    idx[3, 100:164] = -1
+    q = torch.randn(t, h, 576, generator=gen)
+    scale = 576**-0.5
+    valid = idx >= 0
+    kv_all = dequant_rows(fmt, rows[idx.clamp(min=0).reshape(-1).long()]).double()
+    kv_all = kv_all.view(t, k, 576)
+    ref_rows = torch.where(valid[..., None], kv_all, 0.0)
+    qb = q.bfloat16()
+    want, want_lse = sparse_attention(
+        qb[..., :512].double(), qb[..., 512:].double(), ref_rows, valid, scale
+    )
+    dev = torch.device("cuda")
+    qd = qb.to(dev)
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((t, h), 7.0, device=dev)
+    gf.sparse_mla(qd[..., :512], qd[..., 512:], rows.to(dev), idx.to(dev), scale, splits, out, lse)
+    atol, rtol, _ = TOLERANCES["bfloat16"]
+    keep = [0, 1, 3]
+    torch.testing.assert_close(out.double().cpu()[keep], want[keep], atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double().cpu()[keep], want_lse[keep], atol=atol, rtol=rtol)
+    assert torch.equal(out[2].cpu(), torch.zeros(h, 512, dtype=torch.bfloat16))  # no index
+    assert bool((lse[2] == float("-inf")).all())
+
+
+@pytest.mark.sm90
 @pytest.mark.parametrize("heads", [64, 128])
 def test_triton_sparse_backend_takes_the_gluon_kernel(
     heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On SM90 the `triton` sparse backend runs bf16 rows at H a multiple of 64 through the
-    Gluon kernel, with the one-wave split count, and matches the fp64 reference; H16 and FP8
-    rows stay on the `tl.dot` kernel. (The parity grid above runs H128 bf16 through it too.)"""
+    """On SM90 the `triton` sparse backend runs H a multiple of 64 through the Gluon kernels
+    (bf16 rows: `gluon_kernel`, FP8 rows: `gluon_fp8row`), with the one-wave split count,
+    and matches the fp64 reference; H16 and e4m3 pools under a per-layer scale stay on the
+    `tl.dot` kernel. (The parity grid above runs H128 through them too.)"""
     from mla_backends.kernels.common import num_sms
-    from mla_backends.sparse import gluon_kernel
+    from mla_backends.sparse import gluon_fp8row, gluon_kernel
     from mla_backends.sparse.triton_backend import launch_config
 
-    calls: list[int] = []
-    real = gluon_kernel.sparse_mla
+    calls: list[tuple[str, int]] = []
 
-    def spy(*args: object) -> None:
-        calls.append(int(args[5]))  # type: ignore[call-overload]
-        real(*args)  # type: ignore[arg-type]
+    def spy(module: object, name: str) -> None:
+        real = module.sparse_mla  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(gluon_kernel, "sparse_mla", spy)
-    plan = (("bfloat16", heads, True), ("bfloat16", 16, False), ("fp8_row", heads, False))
-    for pool, h, want in plan:
+        def call(*args: object) -> None:
+            calls.append((name, int(args[5])))  # type: ignore[call-overload]
+            real(*args)
+
+        monkeypatch.setattr(module, "sparse_mla", call)
+
+    spy(gluon_kernel, "bf16")
+    spy(gluon_fp8row, "fp8_row")
+    plan = (
+        ("bfloat16", heads, "bf16"),
+        ("fp8_row", heads, "fp8_row"),
+        ("bfloat16", 16, None),
+        ("fp8", heads, None),
+    )
+    for pool, h, kernel in plan:
         calls.clear()
         case = SparseCase(
             "triton", pool, "bfloat16", ForwardMode.DECODE, 1, KV_LENS, TOPK, 64, _dims(h),
@@ -598,9 +654,9 @@ def test_triton_sparse_backend_takes_the_gluon_kernel(
         )  # fmt: skip
         _, _, detail = run(case, "cuda")
         assert not detail, detail
-        if not want:
+        if kernel is None:
             assert calls == [], (pool, h, calls)
             continue
         sms = num_sms(torch.device("cuda"))
-        splits = launch_config(h, False, len(KV_LENS), TOPK, sms, gluon=True)["splits"]
-        assert calls == [splits], (calls, splits)
+        splits = launch_config(h, pool == "fp8_row", len(KV_LENS), TOPK, sms, True)["splits"]
+        assert calls == [(kernel, splits)], (pool, calls, splits)

@@ -45,6 +45,8 @@ def choose_splits(
 # against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows at H128 spill in every
 # shape tried (in-register dequantisation): 64 x 16, 8 warps, 304 B. (The compiles behind
 # the choice, before pointers were marked aligned, counted more: 236 regs, 1112 B, 408 B.)
+# Keys a tile of the Gluon sparse kernels (`gluon_kernel.BLOCK_N`; a CPU test holds them equal)
+GLUON_BLOCK_N = 64
 LAUNCH = {
     (16, False): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
     (16, True): {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
@@ -59,8 +61,9 @@ def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: 
     programs = tokens * -(-heads // cfg["block_m"])
     # <= 4096 partial rows a token (8 MB of fp32 partials to write and merge at H128)
     cap = max(1, min(64, 4096 // heads))
-    waves = 1 if cfg.get("gluon") else 2
-    return choose_splits(programs, topk, sms, cfg["block_n"], cap, waves)
+    if cfg.get("gluon"):  # the Gluon kernels' 64 x 64 tiles, one CTA an SM
+        return choose_splits(programs, topk, sms, GLUON_BLOCK_N, cap, waves=1)
+    return choose_splits(programs, topk, sms, cfg["block_n"], cap)
 
 
 def gluon_here(device: torch.device) -> bool:
@@ -79,13 +82,13 @@ def launch_config(
 ) -> dict[str, int]:
     """Tiles, warps, stages and KV splits of one `triton_kernel.sparse_mla` call: `tokens`
     query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows, on `sms` SMs.
-    gluon: the call may take the Gluon kernel (an SM90 and a bf16 / fp16 pool, the Gluon
-    route open; the caller says): then "gluon" is set for H a multiple of 64 with bf16 rows,
-    with the `tl.dot` kernel's 64-row tiles as its fallback."""
+    gluon: the call may take a Gluon kernel (an SM90, a bf16 / fp16 or FP8-row pool, the
+    Gluon route open; the caller says): then "gluon" is set for H a multiple of 64, with the
+    `tl.dot` kernel's 64-row tiles as its fallback."""
     if interpreting():
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
     cfg = dict(LAUNCH[(16 if heads <= 16 else 64, fp8_rows)])
-    if gluon and not fp8_rows and heads % 64 == 0:
+    if gluon and heads % 64 == 0:
         cfg["gluon"] = 1
     return {**cfg, "splits": launch_splits(cfg, heads, tokens, topk, sms)}
 
@@ -120,8 +123,9 @@ class TritonSparseBackend(SparseMLABackend):
         self._interp = interpreting()
         self._sms = num_sms(self.device)
         self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
-        # bf16 / fp16 pools may take the Gluon kernel (`gluon_here`, `gluon_kernel.usable`)
-        self._gluon_pool = self._fmt is None and not getattr(ctx.pool, "is_fp8", False)
+        # bf16 / fp16 pools and FP8 rows may take a Gluon kernel (`gluon_here`, then each
+        # kernel's `usable`); e4m3 pools under a per-layer scale stay on `tl.dot`
+        self._gluon_pool = self._fmt is not None or not getattr(ctx.pool, "is_fp8", False)
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
 

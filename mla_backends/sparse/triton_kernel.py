@@ -259,8 +259,8 @@ def attend(
     lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
     cfg = dict(launch)
     splits = cfg.pop("splits")
-    gluon = cfg.pop("gluon", 0) and fmt is None and kv_scale == 1.0
-    if gluon and _gluon_attend(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse):
+    gluon = cfg.pop("gluon", 0) and kv_scale == 1.0
+    if gluon and _gluon_attend(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse, fmt):
         return out, lse
     # dot_f32 in the interpreter: its bf16 dots are wrong (DESIGN.md)
     sparse_mla(
@@ -279,20 +279,25 @@ def _gluon_attend(
     splits: int,
     out: torch.Tensor,
     lse: torch.Tensor,
+    fmt: Fp8RowFormat | None,
 ) -> bool:
-    """The Gluon sparse kernel's call where it can run here (`gluon_kernel.usable`, the Gluon
-    route open); False leaves the call to the `tl.dot` kernel. A failure to import, build or
-    launch it turns the route off for the process (`mla_attention.gluon_failed`) and is
-    never a failed decode: nothing is written before the launch, so the fallback starts
-    clean."""
+    """A Gluon sparse kernel's call where it can run here (`gluon_kernel.usable` for bf16 /
+    fp16 rows, `gluon_fp8row.usable` for FP8 rows in the default format; the Gluon route
+    open); False leaves the call to the `tl.dot` kernel. A failure to import, build or launch
+    one turns the route off for the process (`mla_attention.gluon_failed`) and is never a
+    failed decode: nothing is written before the launch, so the fallback starts clean."""
     if not gluon_route_open(kv):
         return False
     try:
-        from mla_backends.sparse import gluon_kernel
-
-        if not gluon_kernel.usable(q_nope, q_rope, kv):
+        if fmt is None:
+            from mla_backends.sparse import gluon_kernel as kernel
+        elif fmt == Fp8RowFormat():
+            from mla_backends.sparse import gluon_fp8row as kernel  # type: ignore[no-redef]
+        else:
             return False
-        gluon_kernel.sparse_mla(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse)
+        if not kernel.usable(q_nope, q_rope, kv):
+            return False
+        kernel.sparse_mla(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse)
     except Exception as e:  # no triton.experimental.gluon, or names in it moved again
         gluon_failed(f"{type(e).__name__}: {e}")
         return False

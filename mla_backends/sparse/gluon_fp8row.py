@@ -1,0 +1,310 @@
+"""Sparse absorbed MLA on Hopper in Gluon over the 656-byte FP8 rows (`fp8_row`): the Gluon
+sparse kernel (`gluon_kernel.py`) with each gathered tile dequantised in shared memory.
+
+A tile's selected rows arrive by `cp.async` as they are stored: 512 e4m3 codes into a
+two-slot ring of fp8 tiles, the bf16 rope into a ring of rope tiles; the four fp32 scales a
+row (one per 128 codes) are loaded into registers one tile ahead. Before the tile's MMAs the
+warps turn the codes into bf16 (code x scale: exact, a 4-bit significand times a power of
+two), 64 columns at a time, into one bf16 tile that both the score MMA and P @ V read; then
+the bf16 kernel's steps run unchanged. Shared memory: fp8 ring 64 KB, rope ring 16 KB, the
+bf16 tile 64 KB, Q 72 KB, P 8 KB.
+
+Contract: `gluon_kernel.sparse_mla`'s with `kv` the pool layer's [slots, 656] uint8 rows
+(`Fp8RowFormat()`: L 512, R 64) and bf16 queries. Hazards: a -1 entry's row stands in as
+zeros (masked `cp.async` lanes zero-fill, and its scales load as 0), never the pool's bytes
+(0xFF codes are NaN); the bf16 tile is written by the warps' stores (generic proxy) and read
+by wgmma (async proxy): fenced, and every warp passes a barrier before the MMAs read it and
+again before the next tile's dequantisation overwrites it (P @ V is waited for first).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma_wait,
+)
+
+from mla_backends.kernels.common import interpreting
+from mla_backends.kernels.gluon_tiles import (
+    _barrier,
+    _online_rows,
+    _pairs,
+    _pv,
+    _score,
+    _stage_q,
+    _store_p,
+    _store_rows,
+)
+from mla_backends.kernels.mla_attention import (
+    LOG2E,
+    _merge,
+    dest_group,
+    query_group,
+    split_partials,
+)
+from mla_backends.sparse.fp8_row import Fp8RowFormat
+from mla_backends.sparse.gluon_kernel import BLOCK_M, BLOCK_N, STAGES, _cp_async
+
+CH = 64  # columns dequantised at a time: 16 codes a thread, little beside the accumulator
+FMT = Fp8RowFormat()
+
+
+@gluon.jit
+def _gather_rows(
+    Rows,
+    Row,
+    lo,
+    hi,
+    j,
+    k8_smem,
+    kr_smem,
+    DQ_L: gl.constexpr,
+    LR_L: gl.constexpr,
+    ROW_E8: gl.constexpr,
+    ROW_B: gl.constexpr,
+    R_OFF: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CH: gl.constexpr,
+):
+    """cp.async of tile j's codes (CH columns a buffer) and rope (indices lo + j * BLOCK_N
+    ..., below hi) into slot j % STAGES, then one commit group (empty past the split)."""
+    K8, _, KR = Rows
+    NC: gl.constexpr = L // CH
+    s = j % STAGES
+    n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, DQ_L))
+    idx = gl.load(Row + n, mask=n < hi, other=-1)
+    ok = idx >= 0
+    slot = gl.where(ok, idx, 0).to(gl.int64)
+    codes = K8 + slot[:, None] * ROW_E8 + gl.arange(0, CH, layout=gl.SliceLayout(0, DQ_L))[None, :]
+    for c in gl.static_range(NC):
+        _cp_async(k8_smem.index(s * NC + c), codes + c * CH, mask=ok[:, None])
+    slot_r = gl.convert_layout(slot, gl.SliceLayout(1, LR_L))
+    ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LR_L))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LR_L))
+    rope = KR + (slot_r * ROW_B + R_OFF)[:, None] + offs_r[None, :]
+    _cp_async(kr_smem.index(s), rope, mask=ok_r[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scales(
+    Rows,
+    Row,
+    lo,
+    hi,
+    j,
+    DQ_L: gl.constexpr,
+    ROW_S: gl.constexpr,
+    S_OFF: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """Tile j's four scale columns, [BLOCK_N] each in the dequantisation layout's rows
+    (0 for unused entries and past the split)."""
+    _, KS, _ = Rows
+    n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, DQ_L))
+    idx = gl.load(Row + n, mask=n < hi, other=-1)
+    ok = idx >= 0
+    base = KS + gl.where(ok, idx, 0).to(gl.int64) * ROW_S + S_OFF
+    s0 = gl.load(base, mask=ok, other=0.0)
+    s1 = gl.load(base + 1, mask=ok, other=0.0)
+    s2 = gl.load(base + 2, mask=ok, other=0.0)
+    s3 = gl.load(base + 3, mask=ok, other=0.0)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _dequant_tile(
+    k8_smem, cur, kb_smem, sc, T: gl.constexpr, DQ_L: gl.constexpr, L: gl.constexpr,
+    CH: gl.constexpr,
+):  # fmt: skip
+    """Columns [128 T, 128 T + 128) of kb_smem (one scale tile, `fp8_row.TILE`) = codes of
+    slot cur x sc, CH columns at a time."""
+    for c in gl.static_range(128 // CH):
+        x = k8_smem.index(cur * (L // CH) + T * (128 // CH) + c).load(DQ_L)
+        y = x.to(gl.float32) * sc[:, None]
+        kb_smem.slice(T * 128 + c * CH, CH, dim=1).store(y.to(kb_smem.dtype))
+
+
+@gluon.jit
+def _dequant(
+    k8_smem, cur, kb_smem, s0, s1, s2, s3, DQ_L: gl.constexpr, L: gl.constexpr, CH: gl.constexpr
+):
+    """kb_smem = codes of slot cur x their scales, fenced for the wgmma and visible to
+    every warp."""
+    _dequant_tile(k8_smem, cur, kb_smem, s0, 0, DQ_L, L, CH)
+    _dequant_tile(k8_smem, cur, kb_smem, s1, 1, DQ_L, L, CH)
+    _dequant_tile(k8_smem, cur, kb_smem, s2, 2, DQ_L, L, CH)
+    _dequant_tile(k8_smem, cur, kb_smem, s3, 3, DQ_L, L, CH)
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
+def _sparse_fp8row_kernel(
+    Q,
+    Rows,
+    Idx,
+    stride_idx,
+    topk,
+    Dest,
+    qk_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    ROW_E8: gl.constexpr,
+    ROW_S: gl.constexpr,
+    S_OFF: gl.constexpr,
+    ROW_B: gl.constexpr,
+    R_OFF: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    STAGES: gl.constexpr,
+    CH: gl.constexpr,
+):
+    """Grid (H / BLOCK_M, tokens, splits). Rows: (codes as e4m3, the rows as fp32, the rows
+    as bf16) views of the pool layer; Q / Dest as in `gluon_kernel._sparse_gluon_kernel`."""
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
+    gl.static_assert(L == 512, "four 128-wide scale tiles a row")
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16 B of bf16
+    DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 2], [1, 0])  # [64, 64] e4m3
+    dtype: gl.constexpr = Q[0].dtype.element_ty
+    K8, _, _ = Rows
+
+    mblk = gl.program_id(0)
+    t = gl.program_id(1)
+    split = gl.program_id(2)
+    chunk = gl.cdiv(gl.cdiv(topk, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, topk)
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    Row = Idx + t.to(gl.int64) * stride_idx
+
+    k8_smem = gl.allocate_shared_memory(  # one [BLOCK_N, CH] buffer a slot and column block
+        K8.dtype.element_ty,
+        [STAGES * (L // CH), BLOCK_N, CH],
+        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+    )
+    kr_smem = gl.allocate_shared_memory(
+        dtype, [STAGES, BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+    )
+    for i in gl.static_range(STAGES):
+        _gather_rows(
+            Rows, Row, lo, hi, i, k8_smem, kr_smem, DQ_L, LD_L, ROW_E8, ROW_B, R_OFF, L, R,
+            BLOCK_N, STAGES, CH,
+        )  # fmt: skip
+    s0, s1, s2, s3 = _scales(Rows, Row, lo, hi, 0, DQ_L, ROW_S, S_OFF, BLOCK_N)
+    q_smem, qr_smem = _stage_q(Q, t, 1, mblk, dtype, LD_L, H, L, R, BLOCK_M)
+    kb_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    )
+    p_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    )
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
+    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+    for j in range(n_tiles):
+        cur = j % STAGES
+        # the next tile's scales (its rows were requested a tile ago), used a tile later
+        n0, n1, n2, n3 = _scales(Rows, Row, lo, hi, j + 1, DQ_L, ROW_S, S_OFF, BLOCK_N)
+        async_copy.wait_group(STAGES - 1)  # tile j's group (groups retire in order)
+        _barrier()  # every thread's cp.async writes of tile j landed
+        _dequant(k8_smem, cur, kb_smem, s0, s1, s2, s3, DQ_L, L, CH)
+        fence_async_shared()  # the rope tile's cp.async writes, before the wgmma reads them
+        sc = _score(q_smem, qr_smem, kb_smem, kr_smem.index(cur), S_L, BLOCK_M, BLOCK_N, False)
+        n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        acc, m_i, l_i, p = _online_rows(acc, m_i, l_i, sc, ok[None, :], qk_scale_log2, O_L, BLOCK_N)
+        _store_p(p, p_smem)
+        acc = _pv(p_smem, kb_smem, acc, False, False)
+        _barrier()  # every warp is done reading slot cur, P(j) and the bf16 tile
+        _gather_rows(
+            Rows, Row, lo, hi, j + STAGES, k8_smem, kr_smem, DQ_L, LD_L, ROW_E8, ROW_B, R_OFF,
+            L, R, BLOCK_N, STAGES, CH,
+        )  # fmt: skip
+        s0, s1, s2, s3 = n0, n1, n2, n3
+    async_copy.wait_group(0)
+
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    _store_rows(Dest, out, lse, rows_o, offs_o, rows_s, t, 1, split, H, L, NUM_SPLITS, True, False)
+
+
+def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
+    """This kernel's conditions: SM90 exactly, bf16 queries (the rope is stored in bf16),
+    H a multiple of 64, `Fp8RowFormat()` rows (L 512, R 64) contiguous, 16-byte aligned."""
+    return (
+        kv.is_cuda
+        and not interpreting()
+        and torch.cuda.get_device_capability(kv.device) == (9, 0)
+        and kv.dtype == torch.uint8
+        and q_nope.dtype == q_rope.dtype == torch.bfloat16
+        and q_nope.shape[1] % BLOCK_M == 0
+        and (q_nope.shape[2], q_rope.shape[2]) == (FMT.kv_lora_rank, FMT.rope_dim)
+        and kv.dim() == 2
+        and kv.shape[1] == FMT.row_bytes
+        and q_nope.stride(2) == q_rope.stride(2) == kv.stride(1) == 1
+        and kv.stride(0) == FMT.row_bytes
+        and kv.data_ptr() % 16 == 0
+    )
+
+
+def sparse_mla(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """q_nope [T, H, 512], q_rope [T, H, 64] bf16, kv [slots, 656] uint8 FP8 rows, indices
+    [T, K] int32 (-1 unused) -> out [T, H, 512], lse [T, H]. SM90 only."""
+    t, h, lat = q_nope.shape
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(f"indices must be int32 [T = {t}, K], got {tuple(indices.shape)}")
+    if indices.stride(1) != 1:
+        raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
+    if not usable(q_nope, q_rope, kv):
+        raise ValueError(
+            "the Gluon FP8-row sparse kernel takes SM90, bf16 queries, H % 64 == 0 and "
+            f"contiguous [slots, {FMT.row_bytes}] uint8 rows: got H {h}, q {q_nope.dtype} "
+            f"{tuple(q_nope.shape)} / {tuple(q_rope.shape)}, kv {kv.dtype} {tuple(kv.shape)} "
+            f"on {kv.device}"
+        )
+    if t == 0:
+        return
+    part_out, part_lse = split_partials(out, lse, num_splits)
+    q, dest = query_group(q_nope, q_rope), dest_group((out, lse, part_out, part_lse))
+    rows = (kv.view(torch.float8_e4m3fn), kv.view(torch.float32), kv.view(torch.bfloat16))
+    _sparse_fp8row_kernel[(h // BLOCK_M, t, num_splits)](
+        q, rows, indices, indices.stride(0), indices.shape[1], dest, sm_scale * LOG2E,
+        H=h, L=lat, R=q_rope.shape[2], ROW_E8=FMT.row_bytes, ROW_S=FMT.row_bytes // 4,
+        S_OFF=FMT.scale_offset // 4, ROW_B=FMT.row_bytes // 2, R_OFF=FMT.rope_offset // 2,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, STAGES=STAGES, CH=CH,
+        num_warps=8,
+    )  # fmt: skip
+    _merge(part_out, part_lse, out, lse, num_splits)
