@@ -38,7 +38,8 @@ class Rule:
 
 
 SLICES: dict[str, str] = {
-    "tests-1": "regressions (issue 15): zero-key MHA rows, fp32 Triton, Gluon compiles, routes",
+    "tests-1": "regressions (issue 15): zero-key MHA rows, fp32 Triton, Gluon compiles, routes; "
+    "the Gluon sparse kernels",
     "tests-2": "triton bf16 / fp16: parity, batch sizes, MHA prefill, graph replays; the "
     "narrow Gluon kernel's and the tile probe's compiles",
     "tests-3": "triton FP8 parity; DeepSeek-V3 models; SGLang plug-in",
@@ -100,6 +101,18 @@ RULES: list[Rule] = [
         ),
         seconds=8.0,
         cpu=True,
+    ),
+    # the Gluon sparse kernels (tests-5 holds the rest of the file): on a fresh H100
+    # (fifteenth session, call 6) these 6 tests took 22 s, compiles included
+    Rule(
+        "tests-1",
+        "test_sparse_gpu.py",
+        (
+            "test_gluon_sparse_kernel_matches_the_reference",
+            "test_gluon_fp8row_kernel_matches_the_reference",
+            "test_triton_sparse_backend_takes_the_gluon_kernel",
+        ),
+        seconds=5.0,
     ),
     Rule("tests-1", PARITY, ("test_parity",), "triton", ("float32",), seconds=3.5),
     Rule("tests-1", "test_layouts_once.py", seconds=20.0),
