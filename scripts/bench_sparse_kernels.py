@@ -37,15 +37,19 @@ def gluon_splits(heads: int, tokens: int, topk: int, sms: int) -> int:
     return launch_config(heads, False, tokens, topk, sms, gluon=True)["splits"]
 
 
+def distinct_slots(tokens: int, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """[tokens, topk] int32 distinct random slots a token: the top-k of uniform noise, 256
+    tokens at a time (a whole [tokens, 128k] noise tensor is 2 GiB at 4096 tokens)."""
+    chunks = [256] * (tokens // 256) + ([tokens % 256] if tokens % 256 else [])
+    rand = (torch.rand(n, SLOTS, generator=gen, device=gen.device) for n in chunks)
+    return torch.cat([r.topk(topk).indices for r in rand]).to(torch.int32)
+
+
 def one(tokens: int, heads: int, topk: int, graphs: bool, gen: torch.Generator) -> dict:
     dev, sms = torch.device("cuda"), num_sms(torch.device("cuda"))
     kv = torch.randn(SLOTS, L + R, generator=gen, device=dev).bfloat16()
     q = torch.randn(tokens, heads, L + R, generator=gen, device=dev).bfloat16()
-    # distinct random slots a token: the top-k of uniform noise, 256 tokens at a time
-    idx = torch.cat([
-        torch.rand(n, SLOTS, generator=gen, device=dev).topk(topk).indices
-        for n in [256] * (tokens // 256) + [tokens % 256] if n
-    ]).to(torch.int32)  # fmt: skip
+    idx = distinct_slots(tokens, topk, gen)
     scale = (L + R) ** -0.5
     qn, qr = q[..., :L], q[..., L:]
     outs = {k: torch.empty(tokens, heads, L, device=dev, dtype=torch.bfloat16) for k in "tg"}
@@ -100,7 +104,7 @@ def sweep(tokens: int, heads: int, topk: int, splits: list[int], gen: torch.Gene
     dev = torch.device("cuda")
     kv = torch.randn(SLOTS, L + R, generator=gen, device=dev).bfloat16()
     q = torch.randn(tokens, heads, L + R, generator=gen, device=dev).bfloat16()
-    idx = torch.rand(tokens, SLOTS, generator=gen, device=dev).topk(topk).indices.int()
+    idx = distinct_slots(tokens, topk, gen)
     out = torch.empty(tokens, heads, L, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(tokens, heads, device=dev)
     qn, qr, scale = q[..., :L], q[..., L:], (L + R) ** -0.5
@@ -143,6 +147,7 @@ def main() -> None:
             for t in (int(x) for x in a.tokens.split(",")):
                 rows.append(sweep(t, h, a.topk, counts, gen))
                 print(json.dumps(rows[-1]), flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
         return
     for h in (int(x) for x in a.heads.split(",")):

@@ -108,7 +108,8 @@ def run(rec: Recorder, args: argparse.Namespace, original: Any) -> None:
                 ours = backend._forward_flashmla_sparse(*call)
                 assert ours.shape == (t, h, LAT) and ours.dtype == torch.bfloat16
                 # the method SGLang calls now is our kernel (auto: above its limit, SGLang's)
-                ours_here = args.choice == "triton" or t * h <= dsa.auto_rows(x["q_all"])
+                limit = dsa.auto_rows(x["q_all"], x["pool"], LAT)
+                ours_here = args.choice == "triton" or t * h <= limit
                 want_call = dsa.forward_sparse if ours_here else original
                 assert torch.equal(ours, want_call(backend, *call))
                 err = {

@@ -564,9 +564,18 @@ def test_gluon_sparse_kernel_refuses_what_it_cannot_take() -> None:
         gk.sparse_mla(q, qr, kv, torch.zeros(4, 2, dtype=torch.int32).t(), 0.1, 1, out, lse)
     with pytest.raises(ValueError, match="takes SM90.*got H 16"):
         gk.sparse_mla(q[:, :16], qr[:, :16], kv, idx, 0.1, 1, out, lse)
-    with pytest.raises(ValueError, match="takes SM90.*kv torch.float16"):
-        gk.sparse_mla(q, qr, kv.half(), idx, 0.1, 1, out, lse)
     assert not gk.usable(q, qr, kv)  # CPU tensors
+    # what it takes, whatever the device
+    assert gk.takes(q, qr, kv) and gk.takes(q[:, :64].half(), qr.half(), kv.half())
+    assert gk.takes(torch.zeros(2, 128, 512).bfloat16(), torch.zeros(2, 128, 64).bfloat16(), kv)
+    joined = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert gk.takes(joined[..., :512], joined[..., 512:], kv)  # one buffer's column ranges
+    assert not gk.takes(q[:, :16], qr[:, :16], kv)  # H % 64
+    assert not gk.takes(q, qr, kv.half())  # kv in another dtype than q
+    assert not gk.takes(q.float(), qr.float(), kv.float())  # fp32
+    assert not gk.takes(q[..., :256], qr, kv)  # L 256
+    assert not gk.takes(q, qr, torch.zeros(8, 577, dtype=torch.bfloat16)[:, :576])  # row stride
+    assert not gk.takes(q, qr, torch.zeros(576, 8, dtype=torch.bfloat16).t())  # column stride
 
 
 def test_gluon_fp8row_kernel_refuses_what_it_cannot_take() -> None:
@@ -585,9 +594,13 @@ def test_gluon_fp8row_kernel_refuses_what_it_cannot_take() -> None:
         gf.sparse_mla(q, qr, rows, idx.long(), 0.1, 1, out, lse)
     with pytest.raises(ValueError, match="takes SM90.*q torch.float16"):
         gf.sparse_mla(q.half(), qr.half(), rows, idx, 0.1, 1, out, lse)
-    with pytest.raises(ValueError, match="takes SM90.*kv torch.uint8 \\(8, 640\\)"):
-        gf.sparse_mla(q, qr, rows[:, :640], idx, 0.1, 1, out, lse)
     assert not gf.usable(q, qr, rows)  # CPU tensors
+    assert gf.takes(q, qr, rows)  # what it takes, whatever the device
+    assert not gf.takes(q.half(), qr.half(), rows)  # fp16 queries: the rope is bf16
+    assert not gf.takes(q[:, :16], qr[:, :16], rows)  # H % 64
+    assert not gf.takes(q, qr, rows[:, :640])  # not the 656-byte row
+    assert not gf.takes(q, qr, torch.zeros(8, 672, dtype=torch.uint8)[:, :656])  # row stride
+    assert not gf.takes(q, qr, rows.view(torch.int8))  # not uint8 rows
 
 
 def test_gluon_sparse_splits_fill_one_wave() -> None:

@@ -624,6 +624,7 @@ def test_triton_sparse_backend_takes_the_gluon_kernel(
     and matches the fp64 reference; H16 and e4m3 pools under a per-layer scale stay on the
     `tl.dot` kernel. (The parity grid above runs H128 through them too.)"""
     from mla_backends.kernels.common import num_sms
+    from mla_backends.kernels.mla_attention import gluon_error
     from mla_backends.sparse import gluon_fp8row, gluon_kernel
     from mla_backends.sparse.triton_backend import launch_config
 
@@ -633,8 +634,8 @@ def test_triton_sparse_backend_takes_the_gluon_kernel(
         real = module.sparse_mla  # type: ignore[attr-defined]
 
         def call(*args: object) -> None:
+            real(*args)  # recorded once it returned: a failure would fall back to tl.dot
             calls.append((name, int(args[5])))  # type: ignore[call-overload]
-            real(*args)
 
         monkeypatch.setattr(module, "sparse_mla", call)
 
@@ -654,6 +655,7 @@ def test_triton_sparse_backend_takes_the_gluon_kernel(
         )  # fmt: skip
         _, _, detail = run(case, "cuda")
         assert not detail, detail
+        assert gluon_error() is None, gluon_error()
         if kernel is None:
             assert calls == [], (pool, h, calls)
             continue

@@ -228,7 +228,7 @@ def _soften(
 @gluon.jit
 def _online_rows(acc, m_i, l_i, s, keep, qk_scale_log2, O_L: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online softmax of a [rows, keys] score tile, scores where `keep` is false masked out:
-    (acc rescaled, the new row max, l, P). Also the sparse prototype's step (its mask a key)."""
+    (acc rescaled, the new row max, l, P). Also the Gluon sparse kernels' step (mask a key)."""
     s = gl.where(keep, s * qk_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # rows with no visible key yet keep m = -inf: exp2 against 0, never -inf - -inf

@@ -5,7 +5,8 @@
 - `indexer`: the index-K cache (page-major, beside the latent pool), the indexer maths in
   torch, and the per-layer step; `indexer_kernels`: its Triton store and logits kernels.
 - `base`: the sparse attention contract, registry and the dense/sparse rule; backends
-  `torch_backend`, `triton_backend` (+ `triton_kernel`), `flashmla`, `flashinfer_mla`;
+  `torch_backend`, `triton_backend` (+ `triton_kernel`, and on SM90 `gluon_kernel` /
+  `gluon_fp8row`), `flashmla`, `flashinfer_mla`;
   `reference`: the fp64 oracle; `testing`: the parity harness.
 - `dsa`: `DSABackend`, what a V3.2 model calls (dense backend + indexer + sparse backend).
 """

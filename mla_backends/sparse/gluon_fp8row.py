@@ -224,8 +224,8 @@ def _sparse_fp8row_kernel(
         n0, n1, n2, n3 = _scales(Rows, Row, lo, hi, j + 1, DQ_L, ROW_S, S_OFF, BLOCK_N)
         async_copy.wait_group(STAGES - 1)  # tile j's group (groups retire in order)
         _barrier()  # every thread's cp.async writes of tile j landed
+        # (its fence also covers this thread's cp.async writes of the rope tile)
         _dequant(k8_smem, cur, kb_smem, s0, s1, s2, s3, DQ_L, L, CH)
-        fence_async_shared()  # the rope tile's cp.async writes, before the wgmma reads them
         sc = _score(q_smem, qr_smem, kb_smem, kr_smem.index(cur), S_L, BLOCK_M, BLOCK_N, False)
         n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
@@ -253,13 +253,21 @@ def _sparse_fp8row_kernel(
 
 
 def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
-    """This kernel's conditions: SM90 exactly, bf16 queries (the rope is stored in bf16),
-    H a multiple of 64, `Fp8RowFormat()` rows (L 512, R 64) contiguous, 16-byte aligned."""
+    """This kernel's conditions: SM90 exactly, and the tensors it takes (`takes`)."""
     return (
         kv.is_cuda
         and not interpreting()
         and torch.cuda.get_device_capability(kv.device) == (9, 0)
-        and kv.dtype == torch.uint8
+        and takes(q_nope, q_rope, kv)
+    )
+
+
+def takes(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
+    """The tensors this kernel takes, on any device: bf16 queries (the rope is stored in
+    bf16), H a multiple of 64, `Fp8RowFormat()` rows (L 512, R 64) contiguous, 16-byte
+    aligned."""
+    return (
+        kv.dtype == torch.uint8
         and q_nope.dtype == q_rope.dtype == torch.bfloat16
         and q_nope.shape[1] % BLOCK_M == 0
         and (q_nope.shape[2], q_rope.shape[2]) == (FMT.kv_lora_rank, FMT.rope_dim)

@@ -1,6 +1,7 @@
 """Sparse absorbed MLA on Hopper in Gluon: the `triton` sparse backend's kernel for bf16 /
-fp16 pool rows at H a multiple of 64 on SM90 (`usable`); everything else takes the `tl.dot`
-kernel (`triton_kernel.py`), which is also the fallback if this one fails to build.
+fp16 pool rows at H a multiple of 64 on SM90 (`usable`); FP8 rows take its FP8-row form
+(`gluon_fp8row.py`), everything else the `tl.dot` kernel (`triton_kernel.py`), which is also
+the fallback if a Gluon kernel fails to build.
 
 Why: the `tl.dot` sparse kernel lays its score dots out over eight warps in M
 (`warpsPerCTA = [8, 1]`, read in its SM90 TTGIR), so both warpgroups compute the whole 64 x 64
@@ -8,9 +9,9 @@ score tile, and its 64 x 512 accumulator spills. Here the score tile is split ov
 the output over its 512 columns (`[4, 2]`, `gluon_tiles._score` / `_pv`, as in
 `kernels/mla_attention_gluon.py`), and each tile's 64 selected rows are gathered by index with
 `cp.async` into a two-slot ring: tile j + 2 is requested once P @ V(j) has retired, so its
-gather runs behind tile j + 1's maths. H100, same indices (BENCHMARKS.md, fifteenth session):
-1.07-1.47x the `tl.dot` kernel at every token count, 1.1-3.6x FlashMLA's sparse kernel up to
-16 tokens, 0.58-0.85x from 64.
+gather runs behind tile j + 1's maths. H100, same indices, one-wave split counts
+(BENCHMARKS.md, fifteenth session): 1.08-1.92x the `tl.dot` kernel at every token count,
+1.46-3.6x FlashMLA's sparse kernel up to 16 tokens, 0.66-0.98x from 64.
 
 Contract: `triton_kernel.sparse_mla`'s for bf16 / fp16 pool rows (q_nope [T, H, L], q_rope
 [T, H, R], kv [slots, L + R], indices [T, K] int32 with -1 unused) at L = 512, R = 64, H a
@@ -59,14 +60,21 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
-    """This kernel's conditions: SM90 exactly (wgmma), bf16 / fp16 rows read by queries of the
-    same dtype, L 512 and R 64 in 576-wide rows contiguous along their columns (queries too)
-    whose starts `cp.async` can read 16 bytes at a time, H a multiple of 64."""
+    """This kernel's conditions: SM90 exactly (wgmma), and the tensors it takes (`takes`)."""
     return (
         kv.is_cuda
         and not interpreting()
         and torch.cuda.get_device_capability(kv.device) == (9, 0)
-        and kv.dtype in _DTYPES
+        and takes(q_nope, q_rope, kv)
+    )
+
+
+def takes(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
+    """The tensors this kernel takes, on any device: bf16 / fp16 rows read by queries of the
+    same dtype, L 512 and R 64 in 576-wide rows contiguous along their columns (queries too)
+    whose starts `cp.async` can read 16 bytes at a time, H a multiple of 64."""
+    return (
+        kv.dtype in _DTYPES
         and q_nope.dtype == q_rope.dtype == kv.dtype
         and q_nope.shape[1] % BLOCK_M == 0
         and (q_nope.shape[2], q_rope.shape[2], kv.shape[1]) == (512, 64, 576)

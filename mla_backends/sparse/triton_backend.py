@@ -1,5 +1,7 @@
-"""The `triton` sparse backend: our sparse kernel (`triton_kernel.py`) on any CUDA GPU (SM80+,
-FP8 rows SM89+), and on CPU under TRITON_INTERPRET=1 (tests). Both pool formats."""
+"""The `triton` sparse backend: our sparse kernels on any CUDA GPU (SM80+, FP8 rows SM89+), and
+on CPU under TRITON_INTERPRET=1 (tests). Both pool formats. On SM90 at H a multiple of 64 the
+Gluon kernels (`gluon_kernel.py` for bf16 / fp16 rows, `gluon_fp8row.py` for FP8 rows) take
+the call; everywhere else, and as their fallback, the `tl.dot` kernel (`triton_kernel.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.kernels.common import interpreting, num_sms
-from mla_backends.kernels.mla_attention import gluon_error
 from mla_backends.sparse.base import (
     SparseCaps,
     SparseContext,
@@ -69,12 +70,12 @@ def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: 
 def gluon_here(device: torch.device) -> bool:
     """Whether sparse calls on `device` may take the Gluon kernel: an SM90 GPU and the Gluon
     route open (`mla_attention.gluon_error`); the call's own tensors decide the rest."""
-    return (
-        device.type == "cuda"
-        and not interpreting()
-        and gluon_error() is None
-        and torch.cuda.get_device_capability(device) == (9, 0)
-    )
+    if device.type != "cuda" or interpreting():
+        return False
+    # imported here: this module loads without triton (its refusal says it is missing)
+    from mla_backends.kernels.mla_attention import gluon_error
+
+    return gluon_error() is None and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def launch_config(
@@ -84,13 +85,16 @@ def launch_config(
     query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows, on `sms` SMs.
     gluon: the call may take a Gluon kernel (an SM90, a bf16 / fp16 or FP8-row pool, the
     Gluon route open; the caller says): then "gluon" is set for H a multiple of 64, with the
-    `tl.dot` kernel's 64-row tiles as its fallback."""
+    `tl.dot` kernel's 64-row tiles and split count ("tl_splits") as its fallback."""
     if interpreting():
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
     cfg = dict(LAUNCH[(16 if heads <= 16 else 64, fp8_rows)])
+    splits = launch_splits(cfg, heads, tokens, topk, sms)
     if gluon and heads % 64 == 0:
-        cfg["gluon"] = 1
-    return {**cfg, "splits": launch_splits(cfg, heads, tokens, topk, sms)}
+        # "splits" the Gluon kernel's (one wave), "tl_splits" the tl.dot fallback's own
+        cfg |= {"gluon": 1, "tl_splits": splits}
+        splits = launch_splits(cfg, heads, tokens, topk, sms)
+    return {**cfg, "splits": splits}
 
 
 @register_sparse_backend("triton")

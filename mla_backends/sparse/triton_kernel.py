@@ -260,8 +260,10 @@ def attend(
     cfg = dict(launch)
     splits = cfg.pop("splits")
     gluon = cfg.pop("gluon", 0) and kv_scale == 1.0
+    tl_splits = cfg.pop("tl_splits", splits)
     if gluon and _gluon_attend(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse, fmt):
         return out, lse
+    splits = tl_splits  # the tl.dot kernel's own split rule (~two waves)
     # dot_f32 in the interpreter: its bf16 dots are wrong (DESIGN.md)
     sparse_mla(
         q_nope, q_rope, kv, indices, sm_scale, kv_scale, splits, out, lse, fmt,
@@ -285,7 +287,9 @@ def _gluon_attend(
     fp16 rows, `gluon_fp8row.usable` for FP8 rows in the default format; the Gluon route
     open); False leaves the call to the `tl.dot` kernel. A failure to import, build or launch
     one turns the route off for the process (`mla_attention.gluon_failed`) and is never a
-    failed decode: nothing is written before the launch, so the fallback starts clean."""
+    failed decode: nothing is written before the launch, so the fallback starts clean. Bad
+    arguments (ValueError) and a full GPU memory are the caller's errors: raised, the route
+    kept."""
     if not gluon_route_open(kv):
         return False
     try:
@@ -298,6 +302,8 @@ def _gluon_attend(
         if not kernel.usable(q_nope, q_rope, kv):
             return False
         kernel.sparse_mla(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse)
+    except (ValueError, torch.OutOfMemoryError):
+        raise
     except Exception as e:  # no triton.experimental.gluon, or names in it moved again
         gluon_failed(f"{type(e).__name__}: {e}")
         return False

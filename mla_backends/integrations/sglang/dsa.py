@@ -46,14 +46,20 @@ AUTO_ROWS_GLUON = 2048
 AUTO_ROWS = 1024
 
 
-def auto_rows(q_all: torch.Tensor) -> int:
+def auto_rows(q_all: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int) -> int:
     """Query rows (tokens x heads) a call up to which `auto` takes ours: more where the call
-    would take the Gluon kernel."""
+    will take the Gluon kernel (`gluon_here`, and the kernel takes these tensors)."""
     from mla_backends.sparse.triton_backend import gluon_here
 
-    h = q_all.shape[1]
-    gluon = h % 64 == 0 and q_all.dtype in (torch.bfloat16, torch.float16)
-    return AUTO_ROWS_GLUON if gluon and gluon_here(q_all.device) else AUTO_ROWS
+    if q_all.dim() != 3 or not gluon_here(q_all.device):
+        return AUTO_ROWS
+    try:
+        from mla_backends.sparse import gluon_kernel
+    except Exception:  # no Gluon here: the call itself falls back (and says why, once)
+        return AUTO_ROWS
+    q_nope, q_rope = q_all[..., :v_head_dim], q_all[..., v_head_dim:]
+    kv = kv_cache.view(-1, kv_cache.shape[-1])
+    return AUTO_ROWS_GLUON if gluon_kernel.takes(q_nope, q_rope, kv) else AUTO_ROWS
 
 
 def forward_sparse(
@@ -107,8 +113,10 @@ def auto_sparse(
 ) -> torch.Tensor:
     """SGLang's `_forward_flashmla_sparse` wrapped (`MLAB_DSA_SPARSE=auto`): `forward_sparse`
     for calls of at most `auto_rows` query rows (tokens x heads), SGLang's own method above.
-    Shapes only: the same choice at capture and replay of a graph, no host sync."""
-    if q_all.dim() == 3 and q_all.shape[0] * q_all.shape[1] <= auto_rows(q_all):
+    Shapes, dtypes and the pool's layout only: the same choice at capture and replay of a
+    graph, no host sync."""
+    rows = q_all.shape[0] * q_all.shape[1] if q_all.dim() == 3 else None
+    if rows is not None and rows <= auto_rows(q_all, kv_cache, v_head_dim):
         return forward_sparse(
             backend, q_all, kv_cache, v_head_dim, page_table_1, sm_scale, topk_length
         )
