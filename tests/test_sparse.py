@@ -324,6 +324,57 @@ def test_triton_sparse_exact_counts_and_contexts_shorter_than_topk() -> None:
     assert not detail, detail
 
 
+@pytest.mark.interp
+def test_gluon_sparse_failure_falls_back_to_tl_dot_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Gluon sparse kernel that fails to build (a Triton whose Gluon API moved) is reported
+    once and closes the route: that call and every later one take the `tl.dot` kernel with
+    its own split count ("tl_splits"), same result as a plain `tl.dot` launch. Bad arguments
+    are the caller's error: raised, the route kept."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_backends.kernels import mla_attention as ma
+    from mla_backends.sparse import gluon_kernel as gk
+    from mla_backends.sparse import triton_kernel as sk
+
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    # On CPU the Gluon conditions never hold: pretend they do until the route is broken.
+    monkeypatch.setattr(sk, "gluon_route_open", lambda kv: ma.gluon_error() is None)
+    monkeypatch.setattr(gk, "usable", lambda *a: True)
+    tries: list[int] = []
+
+    def broken(*args: object) -> None:
+        tries.append(int(args[5]))  # type: ignore[call-overload]
+        raise AttributeError("async_copy_global_to_shared has been removed")
+
+    monkeypatch.setattr(gk, "sparse_mla", broken)
+    gen = torch.Generator().manual_seed(0)
+    t, h, lat, r, slots, k = 2, 16, 32, 16, 128, 64  # four key blocks: 2 and 4 splits differ
+    kv = torch.randn(slots, lat + r, generator=gen).half()
+    q = torch.randn(t, h, lat + r, generator=gen).half()
+    idx = torch.stack([torch.randperm(slots, generator=gen)[:k] for _ in range(t)]).int()
+    plain = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
+    launch = {**plain, "splits": 4, "gluon": 1, "tl_splits": 2}
+    want = sk.attend(q[..., :lat], q[..., lat:], kv, idx, 0.2, 1.0, plain)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            got = sk.attend(q[..., :lat], q[..., lat:], kv, idx, 0.2, 1.0, launch)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert tries == [4], tries  # the Gluon split count, tried once
+    assert "async_copy_global_to_shared" in (ma.gluon_error() or "")
+    assert sum("Gluon kernels unavailable" in m for m in caplog.messages) == 1
+
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+
+    def refuses(*args: object) -> None:
+        raise ValueError("indices must be int32")
+
+    monkeypatch.setattr(gk, "sparse_mla", refuses)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        sk.attend(q[..., :lat], q[..., lat:], kv, idx, 0.2, 1.0, launch)
+    assert ma.gluon_error() is None
+
+
 def test_poisoned_rows_would_fail_the_comparison() -> None:
     """The harness can fail: point one valid entry at a poisoned (NaN) slot."""
     b = build(SparseCase("torch", "bfloat16", "bfloat16"), "cpu")
