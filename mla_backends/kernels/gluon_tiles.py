@@ -439,6 +439,21 @@ def _stage_tail(
 
 
 @gluon.jit
+def _normalise(acc, m_i, l_sum, O_L: gl.constexpr, T: gl.constexpr):
+    """(out, lse) of a finished row block: acc / l and the natural-log LSE, from P's row sums
+    l_sum (T: acc is O^T, rows along its columns); a row with no visible key (l = 0) gives
+    out 0 and LSE -inf, never a 0 / 0."""
+    empty = l_sum == 0.0
+    l_safe = gl.where(empty, 1.0, l_sum)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    if T:
+        out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(0, O_L))[None, :]
+    else:
+        out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    return out, lse
+
+
+@gluon.jit
 def _store_rows(
     Dest,
     out,

@@ -31,6 +31,7 @@ from mla_backends.kernels.common import interpreting
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
     _bounds,
+    _normalise,
     _open_ring,
     _pairs,
     _stage_q,
@@ -149,11 +150,8 @@ def _mla_attn_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    l_sum = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
+    out, lse = _normalise(acc, m_i, l_sum, O_L, False)
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
     offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
     _store_rows(

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
     _bounds,
+    _normalise,
     _open_ring,
     _stage_q,
     _store_rows,
@@ -106,11 +107,7 @@ def _mla_attn_narrow_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    l_c = gl.sum(l_i, 0)
-    empty = l_c == 0.0
-    l_safe = gl.where(empty, 1.0, l_c)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(0, O_L))[None, :]
+    out, lse = _normalise(acc, m_i, gl.sum(l_i, 0), O_L, True)
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, O_L))
     offs_o = gl.arange(0, L, layout=gl.SliceLayout(1, O_L))
     _store_rows(

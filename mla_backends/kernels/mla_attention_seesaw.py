@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_backends.kernels.gluon_tiles import _bounds, _store_rows, _tma_load, _visible
+from mla_backends.kernels.gluon_tiles import _bounds, _normalise, _store_rows, _tma_load, _visible
 
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -271,12 +271,9 @@ def _warpgroup(
     mbarrier.arrive(l_bar.index(0), count=1)
     mbarrier.wait(l_bar.index(0), 0)
     l_tot = l_smem.index(0).load(ROW) + l_smem.index(1).load(ROW)
-    empty = l_tot == 0.0
-    l_safe = gl.where(empty, 1.0, l_tot)
-    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
+    out, lse = _normalise(acc, m_i, l_tot, O_L, False)
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
     offs_o = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     _store_rows(
         Dest,
         out,

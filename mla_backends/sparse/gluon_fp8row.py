@@ -23,31 +23,22 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from mla_backends.kernels.common import interpreting
-from mla_backends.kernels.gluon_tiles import (
-    _barrier,
-    _online_rows,
-    _pairs,
-    _pv,
-    _score,
-    _stage_q,
-    _store_p,
-    _store_rows,
-)
-from mla_backends.kernels.mla_attention import (
-    LOG2E,
-    _merge,
-    dest_group,
-    query_group,
-    split_partials,
-)
+from mla_backends.kernels.gluon_tiles import _barrier, _stage_q
 from mla_backends.sparse.fp8_row import Fp8RowFormat
-from mla_backends.sparse.gluon_kernel import BLOCK_M, BLOCK_N, STAGES, _cp_async
+from mla_backends.sparse.gluon_kernel import (
+    BLOCK_M,
+    _cp_async,
+    _sparse_finish,
+    _sparse_state,
+    _sparse_tile,
+    _split_range,
+    check_indices,
+    launch,
+    on_sm90,
+    refusal,
+)
 
 CH = 64  # columns dequantised at a time: 16 codes a thread, little beside the accumulator
 FMT = Fp8RowFormat()
@@ -187,11 +178,7 @@ def _sparse_fp8row_kernel(
     mblk = gl.program_id(0)
     t = gl.program_id(1)
     split = gl.program_id(2)
-    chunk = gl.cdiv(gl.cdiv(topk, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, topk)
-    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    Row = Idx + t.to(gl.int64) * stride_idx
+    Row, lo, hi, n_tiles = _split_range(Idx, stride_idx, topk, t, split, NUM_SPLITS, BLOCK_N)
 
     k8_smem = gl.allocate_shared_memory(  # one [BLOCK_N, CH] buffer a slot and column block
         K8.dtype.element_ty,
@@ -215,9 +202,7 @@ def _sparse_fp8row_kernel(
         dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     )
 
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
-    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+    m_i, l_i, acc = _sparse_state(S_L, O_L, BLOCK_M, BLOCK_N, L)
     for j in range(n_tiles):
         cur = j % STAGES
         # the next tile's scales (its rows were requested a tile ago), used a tile later
@@ -226,13 +211,10 @@ def _sparse_fp8row_kernel(
         _barrier()  # every thread's cp.async writes of tile j landed
         # (its fence also covers this thread's cp.async writes of the rope tile)
         _dequant(k8_smem, cur, kb_smem, s0, s1, s2, s3, DQ_L, L, CH)
-        sc = _score(q_smem, qr_smem, kb_smem, kr_smem.index(cur), S_L, BLOCK_M, BLOCK_N, False)
-        n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-        ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
-        sc = warpgroup_mma_wait(0, deps=[sc])
-        acc, m_i, l_i, p = _online_rows(acc, m_i, l_i, sc, ok[None, :], qk_scale_log2, O_L, BLOCK_N)
-        _store_p(p, p_smem)
-        acc = _pv(p_smem, kb_smem, acc, False, False)
+        acc, m_i, l_i = _sparse_tile(
+            acc, m_i, l_i, q_smem, qr_smem, kb_smem, kr_smem.index(cur), p_smem, Row, lo, hi, j,
+            qk_scale_log2, S_L, O_L, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         _barrier()  # every warp is done reading slot cur, P(j) and the bf16 tile
         _gather_rows(
             Rows, Row, lo, hi, j + STAGES, k8_smem, kr_smem, DQ_L, LD_L, ROW_E8, ROW_B, R_OFF,
@@ -240,26 +222,12 @@ def _sparse_fp8row_kernel(
         )  # fmt: skip
         s0, s1, s2, s3 = n0, n1, n2, n3
     async_copy.wait_group(0)
-
-    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
-    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
-    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
-    _store_rows(Dest, out, lse, rows_o, offs_o, rows_s, t, 1, split, H, L, NUM_SPLITS, True, False)
+    _sparse_finish(Dest, acc, m_i, l_i, mblk, t, split, S_L, O_L, H, L, BLOCK_M, NUM_SPLITS)
 
 
 def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
-    """This kernel's conditions: SM90 exactly, and the tensors it takes (`takes`)."""
-    return (
-        kv.is_cuda
-        and not interpreting()
-        and torch.cuda.get_device_capability(kv.device) == (9, 0)
-        and takes(q_nope, q_rope, kv)
-    )
+    """This kernel's conditions: an SM90, and the tensors it takes (`takes`)."""
+    return on_sm90(kv) and takes(q_nope, q_rope, kv)
 
 
 def takes(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -291,28 +259,16 @@ def sparse_mla(
 ) -> None:
     """q_nope [T, H, 512], q_rope [T, H, 64] bf16, kv [slots, 656] uint8 FP8 rows, indices
     [T, K] int32 (-1 unused) -> out [T, H, 512], lse [T, H]. SM90 only."""
-    t, h, lat = q_nope.shape
-    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t:
-        raise ValueError(f"indices must be int32 [T = {t}, K], got {tuple(indices.shape)}")
-    if indices.stride(1) != 1:
-        raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
+    check_indices(indices, q_nope.shape[0])
     if not usable(q_nope, q_rope, kv):
-        raise ValueError(
+        raise refusal(
             "the Gluon FP8-row sparse kernel takes SM90, bf16 queries, H % 64 == 0 and "
-            f"contiguous [slots, {FMT.row_bytes}] uint8 rows: got H {h}, q {q_nope.dtype} "
-            f"{tuple(q_nope.shape)} / {tuple(q_rope.shape)}, kv {kv.dtype} {tuple(kv.shape)} "
-            f"on {kv.device}"
-        )
-    if t == 0:
-        return
-    part_out, part_lse = split_partials(out, lse, num_splits)
-    q, dest = query_group(q_nope, q_rope), dest_group((out, lse, part_out, part_lse))
+            f"contiguous [slots, {FMT.row_bytes}] uint8 rows",
+            q_nope, q_rope, kv,
+        )  # fmt: skip
     rows = (kv.view(torch.float8_e4m3fn), kv.view(torch.float32), kv.view(torch.bfloat16))
-    _sparse_fp8row_kernel[(h // BLOCK_M, t, num_splits)](
-        q, rows, indices, indices.stride(0), indices.shape[1], dest, sm_scale * LOG2E,
-        H=h, L=lat, R=q_rope.shape[2], ROW_E8=FMT.row_bytes, ROW_S=FMT.row_bytes // 4,
-        S_OFF=FMT.scale_offset // 4, ROW_B=FMT.row_bytes // 2, R_OFF=FMT.rope_offset // 2,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, STAGES=STAGES, CH=CH,
-        num_warps=8,
+    launch(
+        _sparse_fp8row_kernel, (rows,), q_nope, q_rope, indices, sm_scale, num_splits, out, lse,
+        ROW_E8=FMT.row_bytes, ROW_S=FMT.row_bytes // 4, S_OFF=FMT.scale_offset // 4,
+        ROW_B=FMT.row_bytes // 2, R_OFF=FMT.rope_offset // 2, CH=CH,
     )  # fmt: skip
-    _merge(part_out, part_lse, out, lse, num_splits)

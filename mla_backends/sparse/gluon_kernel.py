@@ -25,6 +25,8 @@ triton 3.6, no spills), so the split rule fills one wave (`triton_backend.launch
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla_backends.kernels.common import interpreting
 from mla_backends.kernels.gluon_tiles import (
     _barrier,
+    _normalise,
     _online_rows,
     _pairs,
     _pv,
@@ -59,14 +62,24 @@ BLOCK_M, BLOCK_N, STAGES = 64, 64, 2
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
-    """This kernel's conditions: SM90 exactly (wgmma), and the tensors it takes (`takes`)."""
+def check_indices(indices: torch.Tensor, t: int) -> None:
+    """The index rows the Gluon sparse kernels read: int32 [T, K], contiguous along K."""
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(f"indices must be int32 [T = {t}, K], got {tuple(indices.shape)}")
+    if indices.stride(1) != 1:
+        raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
+
+
+def on_sm90(kv: torch.Tensor) -> bool:
+    """Whether `kv` lives on an SM90 GPU exactly (wgmma; no Gluon interpreter)."""
     return (
-        kv.is_cuda
-        and not interpreting()
-        and torch.cuda.get_device_capability(kv.device) == (9, 0)
-        and takes(q_nope, q_rope, kv)
+        kv.is_cuda and not interpreting() and torch.cuda.get_device_capability(kv.device) == (9, 0)
     )
+
+
+def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
+    """This kernel's conditions: an SM90, and the tensors it takes (`takes`)."""
+    return on_sm90(kv) and takes(q_nope, q_rope, kv)
 
 
 def takes(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -116,6 +129,59 @@ def _gather(
 
 
 @gluon.jit
+def _split_range(Idx, stride_idx, topk, t, split, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Token t's index row and this split's share of it, whole key tiles a split:
+    (Row, lo, hi, n_tiles)."""
+    chunk = gl.cdiv(gl.cdiv(topk, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, topk)
+    return Idx + t.to(gl.int64) * stride_idx, lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+
+@gluon.jit
+def _sparse_state(
+    S_L: gl.constexpr, O_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    L: gl.constexpr,
+):  # fmt: skip
+    """The online softmax's start: (row max -inf, P's row sums in column pairs, acc 0)."""
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
+    return m_i, l_i, gl.zeros([BLOCK_M, L], gl.float32, O_L)
+
+
+@gluon.jit
+def _sparse_tile(
+    acc, m_i, l_i, q_smem, qr_smem, k_buf, kr_buf, p_smem, Row, lo, hi, j, qk_scale_log2,
+    S_L: gl.constexpr, O_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Tile j's attention once its rows are in k_buf / kr_buf: scores, entries past the
+    split or -1 masked, the online softmax, P @ V (waited for: the buffers may be refilled
+    once every warp has passed a barrier)."""
+    sc = _score(q_smem, qr_smem, k_buf, kr_buf, S_L, BLOCK_M, BLOCK_N, False)
+    n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
+    sc = warpgroup_mma_wait(0, deps=[sc])
+    acc, m_i, l_i, p = _online_rows(acc, m_i, l_i, sc, ok[None, :], qk_scale_log2, O_L, BLOCK_N)
+    _store_p(p, p_smem)
+    acc = _pv(p_smem, k_buf, acc, False, False)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _sparse_finish(
+    Dest, acc, m_i, l_i, mblk, t, split, S_L: gl.constexpr, O_L: gl.constexpr, H: gl.constexpr,
+    L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_SPLITS: gl.constexpr,
+):  # fmt: skip
+    """Row block mblk of token t: out / LSE, or this split's partials."""
+    l_sum = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
+    out, lse = _normalise(acc, m_i, l_sum, O_L, False)
+    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+    _store_rows(Dest, out, lse, rows_o, offs_o, rows_s, t, 1, split, H, L, NUM_SPLITS, True, False)
+
+
+@gluon.jit
 def _sparse_gluon_kernel(
     Q,
     KV,
@@ -148,11 +214,7 @@ def _sparse_gluon_kernel(
     mblk = gl.program_id(0)
     t = gl.program_id(1)
     split = gl.program_id(2)
-    chunk = gl.cdiv(gl.cdiv(topk, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, topk)
-    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    Row = Idx + t.to(gl.int64) * stride_idx
+    Row, lo, hi, n_tiles = _split_range(Idx, stride_idx, topk, t, split, NUM_SPLITS, BLOCK_N)
 
     k_smem = gl.allocate_shared_memory(
         dtype, [STAGES, BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
@@ -167,38 +229,22 @@ def _sparse_gluon_kernel(
         dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     )
 
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = _pairs(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L), BLOCK_N)[0]
-    acc = gl.zeros([BLOCK_M, L], gl.float32, O_L)
+    m_i, l_i, acc = _sparse_state(S_L, O_L, BLOCK_M, BLOCK_N, L)
     for j in range(n_tiles):
         cur = j % STAGES
         async_copy.wait_group(STAGES - 1)  # tile j's group (groups retire in order)
         fence_async_shared()  # this thread's cp.async writes, before the wgmma reads them
         _barrier()  # ... and every other thread's
-        sc = _score(
-            q_smem, qr_smem, k_smem.index(cur), kr_smem.index(cur), S_L, BLOCK_M, BLOCK_N, False
-        )
-        n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-        ok = (n < hi) & (gl.load(Row + n, mask=n < hi, other=-1) >= 0)
-        sc = warpgroup_mma_wait(0, deps=[sc])
-        acc, m_i, l_i, p = _online_rows(acc, m_i, l_i, sc, ok[None, :], qk_scale_log2, O_L, BLOCK_N)
-        _store_p(p, p_smem)
-        acc = _pv(p_smem, k_smem.index(cur), acc, False, False)
+        acc, m_i, l_i = _sparse_tile(
+            acc, m_i, l_i, q_smem, qr_smem, k_smem.index(cur), kr_smem.index(cur), p_smem, Row,
+            lo, hi, j, qk_scale_log2, S_L, O_L, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         _barrier()  # every warp is done reading slot cur and P(j)
         _gather(
             KV, stride_kv, Row, lo, hi, j + STAGES, k_smem, kr_smem, LD_L, L, R, BLOCK_N, STAGES
         )
     async_copy.wait_group(0)
-
-    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_L))[:, None]
-    rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-    rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
-    offs_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
-    _store_rows(Dest, out, lse, rows_o, offs_o, rows_s, t, 1, split, H, L, NUM_SPLITS, True, False)
+    _sparse_finish(Dest, acc, m_i, l_i, mblk, t, split, S_L, O_L, H, L, BLOCK_M, NUM_SPLITS)
 
 
 def sparse_mla(
@@ -214,25 +260,47 @@ def sparse_mla(
     """`triton_kernel.sparse_mla`'s contract for bf16 / fp16 pool rows, H a multiple of 64,
     L 512 and R 64: q_nope [T, H, L], q_rope [T, H, R], kv [slots, L + R], indices [T, K]
     int32 (-1 unused) -> out [T, H, L], lse [T, H]. SM90 only."""
-    t, h, lat = q_nope.shape
-    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t:
-        raise ValueError(f"indices must be int32 [T = {t}, K], got {tuple(indices.shape)}")
-    if indices.stride(1) != 1:
-        raise ValueError("indices must be contiguous along K (the kernel reads them by offset)")
+    check_indices(indices, q_nope.shape[0])
     if not usable(q_nope, q_rope, kv):
-        raise ValueError(
+        raise refusal(
             "the Gluon sparse kernel takes SM90, bf16 / fp16 rows in q's dtype, H % 64 == 0, "
-            f"L 512, R 64, contiguous 16-byte-aligned rows: got H {h}, q {q_nope.dtype} "
-            f"{tuple(q_nope.shape)} / {tuple(q_rope.shape)}, kv {kv.dtype} {tuple(kv.shape)} "
-            f"on {kv.device}"
-        )
+            "L 512, R 64, contiguous 16-byte-aligned rows",
+            q_nope, q_rope, kv,
+        )  # fmt: skip
+    launch(_sparse_gluon_kernel, (kv, kv.stride(0)), q_nope, q_rope, indices, sm_scale,
+           num_splits, out, lse)  # fmt: skip
+
+
+def refusal(takes: str, q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> ValueError:
+    """A Gluon sparse kernel's refusal: what it takes, and what it got."""
+    return ValueError(
+        f"{takes}: got H {q_nope.shape[1]}, q {q_nope.dtype} {tuple(q_nope.shape)} / "
+        f"{tuple(q_rope.shape)}, kv {kv.dtype} {tuple(kv.shape)} on {kv.device}"
+    )
+
+
+def launch(
+    kernel: Any,
+    rows: tuple[object, ...],
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    **consts: int,
+) -> None:
+    """One Gluon sparse kernel over grid (H / BLOCK_M, T, splits), its pool arguments `rows`
+    between the query group and the index rows, then the split merge."""
+    t, h, lat = q_nope.shape
     if t == 0:
         return
     part_out, part_lse = split_partials(out, lse, num_splits)
     q, dest = query_group(q_nope, q_rope), dest_group((out, lse, part_out, part_lse))
-    _sparse_gluon_kernel[(h // BLOCK_M, t, num_splits)](
-        q, kv, kv.stride(0), indices, indices.stride(0), indices.shape[1], dest,
-        sm_scale * LOG2E, H=h, L=lat, R=q_rope.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, STAGES=STAGES, num_warps=8,
+    kernel[(h // BLOCK_M, t, num_splits)](
+        q, *rows, indices, indices.stride(0), indices.shape[1], dest, sm_scale * LOG2E,
+        H=h, L=lat, R=q_rope.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, STAGES=STAGES, num_warps=8, **consts,
     )  # fmt: skip
     _merge(part_out, part_lse, out, lse, num_splits)
