@@ -142,3 +142,22 @@ def test_auto_takes_ours_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) ->
     assert out.item() == 7.0 and len(calls) == 1
     assert calls[0][0] == "self" and calls[0][1] is large and calls[0][2] is pool
     assert calls[0][4] is big_idx
+
+
+def test_auto_limit_follows_the_kernel_the_call_will_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto_rows` gives the Gluon kernel's limit only where the call will take it: an SM90
+    (`gluon_here`, faked here) and tensors the kernel takes (H a multiple of 64, bf16 / fp16
+    576-wide rows of q's dtype); the `tl.dot` kernel's limit for everything else."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_backends.sparse import triton_backend
+
+    monkeypatch.setattr(triton_backend, "gluon_here", lambda device: True)
+    pool = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
+    for h, want in ((64, dsa.AUTO_ROWS_GLUON), (128, dsa.AUTO_ROWS_GLUON), (16, dsa.AUTO_ROWS)):
+        assert dsa.auto_rows(torch.zeros(2, h, 576).bfloat16(), pool, 512) == want, h
+    q = torch.zeros(2, 64, 576)
+    assert dsa.auto_rows(q.half(), pool.half(), 512) == dsa.AUTO_ROWS_GLUON
+    assert dsa.auto_rows(q, pool.float(), 512) == dsa.AUTO_ROWS  # fp32: tl.dot only
+    assert dsa.auto_rows(q.half(), pool, 512) == dsa.AUTO_ROWS  # pool in another dtype
+    narrow = torch.zeros(64, 1, 320, dtype=torch.bfloat16)  # L 256: not the kernel's 512
+    assert dsa.auto_rows(torch.zeros(2, 64, 320).bfloat16(), narrow, 256) == dsa.AUTO_ROWS
