@@ -660,12 +660,12 @@ def test_gluon_sparse_splits_fill_one_wave() -> None:
     never below one key block a split; the `tl.dot` kernel's rule keeps about two waves."""
     from mla_backends.sparse.triton_backend import choose_splits
 
-    assert choose_splits(2, 2048, 132, 64, 32, waves=1) == 32  # H128, 1 token: the cap
-    assert choose_splits(8, 2048, 132, 64, 32, waves=1) == 16  # H128, 4 tokens: 128 CTAs
-    assert choose_splits(32, 2048, 132, 64, 32, waves=1) == 4  # H128, 16 tokens
+    assert choose_splits(2, 2048, 132, 64, 32, one_wave=True) == 32  # H128, 1 token: the cap
+    assert choose_splits(8, 2048, 132, 64, 32, one_wave=True) == 16  # H128, 4 tokens: 128 CTAs
+    assert choose_splits(32, 2048, 132, 64, 32, one_wave=True) == 4  # H128, 16 tokens
     assert choose_splits(32, 2048, 132, 64, 32) == 8  # the tl.dot rule: two waves
-    assert choose_splits(64, 2048, 132, 64, 32, waves=1) == 2
-    assert choose_splits(200, 2048, 132, 64, 32, waves=1) == 1
+    assert choose_splits(64, 2048, 132, 64, 32, one_wave=True) == 2
+    assert choose_splits(200, 2048, 132, 64, 32, one_wave=True) == 1
 
 
 def test_sparse_launch_takes_gluon_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,17 +22,17 @@ from mla_backends.sparse.fp8_row import Fp8RowPool
 
 
 def choose_splits(
-    programs: int, topk: int, sms: int, block_n: int, max_splits: int = 64, waves: int = 2
+    programs: int, topk: int, sms: int, block_n: int, max_splits: int = 64, one_wave: bool = False
 ) -> int:
-    """Split the index list until the grid fills the GPU about `waves` times, down to one key
-    block a split; a power of two (the merge kernel's arange needs one). At batch 1 a
-    program's time is a chain of dependent loads (indices, then the rows they name) per
-    block, so one block a program is the shortest chain; the merge then reads splits x heads
-    partial rows. The `tl.dot` kernel's rule rounds to about two waves; the Gluon kernel
-    (one CTA an SM) takes the most splits that stay in one wave (`waves=1`, rounding down):
-    at H128 on an H100 two waves took 1.3-1.6x one wave's time from 4 tokens on (BENCHMARKS.md,
-    fifteenth session)."""
-    fill = round(2 * sms / max(programs, 1)) if waves == 2 else waves * sms // max(programs, 1)
+    """Split the index list until the grid fills the GPU about twice (one_wave: the most
+    splits that stay in one wave), down to one key block a split; a power of two (the merge
+    kernel's arange needs one). At batch 1 a program's time is a chain of dependent loads
+    (indices, then the rows they name) per block, so one block a program is the shortest
+    chain; the merge then reads splits x heads partial rows. The Gluon kernels hold one CTA an
+    SM: at H128 on an H100 two waves took 1.3-1.6x one wave's time from 4 tokens on
+    (BENCHMARKS.md, fifteenth session)."""
+    n = max(programs, 1)
+    fill = sms // n if one_wave else round(2 * sms / n)
     want = max(1, min(fill, topk // block_n, max_splits))
     return 1 << (want.bit_length() - 1)
 
@@ -63,7 +63,7 @@ def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: 
     # <= 4096 partial rows a token (8 MB of fp32 partials to write and merge at H128)
     cap = max(1, min(64, 4096 // heads))
     if cfg.get("gluon"):  # the Gluon kernels' 64 x 64 tiles, one CTA an SM
-        return choose_splits(programs, topk, sms, GLUON_BLOCK_N, cap, waves=1)
+        return choose_splits(programs, topk, sms, GLUON_BLOCK_N, cap, one_wave=True)
     return choose_splits(programs, topk, sms, cfg["block_n"], cap)
 
 
