@@ -146,12 +146,13 @@ def test_auto_takes_ours_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_auto_limit_follows_the_kernel_the_call_will_take(monkeypatch: pytest.MonkeyPatch) -> None:
     """`auto_rows` gives the Gluon kernel's limit only where the call will take it: an SM90
-    (`gluon_here`, faked here) and tensors the kernel takes (H a multiple of 64, bf16 / fp16
-    576-wide rows of q's dtype); the `tl.dot` kernel's limit for everything else."""
+    with the Gluon route open (faked here) and tensors the kernel takes (H a multiple of 64,
+    bf16 / fp16 576-wide rows of q's dtype); the `tl.dot` kernel's limit for everything else."""
     pytest.importorskip("triton.experimental.gluon")
-    from mla_backends.sparse import triton_backend
+    from mla_backends.sparse import gluon_kernel, triton_kernel
 
-    monkeypatch.setattr(triton_backend, "gluon_here", lambda device: True)
+    monkeypatch.setattr(triton_kernel, "gluon_route_open", lambda kv: True)
+    monkeypatch.setattr(gluon_kernel, "on_sm90", lambda kv: True)
     pool = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
     for h, want in ((64, dsa.AUTO_ROWS_GLUON), (128, dsa.AUTO_ROWS_GLUON), (16, dsa.AUTO_ROWS)):
         assert dsa.auto_rows(torch.zeros(2, h, 576).bfloat16(), pool, 512) == want, h

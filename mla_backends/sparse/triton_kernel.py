@@ -13,6 +13,8 @@ With NUM_SPLITS > 1, partial (out, lse) pairs are merged by `mla_attention._merg
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import triton
 import triton.language as tl
@@ -283,28 +285,41 @@ def _gluon_attend(
     lse: torch.Tensor,
     fmt: Fp8RowFormat | None,
 ) -> bool:
-    """A Gluon sparse kernel's call where it can run here (`gluon_kernel.usable` for bf16 /
-    fp16 rows, `gluon_fp8row.usable` for FP8 rows in the default format; the Gluon route
-    open); False leaves the call to the `tl.dot` kernel. A failure to import, build or launch
-    one turns the route off for the process (`mla_attention.gluon_failed`) and is never a
-    failed decode: nothing is written before the launch, so the fallback starts clean. Bad
-    arguments (ValueError) and a full GPU memory are the caller's errors: raised, the route
-    kept."""
-    if not gluon_route_open(kv):
+    """A Gluon sparse kernel's call where one takes it here (`gluon_kernel_for`); False
+    leaves the call to the `tl.dot` kernel. A failure to build or launch it turns the route
+    off for the process (`mla_attention.gluon_failed`) and is never a failed decode: nothing
+    is written before the launch, so the fallback starts clean. Bad arguments (ValueError)
+    and a full GPU memory are the caller's errors: raised, the route kept."""
+    kernel = gluon_kernel_for(q_nope, q_rope, kv, fmt)
+    if kernel is None:
         return False
+    try:
+        kernel.sparse_mla(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse)
+    except (ValueError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # names in triton.experimental.gluon moved again
+        gluon_failed(f"{type(e).__name__}: {e}")
+        return False
+    return True
+
+
+def gluon_kernel_for(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, fmt: Fp8RowFormat | None
+) -> ModuleType | None:
+    """The Gluon sparse kernel module that takes this call here, or None: the Gluon route open,
+    `gluon_kernel` for bf16 / fp16 rows or `gluon_fp8row` for FP8 rows in the default
+    format, and its `usable` holding. One decision for the call itself and for SGLang's
+    `auto` limit. A failure to import one turns the route off (`mla_attention.gluon_failed`)."""
+    if not gluon_route_open(kv):
+        return None
     try:
         if fmt is None:
             from mla_backends.sparse import gluon_kernel as kernel
         elif fmt == Fp8RowFormat():
             from mla_backends.sparse import gluon_fp8row as kernel  # type: ignore[no-redef]
         else:
-            return False
-        if not kernel.usable(q_nope, q_rope, kv):
-            return False
-        kernel.sparse_mla(q_nope, q_rope, kv, indices, sm_scale, splits, out, lse)
-    except (ValueError, torch.OutOfMemoryError):
-        raise
+            return None
     except Exception as e:  # no triton.experimental.gluon, or names in it moved again
         gluon_failed(f"{type(e).__name__}: {e}")
-        return False
-    return True
+        return None
+    return kernel if kernel.usable(q_nope, q_rope, kv) else None

@@ -48,18 +48,15 @@ AUTO_ROWS = 1024
 
 def auto_rows(q_all: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int) -> int:
     """Query rows (tokens x heads) a call up to which `auto` takes ours: more where the call
-    will take the Gluon kernel (`gluon_here`, and the kernel takes these tensors)."""
-    from mla_backends.sparse.triton_backend import gluon_here
+    will take the Gluon kernel (`triton_kernel.gluon_kernel_for`, the call's own decision)."""
+    from mla_backends.sparse.triton_kernel import gluon_kernel_for
 
-    if q_all.dim() != 3 or not gluon_here(q_all.device):
-        return AUTO_ROWS
-    try:
-        from mla_backends.sparse import gluon_kernel
-    except Exception:  # no Gluon here: the call itself falls back (and says why, once)
+    if q_all.dim() != 3:
         return AUTO_ROWS
     q_nope, q_rope = q_all[..., :v_head_dim], q_all[..., v_head_dim:]
     kv = kv_cache.view(-1, kv_cache.shape[-1])
-    return AUTO_ROWS_GLUON if gluon_kernel.takes(q_nope, q_rope, kv) else AUTO_ROWS
+    gluon = gluon_kernel_for(q_nope, q_rope, kv, None) is not None
+    return AUTO_ROWS_GLUON if gluon else AUTO_ROWS
 
 
 def forward_sparse(
