@@ -138,6 +138,13 @@ def run_one(
             lambda: index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width),
             graphs,
         ),
+        "logits_triton": timed(
+            lambda: index_logits(
+                *(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width),
+                kernel="triton",
+            ),
+            graphs,
+        ),
         **{
             f"logits[{bn}]": timed(
                 lambda bn=bn: index_logits(
@@ -148,18 +155,24 @@ def run_one(
             for bn in (32, 128, 256)
         },
         # under the engine's CUDA graphs the logits are as wide as the longest context the
-        # pool takes (the indexer's graph state): one program a block (the programs past a
-        # token's keys store -inf), and looping programs, as a captured graph runs them
+        # pool takes (the indexer's graph state): the Triton kernel at one program a block
+        # (the programs past a token's keys store -inf) and looping, as a captured graph runs
+        # it; the Gluon kernel (its programs always loop) where it runs
         **{
             f"logits_graph_width{tag}": timed(
-                lambda loop=loop: index_logits(
+                lambda loop=loop, kernel=kernel: index_logits(
                     *(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible),
                     req.req_to_token.shape[1],
                     loop=loop,
+                    kernel=kernel,
                 ),
                 graphs,
             )
-            for tag, loop in (("", False), ("[loop]", True))
+            for tag, loop, kernel in (
+                ("", False, "triton"),
+                ("[loop]", True, "triton"),
+                ("[auto]", False, "auto"),
+            )
         },
         "topk_slots": timed(lambda: topk_slots(logits, topk, req.req_to_token, md.rows), graphs),
         "topk_slots_launches": timed(

@@ -6,7 +6,9 @@ marked aligned and strides multiples of 16, as the JIT specialises them at run t
 DeepSeek-V3.2's shapes. The interpreter, which CI runs these kernels in, never compiles
 them: a kernel can pass every CPU test and still fail to build.
 
-python3 scripts/compile_indexer_sm90.py
+python3 scripts/compile_indexer_sm90.py [gluon]
+
+`gluon`: the Gluon logits kernel (`sparse/indexer_gluon.py`) instead, with its wgmma shapes.
 
 Run without TRITON_INTERPRET=1.
 """
@@ -81,7 +83,29 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
     ]
 
 
+def gluon_usage() -> dict:  # type: ignore[type-arg]
+    """The Gluon logits kernel compiled for SM90 at DeepSeek-V3.2's dims (64 heads of 128)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_backends.sparse import indexer_gluon as ig
+
+    fn = ig._logits_gluon_kernel
+    sig = {k: v for k, v in kernels()[1][2].items()}
+    const = {"HI": 64, "D": ig.D, "BLOCK_H": 64, "BLOCK_N": ig.BLOCK_N, **CACHE}
+    const |= {"STAGES": ig.STAGES, "USE_GDC": True}
+    ints = tuple(n for n in sig if n.startswith("stride"))
+    src = GluonASTSource(
+        fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, offline.aligned(fn, sig, ints)
+    )
+    return offline.usage(offline.compile_sm90(src, num_warps=4))
+
+
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["gluon"]:
+        print(json.dumps({"kernel": "logits_gluon", **gluon_usage()}))
+        raise SystemExit(0)
     for name, fn, sig, const, warps in kernels():
         src = ASTSource(
             fn=fn,

@@ -151,6 +151,53 @@ def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
 
 
 @pytest.mark.interp
+def test_gluon_logits_failure_falls_back_to_the_triton_kernel_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Gluon logits kernel that fails to build (a Triton whose Gluon API moved) is reported
+    once and closes the Gluon route: that call and every later one take the Triton kernel,
+    with its logits. Asking for the Gluon kernel where it cannot run, or for no known
+    kernel, is a one-line ValueError."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_backends.kernels import mla_attention as ma
+    from mla_backends.sparse import indexer_gluon as ig
+    from mla_backends.sparse.indexer_kernels import index_logits, store_index_k
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    k, q, w, cos, sin = _indexer_inputs(dims, 20, 1)
+    cache = IndexKCache(1, 64, 32, True, "cpu")
+    store_index_k(cache, 0, k, cos, sin, torch.arange(20))
+    r2t = torch.arange(64, dtype=torch.int32)[None, :]
+    rows, vis = torch.zeros(3, dtype=torch.long), torch.tensor([1, 9, 20], dtype=torch.int32)
+    qp, wp = prepare_q(dims, q[:3], w[:3], cos[:3], sin[:3])
+    args = (cache, 0, qp, wp, r2t, rows, vis, 24)
+    want = index_logits(*args, kernel="triton")
+    with pytest.raises(ValueError, match="takes e4m3 index keys of D 128"):
+        index_logits(*args, kernel="gluon")  # a CPU: never the Gluon kernel
+    with pytest.raises(ValueError, match="kernel must be auto, triton or gluon"):
+        index_logits(*args, kernel="cuda")
+
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    # On CPU the Gluon conditions never hold: pretend they do until the route is broken.
+    monkeypatch.setattr(ma, "gluon_route_open", lambda t: ma.gluon_error() is None)
+    monkeypatch.setattr(ig, "usable", lambda *a: True)
+    tries: list[int] = []
+
+    def broken(*a: object, **kw: object) -> None:
+        tries.append(1)
+        raise AttributeError("async_copy_global_to_shared has been removed")
+
+    monkeypatch.setattr(ig, "index_logits", broken)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert torch.equal(index_logits(*args), want)
+    assert tries == [1]
+    assert "async_copy_global_to_shared" in (ma.gluon_error() or "")
+    assert sum("Gluon kernels unavailable" in m for m in caplog.messages) == 1
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+
+
+@pytest.mark.interp
 @pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "fp32"])
 @pytest.mark.parametrize("act", [torch.float32, torch.float16], ids=["f32", "f16"])
 def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch.dtype) -> None:
@@ -572,6 +619,17 @@ def test_indexer_kernels_compile_for_sm90() -> None:
     assert uses[1]["shared"] == uses[2]["shared"] == 16 * 1024, uses[1:3]
     # three looping programs an SM, as for one program a block (its spills are the price)
     assert uses[2]["reg"] <= 168, uses[2]
+
+
+def test_gluon_indexer_logits_kernel_compiles_for_sm90() -> None:
+    """The Gluon logits kernel (`sparse/indexer_gluon.py`, what the indexer runs on SM90)
+    keeps building for SM90: no spills, few enough registers and little enough shared memory
+    (its four-tile ring and q) for four programs an SM (`PROGRAMS_PER_SM`, one wave), and the
+    fp16 MMA of its shape (never an FP8 one: the module's hazard)."""
+    (use,) = compile_usage("compile_indexer_sm90.py", "gluon")
+    assert use["local"] == 0 and use["stack"] == 0, use
+    assert use["reg"] * 128 * 4 <= 65536 and use["shared"] * 4 <= 232448, use
+    assert use["wgmma"] == ["m64n64k16"], use
 
 
 def test_sparse_kernel_launches_compile_for_sm90() -> None:

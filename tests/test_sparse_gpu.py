@@ -291,10 +291,53 @@ def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
                              ang.cos().bfloat16(), ang.sin().bfloat16())  # fmt: skip
     rows = torch.arange(t, device="cuda")
     vis = torch.tensor(vis_list, dtype=torch.int32, device="cuda")
-    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width)
-    got = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, loop=True)
+    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
+    got = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, loop=True, kernel="triton")
     assert torch.equal(got, want)
     assert torch.isfinite(want).sum(1).tolist() == vis_list
+
+
+@pytest.mark.parametrize("heads, programs", [(64, None), (64, 3), (8, 2)])
+def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int | None) -> None:
+    """The Gluon logits kernel (`sparse/indexer_gluon.py`) against the Triton kernel on the
+    same keys: the same -inf pattern (keys from a token's visible count on, over a width far
+    above most contexts), the same values up to summation order, NaN-poisoned slots outside
+    the contexts never read; at the default grid, and with few programs a token so that each
+    one loops through its cp.async ring many times (partial last tiles, empty tiles)."""
+    from mla_backends.sparse import indexer_gluon as ig
+    from mla_backends.sparse.indexer import IndexKCache
+    from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused, store_index_k
+
+    if not ig.usable(IndexKCache(1, 64, 128, True, "cuda"), torch.empty(1, heads, 128,
+                     dtype=torch.float8_e4m3fn, device="cuda")):  # fmt: skip
+        pytest.skip("the Gluon logits kernel needs an SM90")
+    dims, g = IndexerDims(n_heads=heads), torch.Generator(device="cuda").manual_seed(3)
+    width, vis_list = 40000, [1, 64, 127, 2049, 9000, 40000]
+    t = len(vis_list)
+    cache = IndexKCache(1, 40960 * t, 128, True, "cuda")
+    cache.buffers[0].fill_(0x7F)  # NaN codes and scales wherever nothing is stored
+    r2t = torch.zeros(t, width, dtype=torch.int32, device="cuda")
+    for i, n in enumerate(vis_list):
+        loc = torch.randperm(40960, generator=g, device="cuda")[:n] + i * 40960
+        r2t[i, :n] = loc.int()
+        ang = torch.rand(n, 32, generator=g, device="cuda") * 6
+        k = torch.randn(n, 128, generator=g, device="cuda").bfloat16()
+        store_index_k(cache, 0, k, ang.cos().bfloat16(), ang.sin().bfloat16(), loc)
+    ang = torch.rand(t, 32, generator=g, device="cuda") * 6
+    q = torch.randn(t, heads, 128, generator=g, device="cuda").bfloat16()
+    qp, wp = prepare_q_fused(dims, q, torch.randn(t, heads, generator=g, device="cuda"),
+                             ang.cos().bfloat16(), ang.sin().bfloat16())  # fmt: skip
+    rows = torch.arange(t, device="cuda")
+    vis = torch.tensor(vis_list, dtype=torch.int32, device="cuda")
+    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
+    got = ig.index_logits(cache, 0, qp, wp, r2t, rows, vis, width, programs)
+    if programs is None:  # what the indexer calls (kernel "auto") takes it on an SM90
+        assert torch.equal(index_logits(cache, 0, qp, wp, r2t, rows, vis, width), got)
+    assert torch.isfinite(got).sum(1).tolist() == vis_list
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    fin = torch.isfinite(want)
+    # fp32 sums of the same exact products in another order: within a few fp32 ulps
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6 * want[fin].abs().max())
 
 
 def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignore[no-untyped-def]

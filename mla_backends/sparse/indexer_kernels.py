@@ -5,6 +5,8 @@ index heads in one dot). Same maths as `indexer.prepare_k` / `logits_reference`.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import triton
 import triton.language as tl
@@ -411,11 +413,22 @@ def index_logits(
     width: int,
     block_n: int | None = None,
     loop: bool = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """q [T, Hi, D] (e4m3 codes, or fp32 unquantised), w [T, Hi] fp32, rows [T], visible [T]
-    -> logits [T, width] fp32, -inf at keys >= visible. `loop`: a few programs a token, each
-    looping over its blocks (`loop_programs`), for a width far above the visible keys (a
-    CUDA graph's); else one program a block."""
+    -> logits [T, width] fp32, -inf at keys >= visible. `kernel`: "auto" (the Gluon kernel,
+    `sparse/indexer_gluon.py`, where it takes the call: SM90, e4m3 keys of D 128; else the
+    Triton kernel below), "triton" or "gluon" (raises where it cannot run). Triton kernel
+    only: `block_n` (keys a program; given, the call takes the Triton kernel) and `loop`: a
+    few programs a token, each looping over its blocks (`loop_programs`), for a width far
+    above the visible keys (a CUDA graph's); else one program a block. The Gluon kernel's
+    programs always loop."""
+    if kernel not in ("auto", "triton", "gluon"):
+        raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
+    if kernel == "gluon" or (kernel == "auto" and block_n is None):
+        out = _gluon_logits(cache, layer, q, w, req_to_token, rows, visible, width, kernel)
+        if out is not None:
+            return out
     t, hi, d = q.shape
     out = torch.empty(t, width, dtype=torch.float32, device=q.device)
     if t == 0 or width == 0:
@@ -462,3 +475,42 @@ def index_logits(
         **({"maxnreg": LOOP_MAXNREG} if looping and not interp else {}),
     )
     return out
+
+
+def _gluon_logits(
+    cache: IndexKCache,
+    layer: int,
+    q: torch.Tensor,
+    w: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    visible: torch.Tensor,
+    width: int,
+    kernel: str,
+) -> torch.Tensor | None:
+    """The Gluon kernel's logits where it takes the call (the Gluon route open, `indexer_gluon
+    .usable`), else None (`kernel` "gluon": a ValueError instead). A failure to build or launch
+    it turns the Gluon route off for the process (`mla_attention.gluon_failed`) and the Triton
+    kernel takes the call; bad arguments (ValueError) and a full GPU memory raise."""
+    from mla_backends.kernels.mla_attention import gluon_failed, gluon_route_open
+
+    ig: ModuleType | None = None
+    if gluon_route_open(q):
+        try:
+            from mla_backends.sparse import indexer_gluon as ig
+        except Exception as e:  # no triton.experimental.gluon, or names in it moved again
+            gluon_failed(f"{type(e).__name__}: {e}")
+    if ig is None or not ig.usable(cache, q):
+        if kernel == "gluon":
+            raise ValueError(
+                "index_logits: the Gluon kernel takes e4m3 index keys of D 128 and up to 128 "
+                f"heads on an SM90 with Gluon: got q {q.dtype} {tuple(q.shape)} on {q.device}"
+            )
+        return None
+    try:
+        return ig.index_logits(cache, layer, q, w, req_to_token, rows, visible, width)
+    except (ValueError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # a compile or launch failure: the Triton kernel takes the call
+        gluon_failed(f"{type(e).__name__}: {e}")
+        return None
