@@ -59,7 +59,7 @@ def run_one(
     vis = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     pool_w = r2t.shape[1]
     args = (cache, 0, q, w, r2t, rows, vis)
-    want = index_logits(*args, ctx)
+    want = index_logits(*args, ctx, kernel="triton")
     got = ig.index_logits(*args, ctx)
     fin = torch.isfinite(want)
     check = {
@@ -69,9 +69,11 @@ def run_one(
         "max_abs": float(want[fin].abs().max()),
     }
     us = {
-        "triton": graph_us(lambda: index_logits(*args, ctx)),
+        "triton": graph_us(lambda: index_logits(*args, ctx, kernel="triton")),
         "gluon": graph_us(lambda: ig.index_logits(*args, ctx)),
-        "triton_graph_width": graph_us(lambda: index_logits(*args, pool_w, loop=True)),
+        "triton_graph_width": graph_us(
+            lambda: index_logits(*args, pool_w, loop=True, kernel="triton")
+        ),
         "gluon_graph_width": graph_us(lambda: ig.index_logits(*args, pool_w)),
     }
     for stages, per_sm in configs:

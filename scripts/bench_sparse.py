@@ -393,8 +393,8 @@ def markdown_topk(rows: list[dict], mode: str) -> str:
     and without the visible counts; the logits and the whole indexer at the context's width
     and a graph's (ms)."""
     cols = ["topk_slots", "topk_slots_launches", "topk_slots_torch", "topk_graph_width"]
-    cols += ["topk_graph_width_unmasked", "logits", "logits_graph_width"]
-    cols += ["logits_graph_width[loop]", "total"]
+    cols += ["topk_graph_width_unmasked", "logits", "logits_triton", "logits_graph_width"]
+    cols += ["logits_graph_width[loop]", "logits_graph_width[auto]", "total"]
     cols += ["total_graph_width"]
     lines = ["| context | B | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     seen = set()
