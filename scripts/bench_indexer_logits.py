@@ -86,19 +86,45 @@ def run_one(
     return {"context": ctx, "batch": b, "check": check, "us": us, "key_TB_s": tbs}
 
 
+def run_prefill(n: int, cache: IndexKCache, r2t: torch.Tensor) -> dict:
+    """One request's prefill of n tokens (token i sees keys 0..i, the logits n wide): the
+    Triton kernel against the Gluon one, whose programs then take one token each."""
+    dev = torch.device("cuda")
+    q = torch.randn(n, 64, ig.D, device=dev).mul_(64).to(torch.float8_e4m3fn)
+    w = torch.randn(n, 64, device=dev)
+    rows = torch.zeros(n, dtype=torch.long, device=dev)
+    vis = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
+    args = (cache, 0, q, w, r2t, rows, vis, n)
+    want = index_logits(*args, kernel="triton")
+    got = ig.index_logits(*args)
+    fin = torch.isfinite(want)
+    check = {
+        "same_inf": bool(torch.equal(fin, torch.isfinite(got))),
+        "bit_equal": bool(torch.equal(got, want)),
+        "max_abs_diff": float((got - want)[fin].abs().max()),
+    }
+    us = {
+        "triton": graph_us(lambda: index_logits(*args, kernel="triton")),
+        "gluon": graph_us(lambda: ig.index_logits(*args)),
+    }
+    return {"prefill": n, "check": check, "us": us}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,32768,131072")
     p.add_argument("--batch", default="1,16,64")
     p.add_argument("--configs", default="6x3,8x2,4x2", help="stages x programs an SM")
+    p.add_argument("--prefill", default="", help="also one request's prefill of these lengths")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     contexts, batches = ints(a.contexts), ints(a.batch)
-    cache, r2t = build(max(batches), max(contexts))
+    cache, r2t = build(max(batches), max(contexts + ints(a.prefill)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    rows: list[dict] = []
     for ctx in contexts:
         for b in batches:
             configs = [tuple(map(int, c.split("x"))) for c in a.configs.split(",") if c]
@@ -106,10 +132,18 @@ def main() -> None:
             rows.append(r)
             us = " ".join(f"{k} {v:.1f}" for k, v in r["us"].items())
             print(f"ctx {ctx} B {b}: {r['check']} | {us}", flush=True)
-            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
             (out / "bench_indexer_logits.json").write_text(
                 json.dumps({"meta": meta, "rows": rows}, indent=1)
             )
+    for n in ints(a.prefill):
+        r = run_prefill(n, cache, r2t)
+        rows.append(r)
+        print(
+            f"prefill {n}: {r['check']} | " + " ".join(f"{k} {v:.1f}" for k, v in r["us"].items())
+        )
+        (out / "bench_indexer_logits.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":
