@@ -50,7 +50,7 @@ def build(max_b: int, max_ctx: int) -> tuple[IndexKCache, torch.Tensor]:
 
 
 def run_one(
-    ctx: int, b: int, cache: IndexKCache, r2t: torch.Tensor, configs: list[tuple[int, int]]
+    ctx: int, b: int, cache: IndexKCache, r2t: torch.Tensor, configs: list[tuple[int, ...]]
 ) -> dict:
     dev = torch.device("cuda")
     q = torch.randn(b, 64, ig.D, device=dev).mul_(64).to(torch.float8_e4m3fn)
@@ -76,10 +76,10 @@ def run_one(
         ),
         "gluon_graph_width": graph_us(lambda: ig.index_logits(*args, pool_w)),
     }
-    for stages, per_sm in configs:
+    for stages, per_sm, cap in configs:
         g = ig.programs(b, ctx, dev, per_sm)
-        us[f"gluon[{stages}x{per_sm}]"] = graph_us(
-            lambda g=g, stages=stages: ig.index_logits(*args, ctx, g, stages)
+        us[f"gluon[{stages}x{per_sm}{f'r{cap}' if cap else ''}]"] = graph_us(
+            lambda g=g, stages=stages, cap=cap: ig.index_logits(*args, ctx, g, stages, cap)
         )
     key_bytes = b * ctx * (ig.D + 4)
     tbs = {k: key_bytes / v / 1e6 for k, v in us.items()}
@@ -110,11 +110,20 @@ def run_prefill(n: int, cache: IndexKCache, r2t: torch.Tensor) -> dict:
     return {"prefill": n, "check": check, "us": us}
 
 
+def config(text: str) -> tuple[int, int, int]:
+    """ "3x5r96" -> (stages 3, 5 programs an SM, at most 96 registers; 0: no cap)."""
+    stages, rest = text.split("x")
+    per_sm, _, cap = rest.partition("r")
+    return int(stages), int(per_sm), int(cap or 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,32768,131072")
     p.add_argument("--batch", default="1,16,64")
-    p.add_argument("--configs", default="6x3,8x2,4x2", help="stages x programs an SM")
+    p.add_argument(
+        "--configs", default="6x3,8x2,4x2", help="stages x programs an SM [r register cap]"
+    )
     p.add_argument("--prefill", default="", help="also one request's prefill of these lengths")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -127,8 +136,8 @@ def main() -> None:
     rows: list[dict] = []
     for ctx in contexts:
         for b in batches:
-            configs = [tuple(map(int, c.split("x"))) for c in a.configs.split(",") if c]
-            r = run_one(ctx, b, cache, r2t, configs)  # type: ignore[arg-type]
+            configs = [config(c) for c in a.configs.split(",") if c]
+            r = run_one(ctx, b, cache, r2t, configs)
             rows.append(r)
             us = " ".join(f"{k} {v:.1f}" for k, v in r["us"].items())
             print(f"ctx {ctx} B {b}: {r['check']} | {us}", flush=True)

@@ -217,9 +217,12 @@ def index_logits(
     width: int,
     programs_per_token: int | None = None,
     stages: int = STAGES,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """`indexer_kernels.index_logits`' contract where `usable`: q [T, Hi, 128] e4m3 codes,
-    w [T, Hi] fp32, rows [T], visible [T] -> logits [T, width] fp32."""
+    w [T, Hi] fp32, rows [T], visible [T] -> logits [T, width] fp32. `programs_per_token`,
+    `stages` and `maxnreg` (a register cap) are the launch's knobs for sweeps
+    (`scripts/bench_indexer_logits.py --configs`); the defaults measured fastest."""
     if not usable(cache, q):
         raise ValueError(
             f"the Gluon indexer logits take SM90, e4m3 index keys and q [T, <= 128, {D}] "
@@ -238,5 +241,6 @@ def index_logits(
         out.stride(0), HI=hi, D=D, BLOCK_H=max(16, 1 << (hi - 1).bit_length()),
         BLOCK_N=BLOCK_N, BLK_E=cache.block_bytes, BLK_S=cache.block_bytes // 4,
         SCALE_OFF=PAGE * D // 4, STAGES=stages, num_warps=4, **pdl_args(q.device),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
