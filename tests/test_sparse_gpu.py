@@ -265,54 +265,14 @@ def test_indexer_kernels_match_torch_maths_bf16() -> None:
         assert len(sa) == min(TOPK, int(vis[i])) and len(sa & sb) >= 0.995 * len(sb)
 
 
-def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
-    """The logits as a captured graph runs them (a few programs a token looping over its
-    visible blocks, `index_logits(loop=True)`, under its register cap) equal one program a
-    block bit for bit, over a width far above most tokens' contexts; NaN-poisoned slots
-    outside the contexts are never read."""
+def _wide_logits_case(vis_list: list[int], width: int, heads: int, seed: int):  # type: ignore[no-untyped-def]
+    """Index keys stored for tokens seeing vis_list keys each of a `width`-wide row (token i
+    on its own shuffled slots, NaN codes and scales in every other slot), and their prepared
+    queries: (cache, q codes, weights, req_to_token, rows, visible counts)."""
     from mla_backends.sparse.indexer import IndexKCache
-    from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused, store_index_k
+    from mla_backends.sparse.indexer_kernels import prepare_q_fused, store_index_k
 
-    dims, g = IndexerDims(), torch.Generator(device="cuda").manual_seed(2)
-    width, vis_list = 40000, [1, 127, 2049, 9000, 40000]
-    t = len(vis_list)
-    cache = IndexKCache(1, 40960 * t, 128, True, "cuda")
-    cache.buffers[0].fill_(0x7F)  # NaN codes and scales wherever nothing is stored
-    r2t = torch.zeros(t, width, dtype=torch.int32, device="cuda")
-    for i, n in enumerate(vis_list):
-        loc = torch.randperm(40960, generator=g, device="cuda")[:n] + i * 40960
-        r2t[i, :n] = loc.int()
-        ang = torch.rand(n, 32, generator=g, device="cuda") * 6
-        k = torch.randn(n, 128, generator=g, device="cuda").bfloat16()
-        store_index_k(cache, 0, k, ang.cos().bfloat16(), ang.sin().bfloat16(), loc)
-    ang = torch.rand(t, 32, generator=g, device="cuda") * 6
-    q = torch.randn(t, 64, 128, generator=g, device="cuda").bfloat16()
-    qp, wp = prepare_q_fused(dims, q, torch.randn(t, 64, generator=g, device="cuda"),
-                             ang.cos().bfloat16(), ang.sin().bfloat16())  # fmt: skip
-    rows = torch.arange(t, device="cuda")
-    vis = torch.tensor(vis_list, dtype=torch.int32, device="cuda")
-    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
-    got = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, loop=True, kernel="triton")
-    assert torch.equal(got, want)
-    assert torch.isfinite(want).sum(1).tolist() == vis_list
-
-
-@pytest.mark.parametrize("heads, programs", [(64, None), (64, 3), (8, 2)])
-def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int | None) -> None:
-    """The Gluon logits kernel (`sparse/indexer_gluon.py`) against the Triton kernel on the
-    same keys: the same -inf pattern (keys from a token's visible count on, over a width far
-    above most contexts), the same values up to summation order, NaN-poisoned slots outside
-    the contexts never read; at the default grid, and with few programs a token so that each
-    one loops through its cp.async ring many times (partial last tiles, empty tiles)."""
-    from mla_backends.sparse import indexer_gluon as ig
-    from mla_backends.sparse.indexer import IndexKCache
-    from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused, store_index_k
-
-    if not ig.usable(IndexKCache(1, 64, 128, True, "cuda"), torch.empty(1, heads, 128,
-                     dtype=torch.float8_e4m3fn, device="cuda")):  # fmt: skip
-        pytest.skip("the Gluon logits kernel needs an SM90")
-    dims, g = IndexerDims(n_heads=heads), torch.Generator(device="cuda").manual_seed(3)
-    width, vis_list = 40000, [1, 64, 127, 2049, 9000, 40000]
+    dims, g = IndexerDims(n_heads=heads), torch.Generator(device="cuda").manual_seed(seed)
     t = len(vis_list)
     cache = IndexKCache(1, 40960 * t, 128, True, "cuda")
     cache.buffers[0].fill_(0x7F)  # NaN codes and scales wherever nothing is stored
@@ -329,6 +289,40 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
                              ang.cos().bfloat16(), ang.sin().bfloat16())  # fmt: skip
     rows = torch.arange(t, device="cuda")
     vis = torch.tensor(vis_list, dtype=torch.int32, device="cuda")
+    return cache, qp, wp, r2t, rows, vis
+
+
+def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
+    """The logits as a captured graph runs them (a few programs a token looping over its
+    visible blocks, `index_logits(loop=True)`, under its register cap) equal one program a
+    block bit for bit, over a width far above most tokens' contexts; NaN-poisoned slots
+    outside the contexts are never read."""
+    from mla_backends.sparse.indexer_kernels import index_logits
+
+    width, vis_list = 40000, [1, 127, 2049, 9000, 40000]
+    cache, qp, wp, r2t, rows, vis = _wide_logits_case(vis_list, width, 64, 2)
+    want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
+    got = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, loop=True, kernel="triton")
+    assert torch.equal(got, want)
+    assert torch.isfinite(want).sum(1).tolist() == vis_list
+
+
+@pytest.mark.parametrize("heads, programs", [(64, None), (64, 3), (8, 2)])
+def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int | None) -> None:
+    """The Gluon logits kernel (`sparse/indexer_gluon.py`) against the Triton kernel on the
+    same keys: the same -inf pattern (keys from a token's visible count on, over a width far
+    above most contexts), the same values up to summation order, NaN-poisoned slots outside
+    the contexts never read; at the default grid, and with few programs a token so that each
+    one loops through its cp.async ring many times (partial last tiles, empty tiles)."""
+    from mla_backends.sparse import indexer_gluon as ig
+    from mla_backends.sparse.indexer import IndexKCache
+    from mla_backends.sparse.indexer_kernels import index_logits
+
+    if not ig.usable(IndexKCache(1, 64, 128, True, "cuda"), torch.empty(1, heads, 128,
+                     dtype=torch.float8_e4m3fn, device="cuda")):  # fmt: skip
+        pytest.skip("the Gluon logits kernel needs an SM90")
+    width, vis_list = 40000, [1, 64, 127, 2049, 9000, 40000]
+    cache, qp, wp, r2t, rows, vis = _wide_logits_case(vis_list, width, heads, 3)
     want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
     got = ig.index_logits(cache, 0, qp, wp, r2t, rows, vis, width, programs)
     if programs is None:  # what the indexer calls (kernel "auto") takes it on an SM90

@@ -6,6 +6,7 @@ index heads in one dot). Same maths as `indexer.prepare_k` / `logits_reference`.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 import triton
@@ -426,7 +427,7 @@ def index_logits(
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
     if kernel == "gluon" or (kernel == "auto" and block_n is None):
-        out = _gluon_logits(cache, layer, q, w, req_to_token, rows, visible, width, kernel)
+        out = _gluon_logits((cache, layer, q, w, req_to_token, rows, visible, width), kernel)
         if out is not None:
             return out
     t, hi, d = q.shape
@@ -477,23 +478,15 @@ def index_logits(
     return out
 
 
-def _gluon_logits(
-    cache: IndexKCache,
-    layer: int,
-    q: torch.Tensor,
-    w: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    visible: torch.Tensor,
-    width: int,
-    kernel: str,
-) -> torch.Tensor | None:
+def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
     """The Gluon kernel's logits where it takes the call (the Gluon route open, `indexer_gluon
     .usable`), else None (`kernel` "gluon": a ValueError instead). A failure to build or launch
     it turns the Gluon route off for the process (`mla_attention.gluon_failed`) and the Triton
-    kernel takes the call; bad arguments (ValueError) and a full GPU memory raise."""
+    kernel takes the call; bad arguments (ValueError) and a full GPU memory raise. `args`:
+    `index_logits`' first eight arguments."""
     from mla_backends.kernels.mla_attention import gluon_failed, gluon_route_open
 
+    cache, q = args[0], args[2]
     ig: ModuleType | None = None
     if gluon_route_open(q):
         try:
@@ -508,7 +501,7 @@ def _gluon_logits(
             )
         return None
     try:
-        return ig.index_logits(cache, layer, q, w, req_to_token, rows, visible, width)
+        return ig.index_logits(*args)
     except (ValueError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # a compile or launch failure: the Triton kernel takes the call
