@@ -25,6 +25,20 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
+@gluon.constexpr_function
+def split_layout(width: int) -> gl.NVMMADistributedLayout:
+    """The two-warpgroup MMA layout of the 64-row kernels (the dense 64-row kernel, the Gluon
+    sparse kernels): a [64, width] tile split over its columns, `width / 2` each
+    (`warps_per_cta=[4, 2]`): the score tile over its keys, the output over its columns."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, width // 2, 16]
+    )
+
+
+# 16-byte loads of bf16 / fp16 rows by the 64-row kernels' eight warps (`_stage_q`, gathers)
+ROWS_8W = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
+
+
 @gluon.jit
 def _bounds(
     Batch,

@@ -29,6 +29,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_backends.kernels.common import interpreting
 from mla_backends.kernels.gluon_tiles import (
+    ROWS_8W,
     _barrier,
     _bounds,
     _normalise,
@@ -39,6 +40,7 @@ from mla_backends.kernels.gluon_tiles import (
     _tail_tile,
     _visible,
     _whole_tiles,
+    split_layout,
 )
 from mla_backends.kernels.mla_attention import decode_args
 
@@ -97,13 +99,9 @@ def _mla_attn_gluon_kernel(
 ):
     """The leading arguments `mla_attention.decode_args` builds."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
-    )
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    S_L: gl.constexpr = split_layout(BLOCK_N)
+    O_L: gl.constexpr = split_layout(L)
+    LD_L: gl.constexpr = ROWS_8W
     dtype: gl.constexpr = KDesc.dtype
 
     mblk = gl.program_id(0)

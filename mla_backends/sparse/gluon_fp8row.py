@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from mla_backends.kernels.gluon_tiles import _barrier, _stage_q
+from mla_backends.kernels.gluon_tiles import ROWS_8W, _barrier, _stage_q, split_layout
 from mla_backends.sparse.fp8_row import Fp8RowFormat
 from mla_backends.sparse.gluon_kernel import (
     BLOCK_M,
@@ -164,13 +164,9 @@ def _sparse_fp8row_kernel(
     as bf16) views of the pool layer; Q / Dest as in `gluon_kernel._sparse_gluon_kernel`."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     gl.static_assert(L == 512, "four 128-wide scale tiles a row")
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
-    )
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16 B of bf16
+    S_L: gl.constexpr = split_layout(BLOCK_N)
+    O_L: gl.constexpr = split_layout(L)
+    LD_L: gl.constexpr = ROWS_8W
     DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 2], [1, 0])  # [64, 64] e4m3
     dtype: gl.constexpr = Q[0].dtype.element_ty
     K8, _, _ = Rows

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_backends.kernels.common import interpreting
 from mla_backends.kernels.gluon_tiles import (
+    ROWS_8W,
     _barrier,
     _normalise,
     _online_rows,
@@ -47,6 +48,7 @@ from mla_backends.kernels.gluon_tiles import (
     _stage_q,
     _store_p,
     _store_rows,
+    split_layout,
 )
 from mla_backends.kernels.mla_attention import (
     LOG2E,
@@ -202,13 +204,9 @@ def _sparse_gluon_kernel(
     """Grid (H / BLOCK_M, tokens, splits). Q: `mla_attention.decode_args`' query group; Dest:
     its output group (out, lse, partials, strides)."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
-    )
-    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    S_L: gl.constexpr = split_layout(BLOCK_N)
+    O_L: gl.constexpr = split_layout(L)
+    LD_L: gl.constexpr = ROWS_8W
     dtype: gl.constexpr = Q[0].dtype.element_ty
 
     mblk = gl.program_id(0)
