@@ -1,6 +1,6 @@
 """Compile the indexer's kernels for SM90 offline (no GPU: Triton ships ptxas), as the
 indexer launches them at DeepSeek-V3.2's dims (64 index heads of 128, k 2048): q prep, the
-logits, the top-k's four launches and its one launch; print one JSON line per kernel:
+logits, the top-k's three launches and its one launch; print one JSON line per kernel:
 registers, local memory and stack frame (spills go to either), shared memory. Pointers are
 marked aligned and strides multiples of 16, as the JIT specialises them at run time for
 DeepSeek-V3.2's shapes. The interpreter, which CI runs these kernels in, never compiles
@@ -71,8 +71,13 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
             4,
         ),
         ("hist", tk._hist_kernel, SRC, {**row, "P": 1}, 4),
-        ("split", tk._split_kernel, {**SRC, **DST, **CAND}, {**row, "BLOCK_K": K}, 8),
-        ("resolve", tk._resolve_kernel, {**SRC, **DST, **CAND}, {"K": K, "CB": 1024}, 4),
+        (
+            "split",
+            tk._split_kernel,
+            {**SRC, **DST, **CAND},
+            {**row, "BLOCK_K": K, "CB": tk.RESOLVE_CHUNK},
+            8,
+        ),
         (
             "fused",
             topk_fused._topk_fused_kernel,

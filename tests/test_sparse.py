@@ -610,7 +610,7 @@ def test_indexer_kernels_compile_for_sm90() -> None:
     as the MMA's register operand (only q in shared memory: 16 KB); the looping logits kernel
     within its cap of 168 registers (three programs an SM), whose price is ~100 B of spills."""
     uses = compile_usage("compile_indexer_sm90.py")
-    names = ["prep_q", "logits", "logits_loop", "hist", "split", "resolve", "fused"]
+    names = ["prep_q", "logits", "logits_loop", "hist", "split", "fused"]
     assert [u["kernel"] for u in uses] == names, uses
     for use in uses:
         assert use["shared"] <= 48 * 1024, use

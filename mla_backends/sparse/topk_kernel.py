@@ -8,9 +8,9 @@ two passes run over the whole row (programs of 2048 keys, histograms accumulated
 memory with atomics, every program re-deriving the threshold from them); a third launch then
 writes every key above the threshold's 16-bit bucket and appends the bucket's own keys, the
 only ones still undecided, to a candidate list, unless the bucket holds exactly the keys
-still needed; a fourth, one program a row, finishes the digits over the candidates alone
-and writes them. Four launches over T x cdiv(W, 2048) programs (the last over T), after the
-counters' fill (`new_counts`). On random logits a 16-bit bucket holds about W / 256 keys
+still needed; the last of a row's programs to finish that scan then finishes the digits
+over the candidates alone and writes them. Three launches over T x cdiv(W, 2048) programs,
+after the counters' fill (`new_counts`). On random logits a 16-bit bucket holds about W / 256 keys
 near the threshold or fewer, so the last two digits cost almost nothing; a row whose keys
 share their leading 16 bits (near-equal logits) puts all of them in the list, which one
 program then scans three times: correct, and slow only for such rows.
@@ -42,6 +42,8 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting
+
+SPLIT_DONE_C = tl.constexpr(4 * 256 + 2 + 4)  # see COUNTS
 
 
 @triton.jit
@@ -153,12 +155,14 @@ def _split_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_VIS: tl.constexpr,
+    CB: tl.constexpr,
 ):
     """After the first two digit passes: every visible key above the threshold's 16-bit
     bucket as a pool slot (positions reserved with atomics, Hist[t, 1024] = written), and the
     bucket's keys too where it holds exactly the keys still needed or the row takes every key;
     otherwise the bucket's row positions appended to the row's candidates (Hist[t, 1025] =
-    appended) for `_resolve_kernel`. Program 0 of each row writes the row's -1 tail."""
+    appended), which the row's last program to finish here settles (`_resolve`; Hist[t,
+    SPLIT_DONE] counts the finished programs). Program 0 of each row writes the -1 tail."""
     t = tl.program_id(0).to(tl.int64)
     x, pos, limit, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
     # programs past the visible keys (a graph's logits are as wide as its longest context)
@@ -192,22 +196,26 @@ def _split_kernel(
         at = tl.atomic_add(count + 1, n_cand) + tl.cumsum(cand.to(tl.int32), 0) - 1
         Cands, stride_c = Cand
         tl.store(Cands + t * stride_c + at, pos, mask=cand)
+    # The row's last program here settles its bucket: every other program's writes and
+    # appends were issued before its arrival (barrier, then a release), and this one acquires
+    # them. It saves a fourth launch and the counts' re-reading a launch costs (~8 us a call
+    # on an H100 whatever the size, ninth session).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(hist_row + SPLIT_DONE_C, 1, sem="acq_rel", scope="gpu")
+    if (arrived == tl.cdiv(limit, BLOCK) - 1) & (exact == 0):
+        _resolve(Src, Dst, Cand, t, need, prefix, CB)
 
 
 @triton.jit
-def _resolve_kernel(Src, Dst, Cand, K: tl.constexpr, CB: tl.constexpr):
-    """One program a row whose threshold's 16-bit bucket holds more keys than still needed:
-    digits 2 and 3 over the bucket's candidates alone (CB at a time, stopping once the
+def _resolve(Src, Dst, Cand, t, need, prefix, CB: tl.constexpr):
+    """Row t whose threshold's 16-bit bucket (`prefix`) holds more keys than the `need` still
+    wanted: digits 2 and 3 over the bucket's candidates alone (CB at a time, stopping once the
     bucket is exact), then the candidates above the threshold and as many of its ties as are
-    still needed, written after the keys `_split_kernel` wrote."""
-    t = tl.program_id(0).to(tl.int64)
+    still needed, written after the keys the split wrote. Counts and candidates that other
+    programs wrote are read past L1 (volatile)."""
     Logits, Vis, Hist, width, stride_l, stride_h = Src
-    hist_row = Hist + t * stride_h
-    take_all, need, prefix, total, settled = _bucket16(hist_row, K)
-    if settled:
-        return  # settled by the split
-    count = hist_row + 4 * 256
-    n = tl.load(count + 1)
+    count = Hist + t * stride_h + 4 * 256
+    n = tl.load(count + 1, volatile=True)
     Cands, stride_c = Cand
     cands = Cands + t * stride_c
     bins = tl.arange(0, 256)
@@ -226,7 +234,7 @@ def _resolve_kernel(Src, Dst, Cand, K: tl.constexpr, CB: tl.constexpr):
             shift -= 8
             done = (tl.sum(tl.where(bins == b, h, 0), 0) == need).to(tl.int32)
     ties = n * 0  # ties at the threshold taken by earlier chunks
-    at = tl.load(count)  # after the keys the split wrote; this program writes the rest alone
+    at = tl.load(count, volatile=True)  # after the keys the split wrote; the rest is this one's
     Out, R2T, Rows, stride_o, stride_r2t = Dst
     row = tl.load(Rows + t).to(tl.int64)
     for c in range(0, n, CB):
@@ -246,7 +254,7 @@ def _candidates(row_logits, cands, c, n, CB: tl.constexpr):
     """Candidates c .. c + CB of a row: (their logits, -inf past the n appended; their row
     positions)."""
     i = c + tl.arange(0, CB)
-    pos = tl.load(cands + i, mask=i < n, other=0)
+    pos = tl.load(cands + i, mask=i < n, other=0, volatile=True)  # other programs appended
     return tl.load(row_logits + pos, mask=i < n, other=float("-inf")), pos
 
 
@@ -310,9 +318,10 @@ def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
 
 
 # Per row: 4 x 256 digit counts (the launches fill the first two), (written, ties claimed by
-# the one-launch path / candidates appended by the launches), then the one-launch path's four
-# pass counters. Zeroed before the top-k; one fill for the whole batch.
-COUNTS = 4 * 256 + 2 + 4
+# the one-launch path / candidates appended by the launches), the one-launch path's four
+# pass counters, then the launches' split programs finished (SPLIT_DONE). Zeroed before the
+# top-k; one fill for the whole batch.
+COUNTS = SPLIT_DONE_C.value + 1
 
 
 def new_counts(rows: int, device: torch.device) -> torch.Tensor:
@@ -359,7 +368,7 @@ def topk_slots(
     slots of the k largest logits (any order), -1 for unused entries. No host sync.
     `visible` [T] int32 (optional): row t reads only its first visible[t] logits, and the
     programs past them return at once (a CUDA graph's W is the longest context it may see).
-    `path`: "launches" (four launches, any size), "fused" (one launch, small T x W on a GPU,
+    `path`: "launches" (three launches, any size), "fused" (one launch, small T x W on a GPU,
     `sparse.topk_fused`), or "auto" (fused where it fits in blocks of up to
     `topk_fused.AUTO_LARGEST` keys, the faster one there); either after the counters' fill.
     `counts`: zeroed counters from `new_counts` (allocated here when not given)."""
@@ -399,12 +408,15 @@ def topk_slots(
 # Keys a program of the launches' histogram passes and split holds (and its warps): the
 # interpreter's small blocks keep CPU tests to a few programs a row.
 HIST_BLOCK, SPLIT_BLOCK = 2048, 2048
+# Candidates a chunk of `_resolve`: a spread row's bucket holds about W / 256 keys or fewer,
+# so one chunk of a thread each (the split's 256 threads) takes all of them.
+RESOLVE_CHUNK = 256
 
 
 def launches(
     call: TopkCall, hist_block: int = HIST_BLOCK, split_block: int = SPLIT_BLOCK
 ) -> torch.Tensor:
-    """The four launches (`topk_slots` path "launches")."""
+    """The three launches (`topk_slots` path "launches")."""
     (t, width), k, has_vis = call.logits.shape, call.k, call.has_vis
     if interpreting():
         hist_block = split_block = 256
@@ -418,7 +430,7 @@ def launches(
         )
     consts = {"K": k, "BLOCK": split_block, "BLOCK_K": next_pow2(k), "HAS_VIS": has_vis}
     _split_kernel[(t, cdiv(width, split_block))](
-        src, dst, (cand, cand.stride(0)), **consts, num_warps=max(8, split_block // 512)
-    )
-    _resolve_kernel[(t,)](src, dst, (cand, cand.stride(0)), K=k, CB=256 if interpreting() else 1024)
+        src, dst, (cand, cand.stride(0)), **consts, CB=RESOLVE_CHUNK,
+        num_warps=max(8, split_block // 512),
+    )  # fmt: skip
     return out
