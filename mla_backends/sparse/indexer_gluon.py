@@ -39,6 +39,7 @@ from mla_backends.sparse.gluon_kernel import _cp_async
 from mla_backends.sparse.index_k import PAGE, IndexKCache
 
 BLOCK_N, STAGES, D = 64, 4, 128
+PAGE_C = gl.constexpr(PAGE)  # slots a block of the index-K cache (`index_k.IndexKCache`)
 # Programs an SM the grid aims at: ~50 KB of shared memory and ~100 registers a thread each
 # (four fit), so that another program's tiles stream while one scores.
 PROGRAMS_PER_SM = 4
@@ -55,10 +56,10 @@ def _issue(
     one commit group (empty past the context: masked lanes read nothing)."""
     slot = slot.to(gl.int64)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, LD_L))
-    codes = Data + ((slot // 64) * BLK_E + (slot % 64) * D)[:, None] + d[None, :]
+    codes = Data + ((slot // PAGE_C) * BLK_E + (slot % PAGE_C) * D)[:, None] + d[None, :]
     _cp_async(k8_smem.index(i % STAGES), codes, mask=(n < vis)[:, None])
     slot_s = slot_s.to(gl.int64)
-    scales = Scale + (slot_s // 64) * BLK_S + SCALE_OFF + slot_s % 64
+    scales = Scale + (slot_s // PAGE_C) * BLK_S + SCALE_OFF + slot_s % PAGE_C
     _cp_async(ks_smem.index(i % STAGES), scales, mask=n_s < vis)
     async_copy.commit_group()
 
