@@ -39,7 +39,7 @@ class Rule:
 
 SLICES: dict[str, str] = {
     "tests-1": "regressions (issue 15): zero-key MHA rows, fp32 Triton, Gluon compiles, routes; "
-    "the Gluon sparse kernels",
+    "the Gluon sparse kernels and indexer logits",
     "tests-2": "triton bf16 / fp16: parity, batch sizes, MHA prefill, graph replays; the "
     "narrow Gluon kernel's and the tile probe's compiles",
     "tests-3": "triton FP8 parity; DeepSeek-V3 models; SGLang plug-in",
@@ -102,8 +102,10 @@ RULES: list[Rule] = [
         seconds=8.0,
         cpu=True,
     ),
-    # the Gluon sparse kernels (tests-5 holds the rest of the file): on a fresh H100
-    # (fifteenth session, call 6) these 6 tests took 22 s, compiles included
+    # the Gluon sparse kernels and the Gluon indexer logits (tests-5 holds the rest of the
+    # file): on a fresh H100 (fifteenth session, call 6) the first 6 tests took 22 s,
+    # compiles included; the logits' 3 with the indexer's and top-k's tests, 34 in 62 s
+    # (sixteenth session, call 11)
     Rule(
         "tests-1",
         "test_sparse_gpu.py",
@@ -111,6 +113,7 @@ RULES: list[Rule] = [
             "test_gluon_sparse_kernel_matches_the_reference",
             "test_gluon_fp8row_kernel_matches_the_reference",
             "test_triton_sparse_backend_takes_the_gluon_kernel",
+            "test_gluon_indexer_logits_match_the_triton_kernel",
         ),
         seconds=5.0,
     ),
