@@ -88,15 +88,17 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
     ]
 
 
-def gluon_usage() -> dict:  # type: ignore[type-arg]
-    """The Gluon logits kernel compiled for SM90 at DeepSeek-V3.2's dims (64 heads of 128)."""
+def gluon_usage(heads: int = 64) -> dict:  # type: ignore[type-arg]
+    """The Gluon logits kernel compiled for SM90 at DeepSeek-V3.2's dims (64 heads of 128),
+    or with fewer index heads (a 16-wide MMA at 8 heads, as small configs take it)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_backends.sparse import indexer_gluon as ig
 
     fn = ig._logits_gluon_kernel
     sig = {k: v for k, v in kernels()[1][2].items()}
-    const = {"HI": 64, "D": ig.D, "BLOCK_H": 64, "BLOCK_N": ig.BLOCK_N, **CACHE}
+    block_h = max(16, 1 << (heads - 1).bit_length())
+    const = {"HI": heads, "D": ig.D, "BLOCK_H": block_h, "BLOCK_N": ig.BLOCK_N, **CACHE}
     const |= {"STAGES": ig.STAGES, "USE_GDC": True}
     ints = tuple(n for n in sig if n.startswith("stride"))
     src = GluonASTSource(
@@ -109,7 +111,8 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] == ["gluon"]:
-        print(json.dumps({"kernel": "logits_gluon", **gluon_usage()}))
+        for heads in (64, 8):
+            print(json.dumps({"kernel": f"logits_gluon_h{heads}", **gluon_usage(heads)}))
         raise SystemExit(0)
     for name, fn, sig, const, warps in kernels():
         src = ASTSource(

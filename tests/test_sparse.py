@@ -156,8 +156,9 @@ def test_gluon_logits_failure_falls_back_to_the_triton_kernel_once(
 ) -> None:
     """A Gluon logits kernel that fails to build (a Triton whose Gluon API moved) is reported
     once and closes the Gluon route: that call and every later one take the Triton kernel,
-    with its logits. Asking for the Gluon kernel where it cannot run, or for no known
-    kernel, is a one-line ValueError."""
+    with its logits; asked for by name (`kernel="gluon"`), it raises instead. Asking for the
+    Gluon kernel where it cannot run, with the Triton kernel's block size, with a ring of one
+    tile, or for no known kernel, is a one-line ValueError."""
     pytest.importorskip("triton.experimental.gluon")
     from mla_backends.kernels import mla_attention as ma
     from mla_backends.sparse import indexer_gluon as ig
@@ -176,6 +177,10 @@ def test_gluon_logits_failure_falls_back_to_the_triton_kernel_once(
         index_logits(*args, kernel="gluon")  # a CPU: never the Gluon kernel
     with pytest.raises(ValueError, match="kernel must be auto, triton or gluon"):
         index_logits(*args, kernel="cuda")
+    with pytest.raises(ValueError, match="block_n is the Triton kernel's"):
+        index_logits(*args, block_n=16, kernel="gluon")
+    with pytest.raises(ValueError, match="ring of >= 2 tiles"):
+        ig.index_logits(*args, stages=1)
 
     monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
     # On CPU the Gluon conditions never hold: pretend they do until the route is broken.
@@ -194,6 +199,13 @@ def test_gluon_logits_failure_falls_back_to_the_triton_kernel_once(
     assert tries == [1]
     assert "async_copy_global_to_shared" in (ma.gluon_error() or "")
     assert sum("Gluon kernels unavailable" in m for m in caplog.messages) == 1
+    # asked for by name, the Gluon kernel never hands its call to the Triton one
+    with pytest.raises(ValueError, match="off in this process .*async_copy_global"):
+        index_logits(*args, kernel="gluon")
+    monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
+    with pytest.raises(RuntimeError, match="the Gluon kernel failed: async_copy_global"):
+        index_logits(*args, kernel="gluon")
+    assert tries == [1, 1] and ma.gluon_error() is not None
     monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
 
 
@@ -623,13 +635,16 @@ def test_indexer_kernels_compile_for_sm90() -> None:
 
 def test_gluon_indexer_logits_kernel_compiles_for_sm90() -> None:
     """The Gluon logits kernel (`sparse/indexer_gluon.py`, what the indexer runs on SM90)
-    keeps building for SM90: no spills, few enough registers and little enough shared memory
-    (its four-tile ring and q) for four programs an SM (`PROGRAMS_PER_SM`, one wave), and the
-    fp16 MMA of its shape (never an FP8 one: the module's hazard)."""
-    (use,) = compile_usage("compile_indexer_sm90.py", "gluon")
-    assert use["local"] == 0 and use["stack"] == 0, use
-    assert use["reg"] * 128 * 4 <= 65536 and use["shared"] * 4 <= 232448, use
-    assert use["wgmma"] == ["m64n64k16"], use
+    keeps building for SM90 at 64 and at 8 index heads: no spills, few enough registers and
+    little enough shared memory (its four-tile ring and q) for four programs an SM
+    (`PROGRAMS_PER_SM`, one wave), and the fp16 MMA of its shape (never an FP8 one: the
+    module's hazard)."""
+    uses = compile_usage("compile_indexer_sm90.py", "gluon")
+    assert [u["kernel"] for u in uses] == ["logits_gluon_h64", "logits_gluon_h8"], uses
+    for use, n in zip(uses, (64, 16)):  # V3.2's 64 index heads, and 8 in a 16-wide MMA
+        assert use["local"] == 0 and use["stack"] == 0, use
+        assert use["reg"] * 128 * 4 <= 65536 and use["shared"] * 4 <= 232448, use
+        assert use["wgmma"] == [f"m64n{n}k16"], use
 
 
 def test_sparse_kernel_launches_compile_for_sm90() -> None:

@@ -295,8 +295,8 @@ def _wide_logits_case(vis_list: list[int], width: int, heads: int, seed: int):  
 def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
     """The logits as a captured graph runs them (a few programs a token looping over its
     visible blocks, `index_logits(loop=True)`, under its register cap) equal one program a
-    block bit for bit, over a width far above most tokens' contexts; NaN-poisoned slots
-    outside the contexts are never read."""
+    block bit for bit, over a width far above most tokens' contexts; positions past each
+    context come out -inf whatever their table entries point at (NaN-poisoned slots)."""
     from mla_backends.sparse.indexer_kernels import index_logits
 
     width, vis_list = 40000, [1, 127, 2049, 9000, 40000]
@@ -310,10 +310,12 @@ def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
 @pytest.mark.parametrize("heads, programs", [(64, None), (64, 3), (8, 2)])
 def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int | None) -> None:
     """The Gluon logits kernel (`sparse/indexer_gluon.py`) against the Triton kernel on the
-    same keys: the same -inf pattern (keys from a token's visible count on, over a width far
-    above most contexts), the same values up to summation order, NaN-poisoned slots outside
-    the contexts never read; at the default grid, and with few programs a token so that each
-    one loops through its cp.async ring many times (partial last tiles, empty tiles)."""
+    same keys: the same -inf pattern (keys from a token's visible count on, whatever their
+    table entries point at, NaN-poisoned slots among them, over a width far above most
+    contexts and not a whole number of tiles, so that the last tile's stores past the row
+    are masked), the same values up to summation order; at the default grid, and with few
+    programs a token so that each one loops through its cp.async ring many times (partial
+    last tiles, empty tiles)."""
     from mla_backends.sparse import indexer_gluon as ig
     from mla_backends.sparse.indexer import IndexKCache
     from mla_backends.sparse.indexer_kernels import index_logits
@@ -321,7 +323,7 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
     if not ig.usable(IndexKCache(1, 64, 128, True, "cuda"), torch.empty(1, heads, 128,
                      dtype=torch.float8_e4m3fn, device="cuda")):  # fmt: skip
         pytest.skip("the Gluon logits kernel needs an SM90")
-    width, vis_list = 40000, [1, 64, 127, 2049, 9000, 40000]
+    width, vis_list = 40001, [1, 64, 127, 2049, 9000, 40000]  # 625 tiles and one key
     cache, qp, wp, r2t, rows, vis = _wide_logits_case(vis_list, width, heads, 3)
     want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
     got = ig.index_logits(cache, 0, qp, wp, r2t, rows, vis, width, programs)

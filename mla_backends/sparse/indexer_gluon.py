@@ -16,7 +16,7 @@ shared memory; `sum_h w_h * relu(q_h . k)` over the accumulator's columns, times
 scale. Hazard (as there): Hopper's FP8 MMA accumulates with fewer mantissa bits than fp32,
 so the codes are never fed to it directly.
 
-Contract: `indexer_kernels.index_logits`' for e4m3 index keys at D 128 and up to 128 index
+Contract: `indexer_kernels.index_logits`' for e4m3 index keys at D 128 and up to 64 index
 heads (q [T, Hi, 128] e4m3 codes, w [T, Hi] fp32): logits [T, width] fp32, -inf at keys
 from a token's visible count on, whose slots and keys are never read. SM90 only
 (`usable`); everything else takes the Triton kernel. Grid (T, programs a token); program p
@@ -43,6 +43,7 @@ PAGE_C = gl.constexpr(PAGE)  # slots a block of the index-K cache (`index_k.Inde
 # Programs an SM the grid aims at: ~50 KB of shared memory and ~100 registers a thread each
 # (four fit), so that another program's tiles stream while one scores.
 PROGRAMS_PER_SM = 4
+MAX_HEADS = 64
 
 
 @gluon.jit
@@ -186,7 +187,8 @@ def _logits_gluon_kernel(
 
 
 def usable(cache: IndexKCache, q: torch.Tensor) -> bool:
-    """An SM90, e4m3 index keys and codes of D 128, up to 128 index heads."""
+    """An SM90, e4m3 index keys and codes of D 128, up to 64 index heads (V3.2 has 64; more
+    would take a 32 KB q tile and break the four-programs-an-SM wave, and is not tested)."""
     return (
         q.is_cuda
         and not interpreting()
@@ -194,7 +196,7 @@ def usable(cache: IndexKCache, q: torch.Tensor) -> bool:
         and cache.quantized
         and q.dtype == torch.float8_e4m3fn
         and q.dim() == 3
-        and q.shape[1] <= 128
+        and q.shape[1] <= MAX_HEADS
         and q.shape[2] == cache.head_dim == D
         and q.stride(2) == 1
     )
@@ -224,9 +226,11 @@ def index_logits(
     w [T, Hi] fp32, rows [T], visible [T] -> logits [T, width] fp32. `programs_per_token`,
     `stages` and `maxnreg` (a register cap) are the launch's knobs for sweeps
     (`scripts/bench_indexer_logits.py --configs`); the defaults measured fastest."""
+    if stages < 2:
+        raise ValueError(f"the Gluon indexer logits need a ring of >= 2 tiles, got {stages}")
     if not usable(cache, q):
         raise ValueError(
-            f"the Gluon indexer logits take SM90, e4m3 index keys and q [T, <= 128, {D}] "
+            f"the Gluon indexer logits take SM90, e4m3 index keys and q [T, <= {MAX_HEADS}, {D}] "
             f"e4m3: got q {q.dtype} {tuple(q.shape)} on {q.device}, keys "
             f"{cache.dtype} D {cache.head_dim}"
         )

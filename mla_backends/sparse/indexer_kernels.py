@@ -418,14 +418,16 @@ def index_logits(
 ) -> torch.Tensor:
     """q [T, Hi, D] (e4m3 codes, or fp32 unquantised), w [T, Hi] fp32, rows [T], visible [T]
     -> logits [T, width] fp32, -inf at keys >= visible. `kernel`: "auto" (the Gluon kernel,
-    `sparse/indexer_gluon.py`, where it takes the call: SM90, e4m3 keys of D 128; else the
-    Triton kernel below), "triton" or "gluon" (raises where it cannot run). Triton kernel
-    only: `block_n` (keys a program; given, the call takes the Triton kernel) and `loop`: a
-    few programs a token, each looping over its blocks (`loop_programs`), for a width far
-    above the visible keys (a CUDA graph's); else one program a block. The Gluon kernel's
-    programs always loop."""
+    `sparse/indexer_gluon.py`, where it takes the call: SM90, e4m3 keys of D 128, up to 64
+    index heads; else the Triton kernel below), "triton" or "gluon" (raises where it cannot
+    run or fails to build). Triton kernel only: `block_n` (keys a program; given, "auto"
+    takes the Triton kernel) and `loop`: a few programs a token, each looping over its blocks
+    (`loop_programs`), for a width far above the visible keys (a CUDA graph's); else one
+    program a block. The Gluon kernel's programs always loop."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
+    if kernel == "gluon" and block_n is not None:
+        raise ValueError("index_logits: block_n is the Triton kernel's; kernel='gluon' takes none")
     if kernel == "gluon" or (kernel == "auto" and block_n is None):
         out = _gluon_logits((cache, layer, q, w, req_to_token, rows, visible, width), kernel)
         if out is not None:
@@ -484,7 +486,7 @@ def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
     it turns the Gluon route off for the process (`mla_attention.gluon_failed`) and the Triton
     kernel takes the call; bad arguments (ValueError) and a full GPU memory raise. `args`:
     `index_logits`' first eight arguments."""
-    from mla_backends.kernels.mla_attention import gluon_failed, gluon_route_open
+    from mla_backends.kernels.mla_attention import gluon_error, gluon_failed, gluon_route_open
 
     cache, q = args[0], args[2]
     ig: ModuleType | None = None
@@ -495,9 +497,12 @@ def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
             gluon_failed(f"{type(e).__name__}: {e}")
     if ig is None or not ig.usable(cache, q):
         if kernel == "gluon":
+            why = gluon_error()
             raise ValueError(
-                "index_logits: the Gluon kernel takes e4m3 index keys of D 128 and up to 128 "
-                f"heads on an SM90 with Gluon: got q {q.dtype} {tuple(q.shape)} on {q.device}"
+                f"index_logits: the Gluon kernel is off in this process ({why})"
+                if why
+                else "index_logits: the Gluon kernel takes e4m3 index keys of D 128 and up "
+                f"to 64 heads on an SM90: got q {q.dtype} {tuple(q.shape)} on {q.device}"
             )
         return None
     try:
@@ -506,4 +511,6 @@ def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
         raise
     except Exception as e:  # a compile or launch failure: the Triton kernel takes the call
         gluon_failed(f"{type(e).__name__}: {e}")
+        if kernel == "gluon":
+            raise RuntimeError(f"index_logits: the Gluon kernel failed: {e}") from e
         return None

@@ -408,8 +408,8 @@ def topk_slots(
 # Keys a program of the launches' histogram passes and split holds (and its warps): the
 # interpreter's small blocks keep CPU tests to a few programs a row.
 HIST_BLOCK, SPLIT_BLOCK = 2048, 2048
-# Candidates a chunk of `_resolve`: a spread row's bucket holds about W / 256 keys or fewer,
-# so one chunk of a thread each (the split's 256 threads) takes all of them.
+# Candidates a chunk of `_resolve`, one a thread of the split's 256: a spread row's bucket
+# holds about W / 256 keys or fewer, one chunk up to 64k keys a row, two at 128k.
 RESOLVE_CHUNK = 256
 
 
