@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mla_backends.arith import cdiv
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.gluon_tiles import _barrier
-from mla_backends.kernels.pdl import pdl_args
+from mla_backends.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from mla_backends.sparse.gluon_kernel import _cp_async
 from mla_backends.sparse.index_k import PAGE, IndexKCache
 
@@ -66,25 +66,6 @@ def _issue(
 
 
 @gluon.jit
-def _wait_previous(USE_GDC: gl.constexpr):
-    """`kernels.pdl.wait_previous` for Gluon (griddepcontrol.wait: a no-op without PDL)."""
-    if USE_GDC:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _launch_next(USE_GDC: gl.constexpr):
-    """`kernels.pdl.launch_next` for Gluon (griddepcontrol.launch_dependents)."""
-    if USE_GDC:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@gluon.jit
 def _slots(R2T, r2t_row, n, vis):
     """Pool slots of the keys at positions n (0 past the context: never read)."""
     return gl.load(R2T + r2t_row + n, mask=n < vis, other=0)
@@ -110,7 +91,8 @@ def _logits_gluon_kernel(
     t = gl.program_id(0).to(gl.int64)
     p = gl.program_id(1)
     g = gl.num_programs(1)
-    _wait_previous(USE_GDC)  # q comes from the q-prep kernel just before
+    if USE_GDC:  # `kernels.pdl.wait_previous`: q comes from the q-prep kernel just before
+        gdc_wait()
     vis = gl.load(Vis + t)
     r2t_row = gl.load(Rows + t) * stride_r2t
     mine = gl.maximum(gl.cdiv(gl.cdiv(vis, BLOCK_N) - p, g), 0)  # tiles p, p + g, ... < vis
@@ -176,9 +158,10 @@ def _logits_gluon_kernel(
         n_out = (p + it * g) * BLOCK_N + n_s
         gl.store(out_row + n_out, gl.where(n_out < vis, logit, float("-inf")), mask=n_out < width)
     async_copy.wait_group(0)
-    # Late, as in the Triton kernel: the top-k's programs released early would sit on SMs
-    # this grid still streams through.
-    _launch_next(USE_GDC)
+    # Late, as in the Triton kernel (`kernels.pdl.launch_next`): the top-k's programs
+    # released early would sit on SMs this grid still streams through.
+    if USE_GDC:
+        gdc_launch_dependents()
     # the tiles past the context: -inf without a key read
     inf = gl.full([BLOCK_N], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     for j in range(p + mine * g, gl.cdiv(width, BLOCK_N), g):
