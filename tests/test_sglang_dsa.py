@@ -149,9 +149,10 @@ def test_auto_limit_follows_the_kernel_the_call_will_take(monkeypatch: pytest.Mo
     with the Gluon route open (faked here) and tensors the kernel takes (H a multiple of 64,
     bf16 / fp16 576-wide rows of q's dtype); the `tl.dot` kernel's limit for everything else."""
     pytest.importorskip("triton.experimental.gluon")
-    from mla_backends.sparse import gluon_kernel, triton_kernel
+    from mla_backends.kernels import mla_attention
+    from mla_backends.sparse import gluon_kernel
 
-    monkeypatch.setattr(triton_kernel, "gluon_route_open", lambda kv: True)
+    monkeypatch.setattr(mla_attention, "gluon_route_open", lambda kv: True)
     monkeypatch.setattr(gluon_kernel, "on_sm90", lambda kv: True)
     pool = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
     for h, want in ((64, dsa.AUTO_ROWS_GLUON), (128, dsa.AUTO_ROWS_GLUON), (16, dsa.AUTO_ROWS)):

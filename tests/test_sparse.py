@@ -398,7 +398,7 @@ def test_gluon_sparse_failure_falls_back_to_tl_dot_once(
 
     monkeypatch.setattr(ma, "_gluon_route", ma.GluonRoute())
     # On CPU the Gluon conditions never hold: pretend they do until the route is broken.
-    monkeypatch.setattr(sk, "gluon_route_open", lambda kv: ma.gluon_error() is None)
+    monkeypatch.setattr(ma, "gluon_route_open", lambda kv: ma.gluon_error() is None)
     monkeypatch.setattr(gk, "usable", lambda *a: True)
     tries: list[int] = []
 

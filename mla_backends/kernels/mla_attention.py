@@ -11,8 +11,10 @@ them with log-sum-exp; with one split the program writes the final result direct
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -509,13 +511,20 @@ def gluon_route_open(kv: torch.Tensor) -> bool:
     return kv.is_cuda and not interpreting() and _GLUON_API and _gluon_route.error is None
 
 
-def gluon_usable(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
-    """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
+def gluon_module(kv: torch.Tensor, name: str) -> ModuleType | None:
+    """The Gluon kernel module `name` where a Gluon kernel may run on `kv`'s device
+    (`gluon_route_open`), else None, without importing Gluon where it cannot run; a failure
+    to import it turns the route off (`gluon_failed`). Every Gluon route asks this first."""
     if not gluon_route_open(kv):
-        return False
+        return None
     try:
-        from mla_backends.kernels.mla_attention_gluon import gluon_ok
+        return importlib.import_module(name)
     except Exception as e:  # no triton.experimental.gluon, or names in it moved again
         gluon_failed(f"{type(e).__name__}: {e}")
-        return False
-    return gluon_ok(q_dtype, kv, page_size, lat)
+        return None
+
+
+def gluon_usable(q_dtype: torch.dtype, kv: torch.Tensor, page_size: int, lat: int) -> bool:
+    """The Gluon kernel's conditions, without importing Gluon where it cannot run."""
+    mg = gluon_module(kv, "mla_backends.kernels.mla_attention_gluon")
+    return mg is not None and mg.gluon_ok(q_dtype, kv, page_size, lat)

@@ -5,7 +5,6 @@ index heads in one dot). Same maths as `indexer.prepare_k` / `logits_reference`.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -486,15 +485,10 @@ def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
     it turns the Gluon route off for the process (`mla_attention.gluon_failed`) and the Triton
     kernel takes the call; bad arguments (ValueError) and a full GPU memory raise. `args`:
     `index_logits`' first eight arguments."""
-    from mla_backends.kernels.mla_attention import gluon_error, gluon_failed, gluon_route_open
+    from mla_backends.kernels.mla_attention import gluon_error, gluon_failed, gluon_module
 
     cache, q = args[0], args[2]
-    ig: ModuleType | None = None
-    if gluon_route_open(q):
-        try:
-            from mla_backends.sparse import indexer_gluon as ig
-        except Exception as e:  # no triton.experimental.gluon, or names in it moved again
-            gluon_failed(f"{type(e).__name__}: {e}")
+    ig = gluon_module(q, "mla_backends.sparse.indexer_gluon")
     if ig is None or not ig.usable(cache, q):
         if kernel == "gluon":
             why = gluon_error()

@@ -26,7 +26,7 @@ from mla_backends.kernels.mla_attention import (
     _merge,
     _online_softmax,
     gluon_failed,
-    gluon_route_open,
+    gluon_module,
     split_partials,
 )
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
@@ -310,16 +310,11 @@ def gluon_kernel_for(
     `gluon_kernel` for bf16 / fp16 rows or `gluon_fp8row` for FP8 rows in the default
     format, and its `usable` holding. One decision for the call itself and for SGLang's
     `auto` limit. A failure to import one turns the route off (`mla_attention.gluon_failed`)."""
-    if not gluon_route_open(kv):
+    if fmt is None:
+        name = "mla_backends.sparse.gluon_kernel"
+    elif fmt == Fp8RowFormat():
+        name = "mla_backends.sparse.gluon_fp8row"
+    else:
         return None
-    try:
-        if fmt is None:
-            from mla_backends.sparse import gluon_kernel as kernel
-        elif fmt == Fp8RowFormat():
-            from mla_backends.sparse import gluon_fp8row as kernel  # type: ignore[no-redef]
-        else:
-            return None
-    except Exception as e:  # no triton.experimental.gluon, or names in it moved again
-        gluon_failed(f"{type(e).__name__}: {e}")
-        return None
-    return kernel if kernel.usable(q_nope, q_rope, kv) else None
+    kernel = gluon_module(kv, name)
+    return kernel if kernel is not None and kernel.usable(q_nope, q_rope, kv) else None
