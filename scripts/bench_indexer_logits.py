@@ -49,6 +49,18 @@ def build(max_b: int, max_ctx: int) -> tuple[IndexKCache, torch.Tensor]:
     return cache, r2t
 
 
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """The Gluon logits against the Triton kernel's: the same -inf pattern, bit for bit, and
+    the largest difference and value over the finite ones."""
+    fin = torch.isfinite(want)
+    return {
+        "same_inf": bool(torch.equal(fin, torch.isfinite(got))),
+        "bit_equal": bool(torch.equal(got, want)),
+        "max_abs_diff": float((got - want)[fin].abs().max()),
+        "max_abs": float(want[fin].abs().max()),
+    }
+
+
 def run_one(
     ctx: int, b: int, cache: IndexKCache, r2t: torch.Tensor, configs: list[tuple[int, ...]]
 ) -> dict:
@@ -59,15 +71,7 @@ def run_one(
     vis = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     pool_w = r2t.shape[1]
     args = (cache, 0, q, w, r2t, rows, vis)
-    want = index_logits(*args, ctx, kernel="triton")
-    got = ig.index_logits(*args, ctx)
-    fin = torch.isfinite(want)
-    check = {
-        "same_inf": bool(torch.equal(fin, torch.isfinite(got))),
-        "bit_equal": bool(torch.equal(got, want)),
-        "max_abs_diff": float((got - want)[fin].abs().max()),
-        "max_abs": float(want[fin].abs().max()),
-    }
+    check = compare(ig.index_logits(*args, ctx), index_logits(*args, ctx, kernel="triton"))
     us = {
         "triton": graph_us(lambda: index_logits(*args, ctx, kernel="triton")),
         "gluon": graph_us(lambda: ig.index_logits(*args, ctx)),
@@ -95,14 +99,7 @@ def run_prefill(n: int, cache: IndexKCache, r2t: torch.Tensor) -> dict:
     rows = torch.zeros(n, dtype=torch.long, device=dev)
     vis = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
     args = (cache, 0, q, w, r2t, rows, vis, n)
-    want = index_logits(*args, kernel="triton")
-    got = ig.index_logits(*args)
-    fin = torch.isfinite(want)
-    check = {
-        "same_inf": bool(torch.equal(fin, torch.isfinite(got))),
-        "bit_equal": bool(torch.equal(got, want)),
-        "max_abs_diff": float((got - want)[fin].abs().max()),
-    }
+    check = compare(ig.index_logits(*args), index_logits(*args, kernel="triton"))
     us = {
         "triton": graph_us(lambda: index_logits(*args, kernel="triton")),
         "gluon": graph_us(lambda: ig.index_logits(*args)),
