@@ -40,6 +40,7 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
     prep_sig = {"Q": "*bf16", "W": "*fp32", "Cos": "*bf16", "Sin": "*bf16", "Out": "*fp8e4nv"}
     prep_sig |= {"WOut": "*fp32", "n_rows": "i32", "stride_q_t": "i32", "stride_q_h": "i32"}
     prep_sig |= {"stride_w": "i32", "stride_cs": "i32", "weight_scale": "fp32"}
+    prep_sig |= {"Zero": "*i32", "n_zero": "i32"}
     logits_sig = {"Q": "*fp8e4nv", "W": "*fp32", "Data": "*fp8e4nv", "Scale": "*fp32"}
     logits_sig |= {"R2T": "*i32", "Rows": "*i64", "Vis": "*i32", "Out": "*fp32", "width": "i32"}
     logits_sig |= dict.fromkeys(("stride_q_t", "stride_q_h", "stride_w", "stride_r2t"), "i32")
@@ -51,7 +52,7 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
             ik._prep_q_kernel,
             prep_sig,
             {"HI": 64, "D": 128, "HALF": 32, "BLOCK_R": 16, "QUANT": True, "LOWP_DOT": True}
-            | {"EXACT_FP8_ROUND": False, "USE_GDC": True},
+            | {"EXACT_FP8_ROUND": False, "ZERO_BLOCK": 1024, "USE_GDC": True},
             4,
         ),
         (

@@ -228,6 +228,28 @@ def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
 
 
+@pytest.mark.interp
+def test_indexer_fused_q_prep_zeroes_the_topk_counters() -> None:
+    """`prepare_q_fused(zero=)` sets every counter to 0 in its own launch (the indexer's
+    decode then has no fill kernel), whatever the counters held, from one program or
+    several sharing them unevenly, and leaves q and the weights as without it."""
+    from mla_backends.sparse.indexer_kernels import prepare_q_fused
+    from mla_backends.sparse.topk_kernel import COUNTS, new_counts
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    for t in (1, 9):
+        _, q, w, cos, sin = _indexer_inputs(dims, t, 3)
+        counts = new_counts(t, q.device, zeroed=False).fill_(7)
+        beside = torch.full((2, COUNTS), 7, dtype=torch.int32)  # not handed over: kept
+        got_q, got_w = prepare_q_fused(dims, q, w, cos, sin, zero=counts)
+        want_q, want_w = prepare_q_fused(dims, q, w, cos, sin)
+        assert torch.equal(counts, torch.zeros_like(counts))
+        assert torch.equal(beside, torch.full_like(beside, 7))
+        assert torch.equal(got_q.float(), want_q.float()) and torch.equal(got_w, want_w)
+    with pytest.raises(ValueError, match="zero must be contiguous int32"):
+        prepare_q_fused(dims, q, w, cos, sin, zero=torch.zeros(4, dtype=torch.int64))
+
+
 def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None:
     """EXTEND tokens are scored in chunks under LOGITS_BUDGET: with the Triton kernels a
     token costs its fp32 logits and the top-k launches' int32 candidate list, as wide; with

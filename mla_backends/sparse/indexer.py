@@ -223,9 +223,10 @@ class Indexer:
             from mla_backends.sparse.indexer_kernels import prepare_q_fused
             from mla_backends.sparse.topk_kernel import new_counts, topk_slots
 
-            # the top-k's counters zeroed first: no fill between the logits and the top-k
-            counts = new_counts(q.shape[0], q.device)
-            qp, wp = prepare_q_fused(self.dims, q, w, cos, sin)
+            # the top-k's counters zeroed by the q prep: no fill kernel in front of it, and
+            # none between the logits and the top-k (it would break their PDL)
+            counts = new_counts(q.shape[0], q.device, zeroed=False)
+            qp, wp = prepare_q_fused(self.dims, q, w, cos, sin, zero=counts)
 
             def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
                 rows, vis = md.rows[start:end], md.visible[start:end]

@@ -324,11 +324,15 @@ def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
 COUNTS = SPLIT_DONE_C.value + 1
 
 
-def new_counts(rows: int, device: torch.device) -> torch.Tensor:
-    """The top-k's zeroed counters [rows, COUNTS] int32. A decode step allocates them before
-    its first indexer kernel, so that the fill does not sit between the logits and the
-    top-k (a plain launch there would break their programmatic dependent launch)."""
-    return torch.zeros(rows, COUNTS, dtype=torch.int32, device=device)
+def new_counts(rows: int, device: torch.device, zeroed: bool = True) -> torch.Tensor:
+    """The top-k's counters [rows, COUNTS] int32, zeroed (a fill kernel), or not zeroed
+    for a caller that zeroes them in a kernel of its own (the indexer: in its q prep,
+    `indexer_kernels.prepare_q_fused(zero=)`). Either way the zeroing must come before the
+    logits: a plain launch between the logits and the top-k would break their programmatic
+    dependent launch."""
+    if zeroed:
+        return torch.zeros(rows, COUNTS, dtype=torch.int32, device=device)
+    return torch.empty(rows, COUNTS, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
