@@ -100,7 +100,7 @@ def gluon_usage(heads: int = 64) -> dict:  # type: ignore[type-arg]
     sig = {k: v for k, v in kernels()[1][2].items()}
     block_h = max(16, 1 << (heads - 1).bit_length())
     const = {"HI": heads, "D": ig.D, "BLOCK_H": block_h, "BLOCK_N": ig.BLOCK_N, **CACHE}
-    const |= {"STAGES": ig.STAGES, "USE_GDC": True}
+    const |= {"STAGES": ig.STAGES, "EARLY_KEYS": True, "USE_GDC": True}
     ints = tuple(n for n in sig if n.startswith("stride"))
     src = GluonASTSource(
         fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, offline.aligned(fn, sig, ints)

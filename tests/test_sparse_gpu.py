@@ -315,7 +315,8 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
     contexts and not a whole number of tiles, so that the last tile's stores past the row
     are masked), the same values up to summation order; at the default grid, and with few
     programs a token so that each one loops through its cp.async ring many times (partial
-    last tiles, empty tiles)."""
+    last tiles, empty tiles); the same logits with the keys streamed before the kernel's
+    programmatic wait."""
     from mla_backends.sparse import indexer_gluon as ig
     from mla_backends.sparse.indexer import IndexKCache
     from mla_backends.sparse.indexer_kernels import index_logits
@@ -327,6 +328,10 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
     cache, qp, wp, r2t, rows, vis = _wide_logits_case(vis_list, width, heads, 3)
     want = index_logits(cache, 0, qp, wp, r2t, rows, vis, width, kernel="triton")
     got = ig.index_logits(cache, 0, qp, wp, r2t, rows, vis, width, programs)
+    # keys streamed before the programmatic wait (the indexer's call): the launch before it
+    # (the one above) released it after its own wait and wrote no keys, slots or counts
+    early = ig.index_logits(cache, 0, qp, wp, r2t, rows, vis, width, programs, early_keys=True)
+    assert torch.equal(early, got)
     if programs is None:  # what the indexer calls (kernel "auto") takes it on an SM90
         assert torch.equal(index_logits(cache, 0, qp, wp, r2t, rows, vis, width), got)
     assert torch.isfinite(got).sum(1).tolist() == vis_list

@@ -193,6 +193,9 @@ class Indexer:
                 vis,
                 md.width,
                 loop=md.graph,
+                # the launch just before is `prepare_q_fused` (`select`) or, for a later
+                # chunk, the last chunk's top-k: each releases this one after its own wait
+                early_keys=True,
             )
         pos = torch.arange(md.width, device=q.device)
         slots = self.req_to_token[

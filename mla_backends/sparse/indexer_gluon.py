@@ -77,7 +77,7 @@ def _logits_gluon_kernel(
     stride_r2t, stride_o,
     HI: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     BLK_E: gl.constexpr, BLK_S: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
-    USE_GDC: gl.constexpr,
+    EARLY_KEYS: gl.constexpr, USE_GDC: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(gl.num_warps() == 4, "one warpgroup: launch with num_warps=4")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -92,7 +92,8 @@ def _logits_gluon_kernel(
     p = gl.program_id(1)
     g = gl.num_programs(1)
     if USE_GDC:  # `kernels.pdl.wait_previous`: q comes from the q-prep kernel just before
-        gdc_wait()
+        if not EARLY_KEYS:
+            gdc_wait()
     vis = gl.load(Vis + t)
     r2t_row = gl.load(Rows + t) * stride_r2t
     mine = gl.maximum(gl.cdiv(gl.cdiv(vis, BLOCK_N) - p, g), 0)  # tiles p, p + g, ... < vis
@@ -118,6 +119,12 @@ def _logits_gluon_kernel(
     s_next = (p + (STAGES - 1) * g) * BLOCK_N + tile_s
     slot_next = _slots(R2T, r2t_row, n_next, vis)
     slot_s_next = _slots(R2T, r2t_row, s_next, vis)
+    # Hazard: with EARLY_KEYS the reads above (visible counts, slots, keys) ran before the
+    # wait; only a launch that released this one after its own wait makes that safe
+    # (`index_logits(early_keys=)`). At batch 1 they are most of a program's chain.
+    if USE_GDC:
+        if EARLY_KEYS:
+            gdc_wait()
 
     # q [BLOCK_H, D] as fp16 (heads past HI zero), the MMA's B operand
     h_ld = gl.arange(0, BLOCK_H, layout=ROW_L)
@@ -204,11 +211,13 @@ def index_logits(
     programs_per_token: int | None = None,
     stages: int = STAGES,
     maxnreg: int | None = None,
+    early_keys: bool = False,
 ) -> torch.Tensor:
     """`indexer_kernels.index_logits`' contract where `usable`: q [T, Hi, 128] e4m3 codes,
     w [T, Hi] fp32, rows [T], visible [T] -> logits [T, width] fp32. `programs_per_token`,
     `stages` and `maxnreg` (a register cap) are the launch's knobs for sweeps
-    (`scripts/bench_indexer_logits.py --configs`); the defaults measured fastest."""
+    (`scripts/bench_indexer_logits.py --configs`); the defaults measured fastest.
+    `early_keys`: `indexer_kernels.index_logits`'."""
     if stages < 2:
         raise ValueError(f"the Gluon indexer logits need a ring of >= 2 tiles, got {stages}")
     if not usable(cache, q):
@@ -228,7 +237,8 @@ def index_logits(
         visible, out, width, q.stride(0), q.stride(1), w.stride(0), req_to_token.stride(0),
         out.stride(0), HI=hi, D=D, BLOCK_H=max(16, 1 << (hi - 1).bit_length()),
         BLOCK_N=BLOCK_N, BLK_E=cache.block_bytes, BLK_S=cache.block_bytes // 4,
-        SCALE_OFF=PAGE * D // 4, STAGES=stages, num_warps=4, **pdl_args(q.device),
+        SCALE_OFF=PAGE * D // 4, STAGES=stages, EARLY_KEYS=early_keys, num_warps=4,
+        **pdl_args(q.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

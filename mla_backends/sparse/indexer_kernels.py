@@ -143,8 +143,11 @@ def _prep_q_kernel(
 ):
     """One program: BLOCK_R (token, head) rows of q, row r = token * HI + head; and its share
     of the n_zero int32 at Zero (the top-k's counters, `zero=`) set to 0."""
-    launch_next(USE_GDC)
     wait_previous(USE_GDC)
+    # Released after the wait, not before: every kernel before this one has then finished,
+    # so the logits kernel may read the index keys, slots and visible counts before its own
+    # wait (`index_logits(early_keys=True)`, the indexer's call).
+    launch_next(USE_GDC)
     # Zeroed after the wait: the counters' memory may be a buffer an earlier kernel still
     # used. The top-k reads them two launches later: its wait covers the logits kernel, whose
     # own wait covers this one.
@@ -441,6 +444,7 @@ def index_logits(
     block_n: int | None = None,
     loop: bool = False,
     kernel: str = "auto",
+    early_keys: bool = False,
 ) -> torch.Tensor:
     """q [T, Hi, D] (e4m3 codes, or fp32 unquantised), w [T, Hi] fp32, rows [T], visible [T]
     -> logits [T, width] fp32, -inf at keys >= visible. `kernel`: "auto" (the Gluon kernel,
@@ -449,13 +453,17 @@ def index_logits(
     run or fails to build). Triton kernel only: `block_n` (keys a program; given, "auto"
     takes the Triton kernel) and `loop`: a few programs a token, each looping over its blocks
     (`loop_programs`), for a width far above the visible keys (a CUDA graph's); else one
-    program a block. The Gluon kernel's programs always loop."""
+    program a block. The Gluon kernel's programs always loop. `early_keys`: the Gluon kernel
+    starts streaming the keys before its programmatic wait for q, which is safe only when the
+    launch just before this one (the indexer's q prep, `prepare_q_fused`) released it after
+    its own wait and wrote none of the keys, slots or visible counts."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
     if kernel == "gluon" and block_n is not None:
         raise ValueError("index_logits: block_n is the Triton kernel's; kernel='gluon' takes none")
     if kernel == "gluon" or (kernel == "auto" and block_n is None):
-        out = _gluon_logits((cache, layer, q, w, req_to_token, rows, visible, width), kernel)
+        args = (cache, layer, q, w, req_to_token, rows, visible, width)
+        out = _gluon_logits(args, kernel, early_keys)
         if out is not None:
             return out
     t, hi, d = q.shape
@@ -506,7 +514,7 @@ def index_logits(
     return out
 
 
-def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
+def _gluon_logits(args: tuple[Any, ...], kernel: str, early_keys: bool) -> torch.Tensor | None:
     """The Gluon kernel's logits where it takes the call (the Gluon route open, `indexer_gluon
     .usable`), else None (`kernel` "gluon": a ValueError instead). A failure to build or launch
     it turns the Gluon route off for the process (`mla_attention.gluon_failed`) and the Triton
@@ -527,7 +535,7 @@ def _gluon_logits(args: tuple[Any, ...], kernel: str) -> torch.Tensor | None:
             )
         return None
     try:
-        return ig.index_logits(*args)
+        return ig.index_logits(*args, early_keys=early_keys)
     except (ValueError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # a compile or launch failure: the Triton kernel takes the call
