@@ -64,7 +64,7 @@ def gluon_usage(num_splits: int = 2, fp8: bool = False) -> dict:  # type: ignore
     q = ("*bf16", "*bf16", "i32", "i32", "i32", "i32")
     dest = ("*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32")
     const = dict(H=128, L=512, R=64, BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
-    const |= dict(NUM_SPLITS=num_splits, STAGES=gk.STAGES)
+    const |= dict(NUM_SPLITS=num_splits, STAGES=gk.STAGES, USE_GDC=True)
     if fp8:
         fn = gf._sparse_fp8row_kernel
         sig = {"Q": q, "Rows": ("*fp8e4nv", "*fp32", "*bf16"), "Idx": "*i32"}

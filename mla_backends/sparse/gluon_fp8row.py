@@ -31,6 +31,7 @@ from mla_backends.sparse.gluon_kernel import (
     BLOCK_M,
     _cp_async,
     _sparse_finish,
+    _sparse_start,
     _sparse_state,
     _sparse_tile,
     _split_range,
@@ -159,6 +160,7 @@ def _sparse_fp8row_kernel(
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
     CH: gl.constexpr,
+    USE_GDC: gl.constexpr,
 ):
     """Grid (H / BLOCK_M, tokens, splits). Rows: (codes as e4m3, the rows as fp32, the rows
     as bf16) views of the pool layer; Q / Dest as in `gluon_kernel._sparse_gluon_kernel`."""
@@ -174,6 +176,7 @@ def _sparse_fp8row_kernel(
     mblk = gl.program_id(0)
     t = gl.program_id(1)
     split = gl.program_id(2)
+    _sparse_start(USE_GDC)
     Row, lo, hi, n_tiles = _split_range(Idx, stride_idx, topk, t, split, NUM_SPLITS, BLOCK_N)
 
     k8_smem = gl.allocate_shared_memory(  # one [BLOCK_N, CH] buffer a slot and column block
@@ -218,7 +221,9 @@ def _sparse_fp8row_kernel(
         )  # fmt: skip
         s0, s1, s2, s3 = n0, n1, n2, n3
     async_copy.wait_group(0)
-    _sparse_finish(Dest, acc, m_i, l_i, mblk, t, split, S_L, O_L, H, L, BLOCK_M, NUM_SPLITS)
+    _sparse_finish(
+        Dest, acc, m_i, l_i, mblk, t, split, S_L, O_L, H, L, BLOCK_M, NUM_SPLITS, USE_GDC
+    )
 
 
 def usable(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> bool:

@@ -57,6 +57,7 @@ from mla_backends.kernels.mla_attention import (
     query_group,
     split_partials,
 )
+from mla_backends.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 
 # async_copy_global_to_shared (3.6) is async_load from 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -170,11 +171,23 @@ def _sparse_tile(
 
 
 @gluon.jit
+def _sparse_start(USE_GDC: gl.constexpr):
+    """The programmatic wait, before any read: the indices come from the top-k just before
+    (and nothing here is read early: q may come from the launch just before, too)."""
+    if USE_GDC:
+        gdc_wait()
+
+
+@gluon.jit
 def _sparse_finish(
     Dest, acc, m_i, l_i, mblk, t, split, S_L: gl.constexpr, O_L: gl.constexpr, H: gl.constexpr,
-    L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_SPLITS: gl.constexpr, USE_GDC: gl.constexpr,
 ):  # fmt: skip
-    """Row block mblk of token t: out / LSE, or this split's partials."""
+    """Row block mblk of token t: out / LSE, or this split's partials. The merge is released
+    here, during the epilogue: the grid is one wave (`triton_backend.launch_config`), so its
+    programs take no SM a later CTA of this grid would need."""
+    if USE_GDC:
+        gdc_launch_dependents()
     l_sum = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))
     out, lse = _normalise(acc, m_i, l_sum, O_L, False)
     rows_o = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
@@ -200,6 +213,7 @@ def _sparse_gluon_kernel(
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr,
+    USE_GDC: gl.constexpr,
 ):
     """Grid (H / BLOCK_M, tokens, splits). Q: `mla_attention.decode_args`' query group; Dest:
     its output group (out, lse, partials, strides)."""
@@ -212,6 +226,7 @@ def _sparse_gluon_kernel(
     mblk = gl.program_id(0)
     t = gl.program_id(1)
     split = gl.program_id(2)
+    _sparse_start(USE_GDC)
     Row, lo, hi, n_tiles = _split_range(Idx, stride_idx, topk, t, split, NUM_SPLITS, BLOCK_N)
 
     k_smem = gl.allocate_shared_memory(
@@ -242,7 +257,9 @@ def _sparse_gluon_kernel(
             KV, stride_kv, Row, lo, hi, j + STAGES, k_smem, kr_smem, LD_L, L, R, BLOCK_N, STAGES
         )
     async_copy.wait_group(0)
-    _sparse_finish(Dest, acc, m_i, l_i, mblk, t, split, S_L, O_L, H, L, BLOCK_M, NUM_SPLITS)
+    _sparse_finish(
+        Dest, acc, m_i, l_i, mblk, t, split, S_L, O_L, H, L, BLOCK_M, NUM_SPLITS, USE_GDC
+    )
 
 
 def sparse_mla(
@@ -299,6 +316,6 @@ def launch(
     kernel[(h // BLOCK_M, t, num_splits)](
         q, *rows, indices, indices.stride(0), indices.shape[1], dest, sm_scale * LOG2E,
         H=h, L=lat, R=q_rope.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, STAGES=STAGES, num_warps=8, **consts,
+        NUM_SPLITS=num_splits, STAGES=STAGES, num_warps=8, **consts, **pdl_args(q_nope.device),
     )  # fmt: skip
     _merge(part_out, part_lse, out, lse, num_splits)

@@ -165,8 +165,10 @@ def _logits_gluon_kernel(
         n_out = (p + it * g) * BLOCK_N + n_s
         gl.store(out_row + n_out, gl.where(n_out < vis, logit, float("-inf")), mask=n_out < width)
     async_copy.wait_group(0)
-    # Late, as in the Triton kernel (`kernels.pdl.launch_next`): the top-k's programs
-    # released early would sit on SMs this grid still streams through.
+    # Late, as in the Triton kernel (`kernels.pdl.launch_next`). Released at the start (one
+    # wave: room to spare at batch 1), the top-k's programs crowded onto the SMs with room
+    # while this grid ran, several an SM, and its passes then ran 1-7 us slower at batch 1
+    # and 16 (H100, seventeenth session, BENCHMARKS.md).
     if USE_GDC:
         gdc_launch_dependents()
     # the tiles past the context: -inf without a key read
