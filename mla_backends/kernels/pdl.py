@@ -7,6 +7,13 @@ hides each kernel's launch behind the one before it. CUDA graphs keep the depend
 Hazards:
 - Everything a kernel reads that an earlier kernel may have written (its inputs, metadata a
   graph refilled) is read after `wait_previous`; only address arithmetic goes before it.
+  One exception, by contract: the indexer's Gluon logits (`index_logits(early_keys=True)`)
+  read keys, slots and visible counts before their wait. That holds only because the launch
+  just before them (the q prep, or the last prefill chunk's top-k) calls `launch_next`
+  after its own `wait_previous`: every kernel before that one has then finished.
+- A kernel released early does not get SMs of its own: its programs take whatever room the
+  running kernel leaves, several on one SM if need be. The logits kernel releasing the
+  one-launch top-k at its start made the top-k's passes 1-7 us slower (seventeenth session).
 - `launch_next` lets the next kernel's programs take SM resources while this one runs; a
   kernel whose programs wait for each other (the one-launch top-k) calls it only once every
   one of its programs runs (any program calling it does: the hardware releases the next
