@@ -232,20 +232,24 @@ def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch
 def test_indexer_fused_q_prep_zeroes_the_topk_counters() -> None:
     """`prepare_q_fused(zero=)` sets every counter to 0 in its own launch (the indexer's
     decode then has no fill kernel), whatever the counters held, from one program or
-    several sharing them unevenly, and leaves q and the weights as without it."""
+    several (T 7: two programs sharing 7217 counters as 3609 + 3608), and nothing past them
+    (the counters a slice of a larger buffer); q and the weights as without it; T 0 too."""
     from mla_backends.sparse.indexer_kernels import prepare_q_fused
-    from mla_backends.sparse.topk_kernel import COUNTS, new_counts
+    from mla_backends.sparse.topk_kernel import COUNTS
 
     dims = IndexerDims(4, 32, 16, 8, True)
-    for t in (1, 9):
+    for t in (1, 7):
         _, q, w, cos, sin = _indexer_inputs(dims, t, 3)
-        counts = new_counts(t, q.device, zeroed=False).fill_(7)
-        beside = torch.full((2, COUNTS), 7, dtype=torch.int32)  # not handed over: kept
+        buf = torch.full(((t + 2) * COUNTS,), 7, dtype=torch.int32)
+        counts = buf[COUNTS : (t + 1) * COUNTS].view(t, COUNTS)  # a row kept on each side
         got_q, got_w = prepare_q_fused(dims, q, w, cos, sin, zero=counts)
         want_q, want_w = prepare_q_fused(dims, q, w, cos, sin)
         assert torch.equal(counts, torch.zeros_like(counts))
-        assert torch.equal(beside, torch.full_like(beside, 7))
+        assert (buf[:COUNTS] == 7).all() and (buf[(t + 1) * COUNTS :] == 7).all()
         assert torch.equal(got_q.float(), want_q.float()) and torch.equal(got_w, want_w)
+    empty = torch.full((0, COUNTS), 7, dtype=torch.int32)
+    got_q, _ = prepare_q_fused(dims, q[:0], w[:0], cos[:0], sin[:0], zero=empty)
+    assert got_q.shape == (0, dims.n_heads, dims.head_dim)
     with pytest.raises(ValueError, match="zero must be contiguous int32"):
         prepare_q_fused(dims, q, w, cos, sin, zero=torch.zeros(4, dtype=torch.int64))
 

@@ -172,8 +172,9 @@ def _sparse_tile(
 
 @gluon.jit
 def _sparse_start(USE_GDC: gl.constexpr):
-    """The programmatic wait, before any read: the indices come from the top-k just before
-    (and nothing here is read early: q may come from the launch just before, too)."""
+    """The programmatic wait, before any read: the indices come from the top-k, and q may
+    come from the launch just before (SGLang's, or the main stream's absorbed q), so nothing
+    here is read early."""
     if USE_GDC:
         gdc_wait()
 
@@ -184,8 +185,9 @@ def _sparse_finish(
     L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_SPLITS: gl.constexpr, USE_GDC: gl.constexpr,
 ):  # fmt: skip
     """Row block mblk of token t: out / LSE, or this split's partials. The merge is released
-    here, during the epilogue: the grid is one wave (`triton_backend.launch_config`), so its
-    programs take no SM a later CTA of this grid would need."""
+    here, during the epilogue: the backend's grids are one wave (`triton_backend.
+    launch_config`), so its programs take no SM a later CTA of this grid would need (the
+    hardware releases it only once every CTA called this or exited, whatever the grid)."""
     if USE_GDC:
         gdc_launch_dependents()
     l_sum = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, S_L))

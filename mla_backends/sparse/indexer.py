@@ -173,10 +173,17 @@ class Indexer:
         self.cache.write(layer, loc, codes, scale)
 
     def logits(
-        self, layer: int, q: torch.Tensor, w: torch.Tensor, start: int, end: int
+        self,
+        layer: int,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        start: int,
+        end: int,
+        early_keys: bool = False,
     ) -> torch.Tensor:
         """Prepared q [T, Hi, D], w [T, Hi] of tokens [start, end) -> [end - start, width]
-        fp32, -inf where a key is not visible."""
+        fp32, -inf where a key is not visible. `early_keys`: `index_logits`' (safe only when
+        the launch just before released this one after its own wait, as in `select`)."""
         md = self.metadata
         assert md is not None
         rows, vis = md.rows[start:end], md.visible[start:end]
@@ -193,9 +200,7 @@ class Indexer:
                 vis,
                 md.width,
                 loop=md.graph,
-                # the launch just before is `prepare_q_fused` (`select`) or, for a later
-                # chunk, the last chunk's top-k: each releases this one after its own wait
-                early_keys=True,
+                early_keys=early_keys,
             )
         pos = torch.arange(md.width, device=q.device)
         slots = self.req_to_token[
@@ -241,5 +246,8 @@ class Indexer:
             def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
                 return positions_to_slots(select_topk(logits, k), r2t, md.rows[start:end])
 
-        out = [pick(self.logits(layer, qp, wp, s, e), s, e) for s, e in md.chunks]
+        # early_keys: the launch before each logits launch is `prepare_q_fused` or, for a
+        # later chunk, the last chunk's top-k; each releases it after its own wait
+        early = self.kernels == "triton"
+        out = [pick(self.logits(layer, qp, wp, s, e, early), s, e) for s, e in md.chunks]
         return out[0] if len(out) == 1 else torch.cat(out)

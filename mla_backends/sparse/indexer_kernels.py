@@ -186,7 +186,10 @@ def prepare_q_fused(
     int32 tensor set to 0 by the same launch (the top-k's counters: a decode step then has no
     fill kernel of its own in front of its indexer, ~1 us at batch 1 on an H100)."""
     if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
-        raise ValueError(f"prepare_q_fused: zero must be contiguous int32, got {zero.dtype}")
+        raise ValueError(
+            f"prepare_q_fused: zero must be contiguous int32, got {zero.dtype} "
+            f"{'contiguous' if zero.is_contiguous() else 'strided'}"
+        )
     t, hi, d = q.shape
     out = torch.empty(t, hi, d, dtype=torch.float8_e4m3fn if dims.quantized else torch.float32,
                       device=q.device)  # fmt: skip
@@ -455,8 +458,9 @@ def index_logits(
     (`loop_programs`), for a width far above the visible keys (a CUDA graph's); else one
     program a block. The Gluon kernel's programs always loop. `early_keys`: the Gluon kernel
     starts streaming the keys before its programmatic wait for q, which is safe only when the
-    launch just before this one (the indexer's q prep, `prepare_q_fused`) released it after
-    its own wait and wrote none of the keys, slots or visible counts."""
+    launch just before this one released it after its own wait and wrote none of the keys,
+    slots or visible counts (in `Indexer.select`: the q prep, `prepare_q_fused`, or for a
+    later prefill chunk the last chunk's top-k)."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
     if kernel == "gluon" and block_n is not None:

@@ -10,10 +10,11 @@ writes every key above the threshold's 16-bit bucket and appends the bucket's ow
 only ones still undecided, to a candidate list, unless the bucket holds exactly the keys
 still needed; the last of a row's programs to finish that scan then finishes the digits
 over the candidates alone and writes them. Three launches over T x cdiv(W, 2048) programs,
-after the counters' fill (`new_counts`). On random logits a 16-bit bucket holds about W / 256 keys
-near the threshold or fewer, so the last two digits cost almost nothing; a row whose keys
-share their leading 16 bits (near-equal logits) puts all of them in the list, which one
-program then scans three times: correct, and slow only for such rows.
+on zeroed counters (`new_counts`; the indexer zeroes them in its q prep). On random logits
+a 16-bit bucket holds about W / 256 keys near the threshold or fewer, so the last two digits
+cost almost nothing; a row whose keys share their leading 16 bits (near-equal logits) puts
+all of them in the list, which one program then scans three times: correct, and slow only
+for such rows.
 
 History (H100, BENCHMARKS.md): one program a row streaming its keys from memory, ~3.6 ns a
 key (0.48 ms at 128k keys, latency-bound; DSA third run); one program a row holding a row of
@@ -320,7 +321,7 @@ def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
 # Per row: 4 x 256 digit counts (the launches fill the first two), (written, ties claimed by
 # the one-launch path / candidates appended by the launches), the one-launch path's four
 # pass counters, then the launches' split programs finished (SPLIT_DONE). Zeroed before the
-# top-k; one fill for the whole batch.
+# top-k, once for the whole batch (`new_counts`).
 COUNTS = SPLIT_DONE_C.value + 1
 
 
@@ -374,7 +375,7 @@ def topk_slots(
     programs past them return at once (a CUDA graph's W is the longest context it may see).
     `path`: "launches" (three launches, any size), "fused" (one launch, small T x W on a GPU,
     `sparse.topk_fused`), or "auto" (fused where it fits in blocks of up to
-    `topk_fused.AUTO_LARGEST` keys, the faster one there); either after the counters' fill.
+    `topk_fused.AUTO_LARGEST` keys, the faster one there); either on zeroed counters.
     `counts`: zeroed counters from `new_counts` (allocated here when not given)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
