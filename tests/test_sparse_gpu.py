@@ -132,7 +132,8 @@ def test_topk_slots_launches_keep_one_program_rows_in_order() -> None:
 @pytest.mark.parametrize("path", ["launches", "fused"])
 def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
     """Ties at the threshold over many programs: exactly k distinct slots, all at or above the
-    k-th value; repeated calls (fresh counters each) give the same counts."""
+    k-th value; repeated calls (fresh counters each) give the same counts; the one launch
+    takes the first tied keys in row order (32 programs a row here), the launches any."""
     from mla_backends.sparse.topk_kernel import topk_slots
 
     k, width = 2048, 65536
@@ -146,6 +147,10 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
         assert len(set(got[0].tolist())) == k and (got[0] % 7 == 0).all()
         assert len(set(got[1].tolist())) == k and (got[1] >= 0).all()
         assert len(set(got[2].tolist())) == k and (got[2] >= 0).all() and (got[2] < 5000).all()
+        if path == "fused":  # slots are positions here
+            assert torch.equal(got[0].sort().values, torch.arange(0, 7 * k, 7, dtype=torch.int32))
+            assert torch.equal(got[1].sort().values, torch.arange(k, dtype=torch.int32))
+            assert torch.equal(got[2].sort().values, torch.arange(k, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("path", ["launches", "fused"])

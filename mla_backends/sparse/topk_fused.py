@@ -24,11 +24,16 @@ from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.topk_kernel import (
+    MAX_ROW_PROGRAMS,
+    MAX_ROW_PROGRAMS_C,
+    TIE_SYNC_C,
+    TIES_C,
     TopkCall,
     _count_digit,
     _digit_step,
     _row_block,
-    _write_keys,
+    _sortable,
+    _write_slots,
     _write_tail,
 )
 
@@ -42,7 +47,7 @@ WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
 # are faster since they refine only the threshold bucket (41 against 45 us, H100, ninth
 # session, BENCHMARKS.md); an explicit `fused` still takes them.
 AUTO_LARGEST = 4096
-SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, ties claimed), 4 pass counters
+SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, unused here), 4 pass counters
 
 
 @triton.jit
@@ -105,18 +110,41 @@ def _topk_fused_kernel(
     # once every program here has called this, so all of them are resident by then and the
     # counter waits above could not starve (kernels/pdl.py).
     launch_next(USE_GDC)
-    _write_keys(x, pos, t, hist_row + 4 * 256, Dst, take_all, need, prefix, shift)
+    # The keys above the threshold's digits so far, and of the keys sharing them as many as
+    # are still needed: all of them, unless every pass ran and more keys share the whole 32
+    # bits (exact ties) than are needed. Only then do the programs rank their ties: each
+    # publishes its count and, after one more wait, takes its ties after the earlier
+    # programs' (row order, the same set on every run). With a tie-claiming atomic in every
+    # call instead (a returning round trip to L2 before the write's own atomic), the top-k
+    # alone took 0.3-0.9 us longer and the batch-1 step 0.7-0.9 (H100, eighteenth session),
+    # and exact ties came out in another set run to run.
+    key = _sortable(x) >> shift
+    ok = x > float("-inf")
+    # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
+    all_keys = (pos * 0 + take_all) != 0
+    eq = ok & (key == prefix) & ~all_keys
+    rank = tl.cumsum(eq.to(tl.int32), 0) - 1
+    if done == 0:
+        me = tl.program_id(1)
+        tl.store(hist_row + TIES_C + me, tl.sum(eq.to(tl.int32), 0))
+        _row_sync(hist_row + TIE_SYNC_C, progs)
+        i = tl.arange(0, MAX_ROW_PROGRAMS_C)
+        rank += tl.sum(tl.load(hist_row + TIES_C + i, mask=i < me, other=0, volatile=True), 0)
+    take = (ok & ((key > prefix) | all_keys)) | (eq & (rank < need))
+    _write_slots(take, pos, t, hist_row + 4 * 256, Dst)
     if tl.program_id(1) == 0:
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
 
 
 def block_for(t: int, width: int, device: torch.device, largest: int = BLOCKS[-1]) -> int | None:
     """The smallest block up to `largest` that keeps T x cdiv(width, block) programs within
-    one per SM, or None (too large, not a GPU, or the interpreter)."""
+    one per SM (and a row's within `MAX_ROW_PROGRAMS`, whose tie counts the counters hold),
+    or None (too large, not a GPU, or the interpreter)."""
     if device.type != "cuda" or interpreting():
         return None
     sms = num_sms(device)
-    return next((b for b in BLOCKS if b <= largest and t * cdiv(width, b) <= sms), None)
+    fits = (b for b in BLOCKS if b <= largest and t * cdiv(width, b) <= sms)
+    return next((b for b in fits if cdiv(width, b) <= MAX_ROW_PROGRAMS), None)
 
 
 def run(call: TopkCall, block: int, num_warps: int | None = None) -> torch.Tensor:

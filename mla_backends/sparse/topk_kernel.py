@@ -29,7 +29,8 @@ session): 0.050 / 0.233 ms at B64 16k / 128k, 2.6x SGLang's one-block-a-row CUDA
 
 Result contract (as `indexer.select_topk` + `positions_to_slots`, up to order): the set of the
 k largest finite logits, in no particular order, then -1; rows with fewer than k finite logits
-keep all of them; ties at the threshold are taken in no defined order (exactly k entries).
+keep all of them; ties at the threshold are taken in no defined order by the launches and in
+row order by the one launch (`topk_fused`), exactly k entries either way.
 NaN counts as not visible.
 """
 
@@ -301,28 +302,16 @@ def _write_tail(Dst, t, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
     tl.store(Out + t * stride_o + i, unused, mask=(i >= taken) & (i < K))
 
 
-@triton.jit
-def _write_keys(x, pos, t, count, Dst, take_all, need, prefix, shift):
-    """The keys of x [BLOCK] (at row positions pos) that row t takes given its threshold (the
-    leading 32 - shift bits of the need-th key still to take: `prefix`), as pool slots at
-    positions of its output row reserved with atomics (count[0:2] = written, ties claimed)."""
-    key = _sortable(x) >> shift
-    ok = x > float("-inf")
-    # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
-    all_keys = (pos * 0 + take_all) != 0
-    gt = ok & ((key > prefix) | all_keys)
-    eq = ok & (key == prefix) & ~all_keys
-    n_eq = tl.sum(eq.to(tl.int32), 0)
-    tie0 = tl.atomic_add(count + 1, n_eq)  # ties claimed before this program
-    tie_rank = tie0 + tl.cumsum(eq.to(tl.int32), 0) - 1
-    _write_slots(gt | (eq & (tie_rank < need)), pos, t, count, Dst)
-
-
-# Per row: 4 x 256 digit counts (the launches fill the first two), (written, ties claimed by
-# the one-launch path / candidates appended by the launches), the one-launch path's four
-# pass counters, then the launches' split programs finished (SPLIT_DONE). Zeroed before the
-# top-k, once for the whole batch (`new_counts`).
-COUNTS = SPLIT_DONE_C.value + 1
+# Per row: 4 x 256 digit counts (the launches fill the first two), (written, candidates
+# appended by the launches), the one-launch path's four pass counters, the launches' split
+# programs finished (SPLIT_DONE), the one-launch path's counter for exact ties (TIE_SYNC),
+# then each of its programs' keys tied at the threshold (TIES, up to MAX_ROW_PROGRAMS; not
+# read before written). Zeroed before the top-k, once for the whole batch (`new_counts`).
+TIE_SYNC_C = tl.constexpr(SPLIT_DONE_C.value + 1)
+TIES_C = tl.constexpr(TIE_SYNC_C.value + 1)
+MAX_ROW_PROGRAMS_C = tl.constexpr(256)
+MAX_ROW_PROGRAMS = MAX_ROW_PROGRAMS_C.value
+COUNTS = TIES_C.value + MAX_ROW_PROGRAMS
 
 
 def new_counts(rows: int, device: torch.device, zeroed: bool = True) -> torch.Tensor:
