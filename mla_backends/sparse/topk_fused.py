@@ -32,8 +32,9 @@ from mla_backends.sparse.topk_kernel import (
     _count_digit,
     _digit_step,
     _row_block,
+    _row_slots,
     _sortable,
-    _write_slots,
+    _store_slots,
     _write_tail,
 )
 
@@ -53,10 +54,11 @@ SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, unused here), 4 
 @triton.jit
 def _row_sync(Counter, target):
     """Waits until `target` programs arrived at Counter: the counts every program of the row
-    added before it are then complete (release on arrival, acquire while spinning)."""
+    added before it are then complete (acquire-release on arrival, acquire while spinning)."""
     tl.debug_barrier()  # every thread of this program issued its histogram atomics
-    tl.atomic_add(Counter, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    # the arrival's own count first: the row's last program goes on without another round
+    # trip to L2 (acquire: it then sees what the others released)
+    seen = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu") + 1
     while seen < target:
         seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
@@ -79,6 +81,9 @@ def _topk_fused_kernel(
     # programs past the row's visible keys hold only -inf (they count nothing) but still
     # arrive at every pass counter
     x, pos, _, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
+    # every visible key's pool slot, loaded while the passes run: the write then stores them
+    # without a dependent read of the page table after its position atomic
+    slot = _row_slots(x > float("-inf"), pos, t, Dst)
     bins = tl.arange(0, 256)
     # each pass: count, wait for the row's other programs, then read the complete counts
     # past L1 (other SMs wrote them) and carry the threshold's digits to the next pass
@@ -131,7 +136,7 @@ def _topk_fused_kernel(
         i = tl.arange(0, MAX_ROW_PROGRAMS_C)
         rank += tl.sum(tl.load(hist_row + TIES_C + i, mask=i < me, other=0, volatile=True), 0)
     take = (ok & ((key > prefix) | all_keys)) | (eq & (rank < need))
-    _write_slots(take, pos, t, hist_row + 4 * 256, Dst)
+    _store_slots(take, slot, t, hist_row + 4 * 256, Dst)
     if tl.program_id(1) == 0:
         _write_tail(Dst, t, tl.minimum(total, K), K, BLOCK_K)
 

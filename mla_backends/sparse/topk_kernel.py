@@ -274,10 +274,23 @@ def _chunk(row_logits, cands, c, n, x0, pos0, CB: tl.constexpr):
 def _write_slots(take, pos, t, count, Dst):
     """The pool slots of row t's keys at row positions pos where `take`, at positions of its
     output row reserved with an atomic on count[0] (written so far)."""
-    Out, R2T, Rows, stride_o, stride_r2t = Dst
-    at = tl.atomic_add(count, tl.sum(take.to(tl.int32), 0)) + tl.cumsum(take.to(tl.int32), 0) - 1
+    _store_slots(take, _row_slots(take, pos, t, Dst), t, count, Dst)
+
+
+@triton.jit
+def _row_slots(mask, pos, t, Dst):
+    """The pool slots of row t's row positions pos where `mask` (0 elsewhere)."""
+    _, R2T, Rows, _, stride_r2t = Dst
     row = tl.load(Rows + t).to(tl.int64)
-    slot = tl.load(R2T + row * stride_r2t + pos, mask=take, other=0)
+    return tl.load(R2T + row * stride_r2t + pos, mask=mask, other=0)
+
+
+@triton.jit
+def _store_slots(take, slot, t, count, Dst):
+    """Pool slots `slot` where `take`, at positions of row t's output reserved with an atomic
+    on count[0] (written so far)."""
+    Out, _, _, stride_o, _ = Dst
+    at = tl.atomic_add(count, tl.sum(take.to(tl.int32), 0)) + tl.cumsum(take.to(tl.int32), 0) - 1
     tl.store(Out + t * stride_o + at, slot.to(tl.int32), mask=take)
 
 
