@@ -835,12 +835,17 @@ def test_topk_slots_fused_path_is_refused_off_a_gpu() -> None:
     interpreter runs programs one after another, so it is refused there (auto takes the
     launches)."""
     from mla_backends.sparse import topk_fused
-    from mla_backends.sparse.topk_kernel import topk_slots
+    from mla_backends.sparse.topk_kernel import TopkCall, new_counts, topk_slots
 
     assert topk_fused.block_for(1, 4096, torch.device("cpu")) is None
     r2t = torch.arange(8, dtype=torch.int32).view(1, 8)
     with pytest.raises(ValueError, match="do not fit one launch"):
         topk_slots(torch.randn(1, 8), 4, r2t, torch.zeros(1, dtype=torch.int64), path="fused")
+    # a row of more programs than the counters hold tie counts for: refused before a launch
+    wide = torch.zeros(1, 257 * 512)
+    call = TopkCall(wide, 4, r2t, torch.zeros(1).long(), r2t[0], False, new_counts(1, wide.device))
+    with pytest.raises(ValueError, match="exceed a row's programs"):
+        topk_fused.run(call, 512)
 
 
 def test_indexer_topk_path_is_checked_and_kept() -> None:

@@ -155,6 +155,8 @@ def block_for(t: int, width: int, device: torch.device, largest: int = BLOCKS[-1
 def run(call: TopkCall, block: int, num_warps: int | None = None) -> torch.Tensor:
     """The one launch in blocks of `block` keys (T x blocks <= SMs: `block_for`)."""
     (t, width), k = call.logits.shape, call.k
+    if cdiv(width, block) > MAX_ROW_PROGRAMS:  # the counters hold this many tie counts a row
+        raise ValueError(f"topk_fused: {width} keys in blocks of {block} exceed a row's programs")
     out, src, dst = call.kernel_args()
     _topk_fused_kernel[(t, cdiv(width, block))](
         src,
