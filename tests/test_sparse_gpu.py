@@ -560,6 +560,13 @@ def test_v32_model_decode_graphs_equal_eager(sparse: str, fp8_rows: bool) -> Non
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (300, 40, 150)]
+    # Hazard: equal within 2e-2 only while every decode row's keys fit one program of the
+    # one-launch top-k: across programs the slots' order is set by atomics, the attention
+    # then sums in another order, and this random model's expert routing turns that into
+    # 1-3 % (eighteenth session, BENCHMARKS.md). A change of block sizes fails here first.
+    from mla_backends.sparse import topk_fused
+
+    assert max(map(len, prompts)) + 8 <= topk_fused.BLOCKS[0]
     (eager, inline), (graphed, _), (beside, side) = engine(False), engine(), engine()
     assert inline.side is None and side.side is not None
     engines = (eager, graphed, beside)
