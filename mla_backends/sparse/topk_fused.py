@@ -81,9 +81,10 @@ def _topk_fused_kernel(
     # programs past the row's visible keys hold only -inf (they count nothing) but still
     # arrive at every pass counter
     x, pos, _, hist_row = _row_block(Src, t, BLOCK, HAS_VIS)
+    ok = x > float("-inf")  # the row's visible keys in this block
     # every visible key's pool slot, loaded while the passes run: the write then stores them
     # without a dependent read of the page table after its position atomic
-    slot = _row_slots(x > float("-inf"), pos, t, Dst)
+    slot = _row_slots(ok, pos, t, Dst)
     bins = tl.arange(0, 256)
     # each pass: count, wait for the row's other programs, then read the complete counts
     # past L1 (other SMs wrote them) and carry the threshold's digits to the next pass
@@ -124,7 +125,6 @@ def _topk_fused_kernel(
     # alone took 0.3-0.9 us longer and the batch-1 step 0.7-0.9 (H100, eighteenth session),
     # and exact ties came out in another set run to run.
     key = _sortable(x) >> shift
-    ok = x > float("-inf")
     # take_all as a block, not a scalar: scalar | block gives int32 in the interpreter
     all_keys = (pos * 0 + take_all) != 0
     eq = ok & (key == prefix) & ~all_keys
