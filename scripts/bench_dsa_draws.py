@@ -1,0 +1,150 @@
+"""DeepSeek-V3.2 decode step against dense decode over many query draws: issue 18's "indexer
+plus sparse attention faster than dense" at small batch, where one draw is not enough.
+
+Why: at batch 1 the step's top-k runs one radix pass more or fewer depending on the logits
+(~2.5 us of a ~30 us step on an H100), so one random query a point, as `bench_sparse.py`
+draws, moves the ratio by ~0.1 (BENCHMARKS.md, eighteenth session). Here every point is
+timed over `--draws` fresh draws of the indexer's q and head weights and the attention's q
+(same pools, same context): each draw's step (indexer + our `triton` sparse attention in one
+captured graph, as a decode graph runs it) and our dense `triton` decode of the same
+context, both graph-replayed back to back; then the median, the spread and each draw's
+ratio, and how many radix passes the one-launch top-k ran on that draw's logits (8-bit
+digits) and how many wider digits would have taken on the same logits.
+
+    python3 scripts/bench_dsa_draws.py --contexts 16384,32768 --heads 128,16 --draws 8 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from bench_sparse import build_pools, dense, timed
+
+from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import MLADims
+from mla_backends.sparse.base import SparseContext, create_sparse_backend
+from mla_backends.sparse.indexer import Indexer, IndexerDims
+from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
+
+# Digit widths (high to low) of the radix passes: the one-launch top-k's (`topk_fused`), and
+# wider ones it does not run, counted on the same logits to say what they would save.
+DIGITS = {"8x4": (8, 8, 8, 8), "12+12+8": (12, 12, 8), "11+11+10": (11, 11, 10)}
+
+
+def radix_passes(logits: torch.Tensor, k: int, digits: tuple[int, ...] = DIGITS["8x4"]) -> int:
+    """The digit passes a radix select of the k largest runs on one row, stopping once the
+    threshold's bucket holds exactly the keys still needed (`topk_fused`'s rule; its digits
+    are 8x4), replayed in torch."""
+    x = logits[torch.isfinite(logits)].float()
+    if x.numel() <= k:
+        return 1
+    b = x.view(torch.int32).long() & 0xFFFFFFFF
+    key = torch.where(b >> 31 == 1, ~b & 0xFFFFFFFF, b | 0x80000000)  # order-preserving
+    need, match, shift = k, torch.ones_like(key, dtype=torch.bool), 32
+    for p, width in enumerate(digits):
+        shift -= width
+        digit = (key >> shift) & ((1 << width) - 1)
+        hist = torch.bincount(digit[match], minlength=1 << width)
+        above = hist.flip(0).cumsum(0).flip(0)  # keys with a digit >= d
+        d = int((above >= need).nonzero().max())
+        need -= int(above[d] - hist[d])
+        if int(hist[d]) == need:
+            return p + 1
+        match &= digit == d
+    return len(digits)
+
+
+def run_point(ctx: int, b: int, heads: list[int], draws: int, pools) -> list[dict]:  # type: ignore[no-untyped-def]
+    bf16, _, cache, req = pools
+    dev = torch.device("cuda")
+    rows = list(range(1, b + 1))
+    loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
+    batch = ForwardBatch.build(ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev)
+    idims = IndexerDims()
+    ix = Indexer(idims, cache, req.req_to_token, "triton")
+    ix.init_forward_metadata(batch)
+    md = ix.metadata
+    assert md is not None
+    out = []
+    for h in heads:
+        dims = MLADims(h, 512, 64, 128, 128, 40.0, 1.0)
+        sctx = SparseContext(dims, bf16, req, idims.topk, torch.bfloat16)
+        be = create_sparse_backend("triton", sctx)
+        be.init_forward_metadata(batch)
+        per_draw = []
+        for _ in range(draws):
+            q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
+            w = torch.randn(b, 64, device=dev)
+            ang = torch.rand(b, 32, device=dev) * 6
+            cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+            q = torch.randn(b, h, 576, device=dev).bfloat16()
+            qn, qr = q[..., :512], q[..., 512:]
+
+            def step() -> object:
+                slots = ix.select(0, q_idx, w, cos, sin)
+                return be.forward_sparse(0, qn, qr, slots, batch)  # noqa: B023
+
+            qp, wp = prepare_q_fused(idims, q_idx, w, cos, sin)
+            logits = index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width)
+            s = timed(step, True)["graph"] * 1e3
+            d = dense("triton", batch, qn, qr, bf16, req, dims, True)["graph"] * 1e3
+            passes = {
+                name: [radix_passes(logits[i], idims.topk, dig) for i in range(b)]
+                for name, dig in DIGITS.items()
+            }
+            per_draw.append({"step_us": s, "dense_us": d, "dense/step": d / s, "passes": passes})
+        ratios = [x["dense/step"] for x in per_draw]
+        row = {
+            "context": ctx, "batch": b, "heads": h, "draws": per_draw,
+            "step_median_us": statistics.median(x["step_us"] for x in per_draw),
+            "dense_median_us": statistics.median(x["dense_us"] for x in per_draw),
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }  # fmt: skip
+        out.append(row)
+        print(
+            f"ctx {ctx} B {b} H {h}: step {row['step_median_us']:.1f} us, dense "
+            f"{row['dense_median_us']:.1f} us, dense/step median {row['ratio_median']:.3f} "
+            f"(min {row['ratio_min']:.3f}, max {row['ratio_max']:.3f}); per draw "
+            + " ".join(f"{x['dense/step']:.2f}/p{max(x['passes']['8x4'])}" for x in per_draw)
+            + "; passes at 12+12+8 / 11+11+10: "
+            + " ".join(
+                f"{max(x['passes']['12+12+8'])}/{max(x['passes']['11+11+10'])}" for x in per_draw
+            ),
+            flush=True,
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="16384,32768")
+    p.add_argument("--batch", default="1")
+    p.add_argument("--heads", default="128,16")
+    p.add_argument("--draws", type=int, default=8)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_dsa_draws.py needs a CUDA GPU")
+    if a.draws < 1:
+        raise SystemExit(f"--draws must be >= 1, got {a.draws}")
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    contexts, batches, heads = ints(a.contexts), ints(a.batch), ints(a.heads)
+    pools = build_pools(max(batches), max(contexts), False)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    rows: list[dict] = []
+    for ctx in contexts:
+        for b in batches:
+            rows += run_point(ctx, b, heads, a.draws, pools)
+            doc = {"meta": meta, "rows": rows}
+            (out / "bench_dsa_draws.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
