@@ -1,6 +1,7 @@
 """Compile the indexer's kernels for SM90 offline (no GPU: Triton ships ptxas), as the
 indexer launches them at DeepSeek-V3.2's dims (64 index heads of 128, k 2048): q prep, the
-logits, the top-k's three launches and its one launch; print one JSON line per kernel:
+logits, the top-k's three launches and its one launch (8-bit digits, and with its 16-bit
+middle digit); print one JSON line per kernel:
 registers, local memory and stack frame (spills go to either), shared memory. Pointers are
 marked aligned and strides multiples of 16, as the JIT specialises them at run time for
 DeepSeek-V3.2's shapes. The interpreter, which CI runs these kernels in, never compiles
@@ -79,12 +80,16 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
             {**row, "BLOCK_K": K, "CB": tk.RESOLVE_CHUNK},
             8,
         ),
-        (
-            "fused",
-            topk_fused._topk_fused_kernel,
-            {**SRC, **DST},
-            {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True},
-            8,
+        *(
+            (
+                name,
+                topk_fused._topk_fused_kernel,
+                {**SRC, **DST},
+                {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True}
+                | {"WIDE": wide},
+                8,
+            )
+            for name, wide in (("fused", False), ("fused_wide", True))
         ),
     ]
 

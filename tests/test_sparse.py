@@ -232,12 +232,16 @@ def test_indexer_fused_q_prep_equals_the_torch_maths(quantized: bool, act: torch
 def test_indexer_fused_q_prep_zeroes_the_topk_counters() -> None:
     """`prepare_q_fused(zero=)` sets every counter to 0 in its own launch (the indexer's
     decode then has no fill kernel), whatever the counters held, from one program or
-    several (T 7: two programs sharing 7217 counters as 3609 + 3608), and nothing past them
+    several (T 7: 9016 counters over three programs, the third one's only work: a program
+    zeroes at most `ZERO_SHARE`), and nothing past them
     (the counters a slice of a larger buffer); q and the weights as without it; T 0 too."""
     from mla_backends.sparse.indexer_kernels import prepare_q_fused
     from mla_backends.sparse.topk_kernel import COUNTS
 
     dims = IndexerDims(4, 32, 16, 8, True)
+    from mla_backends.sparse.indexer_kernels import ZERO_SHARE
+
+    assert 7 * COUNTS > 2 * ZERO_SHARE  # T 7: more programs than its 28 q rows take
     for t in (1, 7):
         _, q, w, cos, sin = _indexer_inputs(dims, t, 3)
         buf = torch.full(((t + 2) * COUNTS,), 7, dtype=torch.int32)
@@ -648,7 +652,7 @@ def test_indexer_kernels_compile_for_sm90() -> None:
     as the MMA's register operand (only q in shared memory: 16 KB); the looping logits kernel
     within its cap of 168 registers (three programs an SM), whose price is ~100 B of spills."""
     uses = compile_usage("compile_indexer_sm90.py")
-    names = ["prep_q", "logits", "logits_loop", "hist", "split", "fused"]
+    names = ["prep_q", "logits", "logits_loop", "hist", "split", "fused", "fused_wide"]
     assert [u["kernel"] for u in uses] == names, uses
     for use in uses:
         assert use["shared"] <= 48 * 1024, use

@@ -77,7 +77,21 @@ def test_triton_sparse_backend_at_tiny_dims(mode: str, act: str) -> None:
     assert not detail, detail
 
 
-@pytest.mark.parametrize("path", ["launches", "fused"])
+PATHS = ["launches", "fused", "fused_wide"]
+
+
+def _topk(logits, k, r2t, rows, vis=None, path="auto"):  # type: ignore[no-untyped-def]
+    """`topk_slots` on `path`, where "fused" is the one launch on counters of COUNTS (8-bit
+    digits) and "fused_wide" the one launch on WIDE counters (its 16-bit middle digit)."""
+    from mla_backends.sparse.topk_kernel import new_counts, topk_slots
+
+    if path.startswith("fused"):
+        counts = new_counts(logits.shape[0], logits.device, wide=path == "fused_wide")
+        return topk_slots(logits, k, r2t, rows, vis, path="fused", counts=counts)
+    return topk_slots(logits, k, r2t, rows, vis, path=path)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("with_visible", [False, True], ids=["masked", "visible"])
 @pytest.mark.parametrize("width", [1500, 16384, 40000, 131072])
 def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool, path: str) -> None:
@@ -86,7 +100,6 @@ def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool, pa
     torch.topk + the slot mapping on distinct logits (no ties), rows with more and fewer
     visible keys than top-k."""
     from mla_backends.sparse.indexer import positions_to_slots, select_topk
-    from mla_backends.sparse.topk_kernel import topk_slots
 
     g = torch.Generator(device="cuda").manual_seed(width)
     t, k = 6, 2048
@@ -103,9 +116,9 @@ def test_topk_slots_kernel_matches_torch_topk(width: int, with_visible: bool, pa
     if with_visible:  # past visible: large garbage, which only `visible` keeps out
         limit = vis.clamp(max=width).to(torch.int32)
         past = torch.arange(width, device="cuda")[None] >= limit[:, None]
-        got = topk_slots(logits.masked_fill(past, 1e6), k, r2t, rows, limit, path=path)
+        got = _topk(logits.masked_fill(past, 1e6), k, r2t, rows, limit, path=path)
     else:
-        got = topk_slots(logits, k, r2t, rows, path=path)
+        got = _topk(logits, k, r2t, rows, path=path)
     for i in range(t):
         a, b = got[i].tolist(), want[i].tolist()
         assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i
@@ -129,12 +142,11 @@ def test_topk_slots_launches_keep_one_program_rows_in_order() -> None:
         assert torch.equal(topk_slots(logits, k, r2t, rows, path="launches"), first)
 
 
-@pytest.mark.parametrize("path", ["launches", "fused"])
+@pytest.mark.parametrize("path", PATHS)
 def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
     """Ties at the threshold over many programs: exactly k distinct slots, all at or above the
     k-th value; repeated calls (fresh counters each) give the same counts; the one launch
     takes the first tied keys in row order (32 programs a row here), the launches any."""
-    from mla_backends.sparse.topk_kernel import topk_slots
 
     k, width = 2048, 65536
     logits = torch.ones(3, width, device="cuda")
@@ -143,17 +155,17 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
     r2t = torch.arange(width, dtype=torch.int32, device="cuda").view(1, width).repeat(3, 1)
     rows = torch.tensor([0, 1, 2], device="cuda")
     for _ in range(3):
-        got = topk_slots(logits, k, r2t, rows, path=path).cpu()
+        got = _topk(logits, k, r2t, rows, path=path).cpu()
         assert len(set(got[0].tolist())) == k and (got[0] % 7 == 0).all()
         assert len(set(got[1].tolist())) == k and (got[1] >= 0).all()
         assert len(set(got[2].tolist())) == k and (got[2] >= 0).all() and (got[2] < 5000).all()
-        if path == "fused":  # slots are positions here
+        if path != "launches":  # slots are positions here
             assert torch.equal(got[0].sort().values, torch.arange(0, 7 * k, 7, dtype=torch.int32))
             assert torch.equal(got[1].sort().values, torch.arange(k, dtype=torch.int32))
             assert torch.equal(got[2].sort().values, torch.arange(k, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("path", ["launches", "fused"])
+@pytest.mark.parametrize("path", PATHS)
 def test_topk_slots_kernel_stops_after_any_pass(path: str) -> None:
     """Both paths stop once the threshold's bucket holds exactly the keys still needed (the
     one launch skips its later passes, the launches' resolve its later digits): rows built to
@@ -161,7 +173,6 @@ def test_topk_slots_kernel_stops_after_any_pass(path: str) -> None:
     (powers of four, powers of two, 1 + i 2^-15, 1 + i 2^-23), and a row with fewer keys than
     k, each the same set as torch.topk (no ties)."""
     from mla_backends.sparse.indexer import positions_to_slots, select_topk
-    from mla_backends.sparse.topk_kernel import topk_slots
 
     k, width = 16, 4096
     rows_vals = [
@@ -179,7 +190,7 @@ def test_topk_slots_kernel_stops_after_any_pass(path: str) -> None:
     r2t = torch.arange(width, dtype=torch.int32, device="cuda").view(1, width)
     rows = torch.zeros(len(rows_vals), dtype=torch.int64, device="cuda")
     want = positions_to_slots(select_topk(logits, k), r2t, rows)
-    got = topk_slots(logits, k, r2t, rows, path=path)
+    got = _topk(logits, k, r2t, rows, path=path)
     for i in range(len(rows_vals)):
         a, b = got[i].tolist(), want[i].tolist()
         assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i

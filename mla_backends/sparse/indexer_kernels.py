@@ -18,6 +18,7 @@ from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
 
 PAGE_C = tl.constexpr(PAGE)
+ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
 
 
 @triton.jit
@@ -141,8 +142,9 @@ def _prep_q_kernel(
     ZERO_BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    """One program: BLOCK_R (token, head) rows of q, row r = token * HI + head; and its share
-    of the n_zero int32 at Zero (the top-k's counters, `zero=`) set to 0."""
+    """One program: BLOCK_R (token, head) rows of q, row r = token * HI + head (none past
+    n_rows: the grid may hold more programs, for the zeroing); and its share of the n_zero
+    int32 at Zero (the top-k's counters, `zero=`) set to 0."""
     wait_previous(USE_GDC)
     # Released after the wait, not before: every kernel before this one has then finished,
     # so the logits kernel may read the index keys, slots and visible counts before its own
@@ -156,20 +158,22 @@ def _prep_q_kernel(
     for z in range(tl.program_id(0) * share, end, ZERO_BLOCK):
         i = z + tl.arange(0, ZERO_BLOCK)
         tl.store(Zero + i, tl.zeros([ZERO_BLOCK], tl.int32), mask=i < end)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < n_rows
-    t = (r // HI).to(tl.int64)
-    h = r % HI
-    rows = Q + t * stride_q_t + h * stride_q_h
-    y, zero = _rope_rows(rows, r_ok, t * stride_cs, Cos, Sin, D, HALF)
-    w = tl.load(W + t * stride_w + h, mask=r_ok, other=0.0).to(tl.float32) * weight_scale
-    if QUANT:
-        y, scale = _rotate_quant(y, zero, D, LOWP_DOT, EXACT_FP8_ROUND)
-        w = w * scale
-    d = tl.arange(0, D)
-    r64 = r.to(tl.int64)
-    tl.store(Out + r64[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=r_ok[:, None])
-    tl.store(WOut + r64, w, mask=r_ok)
+    if tl.program_id(0) * BLOCK_R < n_rows:
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < n_rows
+        t = (r // HI).to(tl.int64)
+        h = r % HI
+        rows = Q + t * stride_q_t + h * stride_q_h
+        y, zero = _rope_rows(rows, r_ok, t * stride_cs, Cos, Sin, D, HALF)
+        w = tl.load(W + t * stride_w + h, mask=r_ok, other=0.0).to(tl.float32) * weight_scale
+        if QUANT:
+            y, scale = _rotate_quant(y, zero, D, LOWP_DOT, EXACT_FP8_ROUND)
+            w = w * scale
+        d = tl.arange(0, D)
+        r64 = r.to(tl.int64)
+        out = Out + r64[:, None] * D + d[None, :]
+        tl.store(out, y.to(Out.dtype.element_ty), mask=r_ok[:, None])
+        tl.store(WOut + r64, w, mask=r_ok)
 
 
 def prepare_q_fused(
@@ -203,7 +207,11 @@ def prepare_q_fused(
     cos, sin = cos.contiguous(), sin.contiguous()
     block_r = 16
     n_zero = 0 if zero is None else zero.numel()
-    _prep_q_kernel[(cdiv(t * hi, block_r),)](
+    # at most ZERO_SHARE counters a program: the top-k's wide counters (256 KB a row at batch
+    # 1, `topk_kernel.new_counts`) over the 4 programs of a batch-1 q would keep each storing
+    # 64 KB, at one SM's share of bandwidth, while the logits wait for this launch to end
+    grid = max(cdiv(t * hi, block_r), cdiv(n_zero, ZERO_SHARE))
+    _prep_q_kernel[(grid,)](
         q,
         w,
         cos,

@@ -24,13 +24,16 @@ from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.topk_kernel import (
+    COUNTS,
     MAX_ROW_PROGRAMS,
     MAX_ROW_PROGRAMS_C,
     TIE_SYNC_C,
     TIES_C,
+    WIDE,
     TopkCall,
     _count_digit,
     _digit_step,
+    _masked_histogram,
     _row_block,
     _row_slots,
     _sortable,
@@ -49,6 +52,7 @@ WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
 # session, BENCHMARKS.md); an explicit `fused` still takes them.
 AUTO_LARGEST = 4096
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, unused here), 4 pass counters
+WIDE_C = tl.constexpr(COUNTS)  # a WIDE row's 16-bit digit counts (`topk_kernel.new_counts`)
 
 
 @triton.jit
@@ -65,6 +69,30 @@ def _row_sync(Counter, target):
 
 
 @triton.jit
+def _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK: tl.constexpr, SYNC: tl.constexpr):
+    """The second pass over a 16-bit digit (key bits 23..8) of the keys sharing the
+    threshold's first 8 bits (`prefix`): each adds its fine count to the row's 2^16 bins (one
+    atomic a key: the keys of one 8-bit bucket spread over its 65536 bins, few to a bin) and
+    its coarse count (the digit's high byte, one `tl.histogram`) to the pass-1 counts; after
+    the wait the threshold's high byte from the 256 coarse counts, then its low byte from
+    that byte's 256 fine ones, so no program scans 65536 bins. -> (need, prefix, done)."""
+    bins = tl.arange(0, 256)
+    key = _sortable(x)
+    match = ok & ((key >> 24) == prefix)
+    d16 = ((key >> 8) & 0xFFFF).to(tl.int32)
+    coarse = _masked_histogram(d16 >> 8, match, BLOCK)
+    tl.atomic_add(hist_row + 256 + bins, coarse, mask=coarse > 0)
+    fine = hist_row + WIDE_C
+    tl.atomic_add(fine + d16, tl.full([BLOCK], 1, tl.int32), mask=match, sem="relaxed")
+    _row_sync(hist_row + SYNC + 1, progs)
+    hi, need = _digit_step(tl.load(hist_row + 256 + bins, volatile=True), bins, need)
+    h = tl.load(fine + hi * 256 + bins, volatile=True)
+    lo, need = _digit_step(h, bins, need)
+    prefix = (prefix << 16) | (hi << 8).to(tl.uint32) | lo.to(tl.uint32)
+    return need, prefix, (tl.sum(tl.where(bins == lo, h, 0), 0) == need).to(tl.int32)
+
+
+@triton.jit
 def _topk_fused_kernel(
     Src,
     Dst,
@@ -74,6 +102,7 @@ def _topk_fused_kernel(
     HAS_VIS: tl.constexpr,
     SYNC: tl.constexpr,
     USE_GDC: tl.constexpr,
+    WIDE: tl.constexpr = False,
 ):
     wait_previous(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
@@ -101,8 +130,13 @@ def _topk_fused_kernel(
     # program waits at a counter the others never reach.
     done = ((total <= K) | (tl.sum(tl.where(bins == b, h, 0), 0) == need)).to(tl.int32)
     shift = (total * 0 + 24).to(tl.uint32)  # a tensor: it changes inside a runtime branch
-    for p in tl.static_range(1, 4):
+    if WIDE:
+        # bits 23..8 as one digit: 2 passes settle most rows where 8-bit digits take 3
         if done == 0:
+            need, prefix, done = _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK, SYNC)
+            shift -= 16
+    for p in tl.static_range(1, 4):
+        if (p == 3 or not WIDE) and done == 0:  # p 1 and 2: the wide pass's bits
             _count_digit(x, hist_row, p, prefix, BLOCK)
             _row_sync(hist_row + SYNC + p, progs)
             h = tl.load(hist_row + p * 256 + bins, volatile=True)
@@ -166,6 +200,7 @@ def run(call: TopkCall, block: int, num_warps: int | None = None) -> torch.Tenso
         BLOCK_K=next_pow2(k),
         HAS_VIS=call.has_vis,
         SYNC=SYNC,
+        WIDE=call.counts.shape[1] >= WIDE,
         num_warps=num_warps or WARPS[block],
         **pdl_args(out.device),
     )
