@@ -8,8 +8,8 @@ timed over `--draws` fresh draws of the indexer's q and head weights and the att
 (same pools, same context): each draw's step (indexer + our `triton` sparse attention in one
 captured graph, as a decode graph runs it) and our dense `triton` decode of the same
 context, both graph-replayed back to back; then the median, the spread and each draw's
-ratio, and how many radix passes the one-launch top-k ran on that draw's logits (8-bit
-digits) and how many wider digits would have taken on the same logits.
+ratio, and how many radix passes the one-launch top-k takes on that draw's logits with
+8-bit digits and with its 16-bit middle digit (batch <= 4), and other widths for comparison.
 
     python3 scripts/bench_dsa_draws.py --contexts 16384,32768 --heads 128,16 --draws 8 --out OUT
 """
@@ -30,15 +30,17 @@ from mla_backends.sparse.base import SparseContext, create_sparse_backend
 from mla_backends.sparse.indexer import Indexer, IndexerDims
 from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
 
-# Digit widths (high to low) of the radix passes: the one-launch top-k's (`topk_fused`), and
-# wider ones it does not run, counted on the same logits to say what they would save.
-DIGITS = {"8x4": (8, 8, 8, 8), "12+12+8": (12, 12, 8), "11+11+10": (11, 11, 10)}
+# Digit widths (high to low) of the radix passes: the one-launch top-k's on COUNTS counters
+# (8x4) and on WIDE ones (8+16+8, batches up to 4: `topk_kernel.new_counts`), and others it
+# does not run, counted on the same logits to say what they would save.
+DIGITS = {"8x4": (8, 8, 8, 8), "8+16+8": (8, 16, 8), "12+12+8": (12, 12, 8)}
+DIGITS["11+11+10"] = (11, 11, 10)
 
 
 def radix_passes(logits: torch.Tensor, k: int, digits: tuple[int, ...] = DIGITS["8x4"]) -> int:
     """The digit passes a radix select of the k largest runs on one row, stopping once the
-    threshold's bucket holds exactly the keys still needed (`topk_fused`'s rule; its digits
-    are 8x4), replayed in torch."""
+    threshold's bucket holds exactly the keys still needed (`topk_fused`'s rule), replayed
+    in torch."""
     x = logits[torch.isfinite(logits)].float()
     if x.numel() <= k:
         return 1
@@ -111,9 +113,9 @@ def run_point(ctx: int, b: int, heads: list[int], draws: int, pools) -> list[dic
             f"{row['dense_median_us']:.1f} us, dense/step median {row['ratio_median']:.3f} "
             f"(min {row['ratio_min']:.3f}, max {row['ratio_max']:.3f}); per draw "
             + " ".join(f"{x['dense/step']:.2f}/p{max(x['passes']['8x4'])}" for x in per_draw)
-            + "; passes at 12+12+8 / 11+11+10: "
+            + "; passes at 8+16+8 / 12+12+8: "
             + " ".join(
-                f"{max(x['passes']['12+12+8'])}/{max(x['passes']['11+11+10'])}" for x in per_draw
+                f"{max(x['passes']['8+16+8'])}/{max(x['passes']['12+12+8'])}" for x in per_draw
             ),
             flush=True,
         )

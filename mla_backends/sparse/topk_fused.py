@@ -4,7 +4,11 @@ through the radix passes and the write, and the programs of a row wait for each 
 digit counts between passes on a counter in global memory. That removes four of the five
 launches of `topk_kernel`, which at batch 1 are most of its time (each pass there is a few
 microseconds of work between two launch gaps). The passes stop early once the threshold's
-bucket holds exactly the keys still needed (on random logits usually after three).
+bucket holds exactly the keys still needed: on random logits usually after three 8-bit
+digits, or after two where the counters are WIDE (`topk_kernel.new_counts`, batches up to 4):
+the second pass then takes key bits 23..8 as one 16-bit digit (`_wide_pass`). Each pass with
+its wait costs a batch-1 row ~2.5 us on an H100; the wide one ~0.5 us more than an 8-bit one
+(nineteenth session, BENCHMARKS.md).
 
 Hazard: a program spinning on its row's counter waits for programs of the same launch, so
 every program must be resident at once: the grid is kept to one program per SM (T x blocks
