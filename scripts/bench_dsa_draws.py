@@ -26,9 +26,11 @@ from bench_sparse import build_pools, dense, timed
 
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
+from mla_backends.kernels.common import num_sms
 from mla_backends.sparse.base import SparseContext, create_sparse_backend
 from mla_backends.sparse.indexer import Indexer, IndexerDims
 from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
+from mla_backends.sparse.triton_backend import gluon_here, launch_config
 
 # Digit widths (high to low) of the radix passes: the one-launch top-k's on COUNTS counters
 # (8x4) and on WIDE ones (8+16+8, batches up to 4: `topk_kernel.new_counts`), and others it
@@ -60,7 +62,9 @@ def radix_passes(logits: torch.Tensor, k: int, digits: tuple[int, ...] = DIGITS[
     return len(digits)
 
 
-def run_point(ctx: int, b: int, heads: list[int], draws: int, pools) -> list[dict]:  # type: ignore[no-untyped-def]
+def run_point(
+    ctx: int, b: int, heads: list[int], draws: int, pools, splits: list[int]
+) -> list[dict]:  # type: ignore[no-untyped-def]
     bf16, _, cache, req = pools
     dev = torch.device("cuda")
     rows = list(range(1, b + 1))
@@ -94,11 +98,19 @@ def run_point(ctx: int, b: int, heads: list[int], draws: int, pools) -> list[dic
             logits = index_logits(cache, 0, qp, wp, req.req_to_token, md.rows, md.visible, md.width)
             s = timed(step, True)["graph"] * 1e3
             d = dense("triton", batch, qn, qr, bf16, req, dims, True)["graph"] * 1e3
+            at_splits = {}
+            for n in splits:  # the sparse kernel's KV splits set by hand, the step again
+                cfg = launch_config(h, False, b, idims.topk, num_sms(dev), gluon_here(dev))
+                be.launch = {**cfg, "splits": n}
+                at_splits[n] = timed(step, True)["graph"] * 1e3
+                be.launch = None
             passes = {
                 name: [radix_passes(logits[i], idims.topk, dig) for i in range(b)]
                 for name, dig in DIGITS.items()
             }
             per_draw.append({"step_us": s, "dense_us": d, "dense/step": d / s, "passes": passes})
+            if splits:
+                per_draw[-1]["step_us_at_splits"] = at_splits
         ratios = [x["dense/step"] for x in per_draw]
         row = {
             "context": ctx, "batch": b, "heads": h, "draws": per_draw,
@@ -107,6 +119,10 @@ def run_point(ctx: int, b: int, heads: list[int], draws: int, pools) -> list[dic
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios),
         }  # fmt: skip
+        if splits:
+            row["step_median_us_at_splits"] = {
+                n: statistics.median(x["step_us_at_splits"][n] for x in per_draw) for n in splits
+            }
         out.append(row)
         print(
             f"ctx {ctx} B {b} H {h}: step {row['step_median_us']:.1f} us, dense "
@@ -119,6 +135,8 @@ def run_point(ctx: int, b: int, heads: list[int], draws: int, pools) -> list[dic
             ),
             flush=True,
         )
+        if splits:
+            print("  step at KV splits:", row["step_median_us_at_splits"], flush=True)
     return out
 
 
@@ -128,6 +146,9 @@ def main() -> None:
     p.add_argument("--batch", default="1")
     p.add_argument("--heads", default="128,16")
     p.add_argument("--draws", type=int, default=8)
+    p.add_argument(
+        "--splits", default="", help="also the step with the sparse kernel at these KV splits"
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -143,7 +164,7 @@ def main() -> None:
     rows: list[dict] = []
     for ctx in contexts:
         for b in batches:
-            rows += run_point(ctx, b, heads, a.draws, pools)
+            rows += run_point(ctx, b, heads, a.draws, pools, ints(a.splits))
             doc = {"meta": meta, "rows": rows}
             (out / "bench_dsa_draws.json").write_text(json.dumps(doc, indent=1))
 
