@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
-from bench_sparse import build_pools, dense, timed
+from bench_sparse import dense, ints, start, timed
 
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
@@ -151,16 +150,9 @@ def main() -> None:
     )
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_dsa_draws.py needs a CUDA GPU")
     if a.draws < 1:
         raise SystemExit(f"--draws must be >= 1, got {a.draws}")
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    contexts, batches, heads = ints(a.contexts), ints(a.batch), ints(a.heads)
-    pools = build_pools(max(batches), max(contexts), False)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    contexts, batches, heads, pools, out, meta = start(a, "bench_dsa_draws.py", False)
     rows: list[dict] = []
     for ctx in contexts:
         for b in batches:

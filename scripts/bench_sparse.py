@@ -408,6 +408,23 @@ def markdown_topk(rows: list[dict], mode: str) -> str:
     return "\n".join(lines)
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def start(a: argparse.Namespace, script: str, fp8_rows: bool):  # type: ignore[no-untyped-def]
+    """A run's set-up from its parsed --contexts / --batch / --heads / --out: (contexts,
+    batches, heads, `build_pools` for them, the output folder, made, and the run's metadata)."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    contexts, batches, heads = ints(a.contexts), ints(a.batch), ints(a.heads)
+    pools = build_pools(max(batches), max(contexts), fp8_rows)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    return contexts, batches, heads, pools, out, meta
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,32768,65536,131072")
@@ -423,14 +440,7 @@ def main() -> None:
     )
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_sparse.py needs a CUDA GPU")
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    contexts, batches, heads = ints(a.contexts), ints(a.batch), ints(a.heads)
-    pools = build_pools(max(batches), max(contexts), not a.no_fp8_rows)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    contexts, batches, heads, pools, out, meta = start(a, "bench_sparse.py", not a.no_fp8_rows)
     rows = []
     for ctx in contexts:
         for b in batches:
