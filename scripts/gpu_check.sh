@@ -30,7 +30,7 @@
 #     of the Hopper-kernel targets (PARTS: small, h128, heads, fp8; mla_backends/bench/hopper.py).
 #   dsa: DeepSeek-V3.2 sparse decode, 16k-128k, B 1 / 16 / 64, H 128 and 16
 #     (scripts/bench_sparse.py); run TESTS=tests-5 first for its GPU tests (tests-1 holds the
-#     Gluon sparse kernels' own).
+#     Gluon sparse kernels' own, tests-4 the top-k kernel's).
 #   suite: the whole GPU suite at once, SHARDS (default 12) pytest processes on one GPU, the
 #     compiles spread over the host's cores (scripts/pytest_shards.py); SUITE_TREE=DIR runs
 #     another checkout's suite instead (the tree before a refactor, with SUITE_SELECT, default
