@@ -32,7 +32,7 @@ from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
 from mla_backends.sparse.triton_backend import gluon_here, launch_config
 
 # Digit widths (high to low) of the radix passes: the one-launch top-k's on COUNTS counters
-# (8x4) and on WIDE ones (8+16+8, batches up to 4: `topk_kernel.new_counts`), and others it
+# (8x4) and on wide ones (8+16+8, batches up to 4: `topk_kernel.new_counts`), and others it
 # does not run, counted on the same logits to say what they would save.
 DIGITS = {"8x4": (8, 8, 8, 8), "8+16+8": (8, 16, 8), "12+12+8": (12, 12, 8)}
 DIGITS["11+11+10"] = (11, 11, 10)

@@ -82,7 +82,7 @@ PATHS = ["launches", "fused", "fused_wide"]
 
 def _topk(logits, k, r2t, rows, vis=None, path="auto"):  # type: ignore[no-untyped-def]
     """`topk_slots` on `path`, where "fused" is the one launch on counters of COUNTS (8-bit
-    digits) and "fused_wide" the one launch on WIDE counters (its 16-bit middle digit)."""
+    digits) and "fused_wide" the one launch on wide counters (its 16-bit middle digit)."""
     from mla_backends.sparse.topk_kernel import new_counts, topk_slots
 
     if path.startswith("fused"):

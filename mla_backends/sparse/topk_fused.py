@@ -5,7 +5,7 @@ digit counts between passes on a counter in global memory. That removes four of 
 launches of `topk_kernel`, which at batch 1 are most of its time (each pass there is a few
 microseconds of work between two launch gaps). The passes stop early once the threshold's
 bucket holds exactly the keys still needed: on random logits usually after three 8-bit
-digits, or after two where the counters are WIDE (`topk_kernel.new_counts`, batches up to 4):
+digits, or after two on wide counters (`topk_kernel.new_counts`, batches up to 4):
 the second pass then takes key bits 23..8 as one 16-bit digit (`_wide_pass`). Each pass with
 its wait costs a batch-1 row ~2.5 us on an H100; the wide one ~0.5 us more than an 8-bit one
 (nineteenth session, BENCHMARKS.md).
@@ -33,7 +33,7 @@ from mla_backends.sparse.topk_kernel import (
     MAX_ROW_PROGRAMS_C,
     TIE_SYNC_C,
     TIES_C,
-    WIDE,
+    WIDE_COUNTS,
     TopkCall,
     _count_digit,
     _digit_step,
@@ -56,7 +56,7 @@ WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
 # session, BENCHMARKS.md); an explicit `fused` still takes them.
 AUTO_LARGEST = 4096
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, unused here), 4 pass counters
-WIDE_C = tl.constexpr(COUNTS)  # a WIDE row's 16-bit digit counts (`topk_kernel.new_counts`)
+WIDE_C = tl.constexpr(COUNTS)  # a wide row's 16-bit digit counts (`topk_kernel.new_counts`)
 
 
 @triton.jit
@@ -204,7 +204,7 @@ def run(call: TopkCall, block: int, num_warps: int | None = None) -> torch.Tenso
         BLOCK_K=next_pow2(k),
         HAS_VIS=call.has_vis,
         SYNC=SYNC,
-        WIDE=call.counts.shape[1] >= WIDE,
+        WIDE=call.counts.shape[1] >= WIDE_COUNTS,
         num_warps=num_warps or WARPS[block],
         **pdl_args(out.device),
     )

@@ -320,7 +320,7 @@ def _write_tail(Dst, t, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
 # programs finished (SPLIT_DONE), the one-launch path's counter for exact ties (TIE_SYNC),
 # then each of its programs' keys tied at the threshold (TIES, up to MAX_ROW_PROGRAMS; not
 # read before written). Zeroed before the top-k, once for the whole batch (`new_counts`).
-# Rows of `WIDE` counters hold 2^16 more after those: the one launch's 16-bit middle digit
+# Wide rows (WIDE_COUNTS) hold 2^16 more after those: the one launch's 16-bit middle digit
 # (`topk_fused`), which settles a row in two passes where 8-bit digits take three.
 TIE_SYNC_C = tl.constexpr(SPLIT_DONE_C.value + 1)
 TIES_C = tl.constexpr(TIE_SYNC_C.value + 1)
@@ -328,8 +328,8 @@ MAX_ROW_PROGRAMS_C = tl.constexpr(256)
 MAX_ROW_PROGRAMS = MAX_ROW_PROGRAMS_C.value
 COUNTS = TIES_C.value + MAX_ROW_PROGRAMS
 WIDE_BINS = 1 << 16
-WIDE = COUNTS + WIDE_BINS
-# Rows up to which `new_counts` gives WIDE counters by default: their 256 KB a row are zeroed
+WIDE_COUNTS = COUNTS + WIDE_BINS
+# Rows up to which `new_counts` gives wide counters by default: their 256 KB a row are zeroed
 # on every call, which batch 1 pays for once (the pass they save is ~2.5 us there, H100,
 # nineteenth session) and larger batches would pay for in every row.
 WIDE_ROWS = 4
@@ -338,15 +338,15 @@ WIDE_ROWS = 4
 def new_counts(
     rows: int, device: torch.device, zeroed: bool = True, wide: bool | None = None
 ) -> torch.Tensor:
-    """The top-k's counters [rows, COUNTS or WIDE] int32, zeroed (a fill kernel), or not
+    """The top-k's counters [rows, COUNTS or WIDE_COUNTS] int32, zeroed (a fill kernel), or not
     zeroed for a caller that zeroes them in a kernel of its own (the indexer: in its q prep,
     `indexer_kernels.prepare_q_fused(zero=)`). Either way the zeroing must come before the
     logits: a plain launch between the logits and the top-k would break their programmatic
-    dependent launch. `wide`: WIDE rows (the one launch's 16-bit digit); None: up to
+    dependent launch. `wide`: rows of WIDE_COUNTS (the one launch's 16-bit digit); None: up to
     WIDE_ROWS rows on a GPU (the interpreter never takes the one launch)."""
     if wide is None:
         wide = rows <= WIDE_ROWS and device.type == "cuda" and not interpreting()
-    width = WIDE if wide else COUNTS
+    width = WIDE_COUNTS if wide else COUNTS
     if zeroed:
         return torch.zeros(rows, width, dtype=torch.int32, device=device)
     return torch.empty(rows, width, dtype=torch.int32, device=device)
@@ -392,7 +392,7 @@ def topk_slots(
     `path`: "launches" (three launches, any size), "fused" (one launch, small T x W on a GPU,
     `sparse.topk_fused`), or "auto" (fused where it fits in blocks of up to
     `topk_fused.AUTO_LARGEST` keys, the faster one there); either on zeroed counters.
-    `counts`: zeroed counters from `new_counts` (allocated here when not given); WIDE
+    `counts`: zeroed counters from `new_counts` (allocated here when not given); wide
     ones let the one launch take its 16-bit middle digit."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
