@@ -235,12 +235,10 @@ def test_indexer_fused_q_prep_zeroes_the_topk_counters() -> None:
     several (T 7: 9016 counters over three programs, the third one's only work: a program
     zeroes at most `ZERO_SHARE`), and nothing past them
     (the counters a slice of a larger buffer); q and the weights as without it; T 0 too."""
-    from mla_backends.sparse.indexer_kernels import prepare_q_fused
+    from mla_backends.sparse.indexer_kernels import ZERO_SHARE, prepare_q_fused
     from mla_backends.sparse.topk_kernel import COUNTS
 
     dims = IndexerDims(4, 32, 16, 8, True)
-    from mla_backends.sparse.indexer_kernels import ZERO_SHARE
-
     assert 7 * COUNTS > 2 * ZERO_SHARE  # T 7: more programs than its 28 q rows take
     for t in (1, 7):
         _, q, w, cos, sin = _indexer_inputs(dims, t, 3)
