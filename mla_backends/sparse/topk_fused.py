@@ -37,7 +37,6 @@ from mla_backends.sparse.topk_kernel import (
     TopkCall,
     _count_digit,
     _digit_step,
-    _masked_histogram,
     _row_block,
     _row_slots,
     _sortable,
@@ -84,8 +83,7 @@ def _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK: tl.constexpr, SYNC: 
     key = _sortable(x)
     match = ok & ((key >> 24) == prefix)
     d16 = ((key >> 8) & 0xFFFF).to(tl.int32)
-    coarse = _masked_histogram(d16 >> 8, match, BLOCK)
-    tl.atomic_add(hist_row + 256 + bins, coarse, mask=coarse > 0)
+    _count_digit(x, hist_row, 1, prefix, BLOCK)  # the coarse counts: pass 1's digit
     fine = hist_row + WIDE_C
     tl.atomic_add(fine + d16, tl.full([BLOCK], 1, tl.int32), mask=match, sem="relaxed")
     _row_sync(hist_row + SYNC + 1, progs)
