@@ -25,7 +25,18 @@ from mla_backends.kernels.mla_attention import _merge
 # SEESAW_K_BOX: the prototype's latent TMA box (columns a piece), default its K_BOX
 K_BOX = int(os.environ.get("SEESAW_K_BOX", see.K_BOX))
 KERNELS = {"gluon": (None, None, None), "seesaw": (see.KERNEL, see.EXTRA, K_BOX)}
-SHAPES = [(64, 4096, 1), (128, 8192, 1), (256, 1024, 1), (16, 32768, 4), (64, 16384, 1)]
+# --compute: also the prototype with nothing refilled (the two first tiles read again): its
+# time is the compute chain alone, without the loads (PROBE 1); and its other loop order
+VARIANTS = {"seesaw_compute": (see.KERNEL, {**see.EXTRA, "PROBE": 1}, K_BOX)}
+# the last row: 65 tiles a split, an odd count (warpgroup 0 scores the last tile)
+SHAPES = [
+    (64, 4096, 1),
+    (128, 8192, 1),
+    (256, 1024, 1),
+    (16, 32768, 4),
+    (64, 16384, 1),
+    (32, 4160, 1),
+]
 
 
 @dataclass
@@ -54,15 +65,18 @@ def paged_setup(b: int, kv: int, seed: int, h: int = 128, page: int = 64) -> Set
     )
 
 
-def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
+def run_shape(b: int, kv: int, splits: int, compute: bool = False) -> dict[str, float]:
     dev, h, page = torch.device("cuda"), 128, 64
     st = paged_setup(b, kv, b + kv)
     pool, table, qn, qr, qo, lens = st.pool, st.table, st.qn, st.qr, st.qo, st.lens
     scale = 1.0 / math.sqrt(192)
     outs = {}
-    for name, kern in KERNELS.items():
-        out = torch.empty(b, h, 512, device=dev, dtype=torch.bfloat16)
-        lse = torch.empty(b, h, device=dev)
+    kernels = {**KERNELS, **VARIANTS} if compute else KERNELS
+    for name, kern in kernels.items():
+        # NaN first: a kernel that stores nothing must not pass as one that matched (the
+        # allocator hands back the last kernel's freed output)
+        out = torch.full((b, h, 512), float("nan"), device=dev, dtype=torch.bfloat16)
+        lse = torch.full((b, h), float("nan"), device=dev)
         po = torch.empty(b * h * splits, 512, device=dev)
         pl = torch.empty(b * h * splits, device=dev)
 
@@ -79,9 +93,11 @@ def run_shape(b: int, kv: int, splits: int) -> dict[str, float]:
         "gluon_us": t1,
         "seesaw_us": t2,
         "seesaw_speedup": t1 / t2,
-        "out_max_abs_diff": float((o1 - o2).abs().max()),
-        "lse_max_abs_diff": float((l1 - l2).abs().max()),
+        "out_max_abs_diff": float((o1 - o2).abs().nan_to_num(float("inf")).max()),
+        "lse_max_abs_diff": float((l1 - l2).abs().nan_to_num(float("inf")).max()),
     }
+    for name in VARIANTS if compute else ():
+        res[f"{name}_us"] = outs[name][2]
     try:
         from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
@@ -120,16 +136,71 @@ def mblocks() -> dict[str, float]:
     return res
 
 
+# the loop's events (`mla_attention_seesaw._mark`)
+EVENTS = (
+    "e0 top",
+    "e1 S(o) issued (landed)",
+    "e2 P(p)@V issued (S(o) done)",
+    "e3 P(p)@V done, refilled",
+    "e4 P(o) out",
+    "e5 P(o)@V done, refilled",
+)
+
+
+def trace(b: int, kv: int, probe: int) -> dict[str, object]:
+    """The prototype's loop traced in SM clocks (`Trace`: the first 4 requests' first head
+    block): per warpgroup, the mean clocks from each event to the next over iterations 2-13,
+    and a loop iteration (two tiles). probe 1: nothing refilled (compute only)."""
+    st = paged_setup(b, kv, 0)
+    dev = st.pool.device
+    out = torch.empty(b, 128, 512, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(b, 128, device=dev)
+    po, pl = torch.empty(1, 512, device=dev), torch.empty(1, device=dev)
+    tr = torch.zeros(
+        4, 2, int(see.TRACE_ITERS), int(see.TRACE_EVENTS), device=dev, dtype=torch.int64
+    )
+    extra = {**see.EXTRA, "PROBE": probe, "Trace": tr}
+    args = (st.qn, st.qr, st.pool, st.table, st.qo, st.lens, 64, 0.1, 2, 1)
+    for _ in range(3):  # warm: the last launch's clocks are read
+        glu.launch(*args, out, lse, po, pl, see.KERNEL, extra, K_BOX)
+    torch.cuda.synchronize()
+    t = tr.cpu().double()
+    res: dict[str, object] = {}
+    for wg in (0, 1):
+        w = t[:, wg, 2:14]  # [req, iter, event]
+        steps = [float((w[:, :, e + 1] - w[:, :, e]).mean()) for e in range(len(EVENTS) - 1)]
+        nxt = float((t[:, wg, 3:15, 0] - w[:, :, -1]).mean())
+        period = float((t[:, wg, 3:15, 0] - w[:, :, 0]).mean())
+        res[f"wg{wg}"] = {
+            **{f"{EVENTS[e]} -> {EVENTS[e + 1]}": round(steps[e]) for e in range(len(steps))},
+            f"{EVENTS[-1]} -> next {EVENTS[0]}": round(nxt),
+            "iteration (2 tiles)": round(period),
+        }
+    # when WG1 publishes P(2i+1) against when WG0 has taken it (its event 1 of iteration i+1)
+    res["wg1 P out -> wg0 e3"] = round(float((t[:, 0, 3:15, 3] - t[:, 1, 2:14, 4]).mean()))
+    res["wg0 P out -> wg1 e3"] = round(float((t[:, 1, 2:14, 3] - t[:, 0, 2:14, 4]).mean()))
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mblocks", action="store_true", help="one head block against both")
+    p.add_argument("--compute", action="store_true", help="also time the compute chain alone")
+    p.add_argument("--trace", action="store_true", help="the loop's events in SM clocks")
+    p.add_argument("--rows", type=int, default=len(SHAPES), help="only the first N shapes")
+    args = p.parse_args()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if p.parse_args().mblocks:
+    if args.trace:
+        for probe in (0, 1):
+            r = {"compute_only": probe == 1, **trace(64, 4096, probe)}
+            print(json.dumps(r), flush=True)
+        return
+    if args.mblocks:
         print(json.dumps({"meta": meta, "mblocks": mblocks()}))
         return
     rows = []
-    for b, kv, splits in SHAPES:
-        r = {"batch": b, "kv": kv, "splits": splits, **run_shape(b, kv, splits)}
+    for b, kv, splits in SHAPES[: args.rows]:
+        r = {"batch": b, "kv": kv, "splits": splits, **run_shape(b, kv, splits, args.compute)}
         print(json.dumps(r), flush=True)
         rows.append(r)
     print(json.dumps({"meta": meta, "rows": rows}))

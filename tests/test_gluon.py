@@ -49,7 +49,8 @@ def test_seesaw_prototype_compiles_for_sm90_with_its_wgmma_shapes() -> None:
     """The warp-specialised prototype (issue 19, not wired into a backend) keeps building:
     P over the rope columns keeps Q and two tiles within one block's shared memory, and each
     warpgroup scores whole tiles (`m64n64`) and keeps half the output (`m64n256`). Its small
-    spill (144-200 B of stack) is recorded in BENCHMARKS.md, not asserted away."""
+    spill (240-280 B of stack with triton 3.9 / 3.6) is recorded in BENCHMARKS.md, not
+    asserted away."""
     use = _compile_sm90("bf16", "seesaw")
     assert use["shared"] <= SMEM_LIMIT and use["local"] == 0, use
     assert use["wgmma"] == ["m64n256k16", "m64n64k16"], use

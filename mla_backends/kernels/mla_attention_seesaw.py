@@ -8,9 +8,11 @@ half of the 512 output columns. P is written over the tile's 64 rope columns, de
 scores are computed (P @ V reads the latent only), so Q + two tiles fit in 216 KB.
 
 Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)`.
-Limits of the prototype: the Gluon kernel's contract, but an even number of whole 64-key
-tiles per split (every split's key range a multiple of 128: the caller checks). Tiles come
-in three TMA pieces (latent halves, rope), each refilled as soon as its last reader retired.
+Limits of the prototype: the Gluon kernel's contract, but whole 64-key tiles only (every
+split's key range a multiple of 64: the caller checks). Tiles come in three TMA pieces
+(latent halves, rope), each refilled as soon as its last reader retired. `PROBE` 1 (compute
+only: nothing refilled) and `Trace` (SM clocks at each step of the loop) are for
+`scripts/probe_seesaw.py`.
 `scripts/probe_seesaw.py` checks it against the Gluon kernel (BENCHMARKS.md, "Issue 19: a
 warp-specialised prototype"); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
 """
@@ -43,11 +45,13 @@ def _tile_scores_async(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NP: gl.constexpr,
+    REUSE: gl.constexpr,
 ):
     """S = Q K_j^T of tile j (slot j % 2), issued and not waited: each of the tile's TMA
-    pieces (NP latent column ranges, then the rope) is multiplied as soon as it landed."""
+    pieces (NP latent column ranges, then the rope) is multiplied as soon as it landed.
+    REUSE (the compute-only probe): the slot's first fill, never refilled, is read again."""
     s = j % 2
-    ph = (j // 2) & 1
+    ph = 0 if REUSE else (j // 2) & 1
     W: gl.constexpr = k_smem.shape[2] // NP
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
     for c in gl.static_range(NP):
@@ -59,34 +63,36 @@ def _tile_scores_async(
 
 
 @gluon.jit
+def _tile_row(Batch, b, lo, j, n_full, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile j's first pool row (its page from the table; 0 past n_full)."""
+    Table, stride_tab, _, _ = Batch
+    start = lo + j * BLOCK_N
+    page = gl.load(Table + b * stride_tab + start // PAGE, mask=j < n_full, other=0)
+    return page * PAGE + start % PAGE
+
+
+@gluon.jit
 def _issue_pieces(
     KDesc,
     KRDesc,
-    Batch,
     k_smem,
     kr_smem,
     kv_ready,
-    b,
-    lo,
+    row,
     j,
     n_full,
     FIRST: gl.constexpr,
     LAST: gl.constexpr,
     NP: gl.constexpr,
     L: gl.constexpr,
-    PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr,
 ):
-    """TMA for pieces FIRST..LAST - 1 of tile j into slot j % 2 (skipped past n_full): piece
-    c < NP a latent column range (KDesc's box), c == NP the rope columns."""
+    """TMA for pieces FIRST..LAST - 1 of tile j (first pool row `row`) into slot j % 2
+    (skipped past n_full): piece c < NP a latent column range (KDesc's box), c == NP the
+    rope columns."""
     W: gl.constexpr = L // NP
+    pred = j < n_full
+    s = j % 2
     for c in gl.static_range(FIRST, LAST):
-        Table, stride_tab, _, _ = Batch
-        pred = j < n_full
-        start = lo + j * BLOCK_N
-        page = gl.load(Table + b * stride_tab + start // PAGE, mask=pred, other=0)
-        row = page * PAGE + start % PAGE
-        s = j % 2
         bar = kv_ready.index((NP + 1) * s + c)
         if c == NP:
             mbarrier.expect(bar, KRDesc.block_type.nbytes, pred)
@@ -140,6 +146,77 @@ def _softmax_tile(
     return m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
 
+# `Trace`: a warpgroup's first loop iterations recorded, six events each (the loop's top,
+# S(o) issued, P(p) @ V issued, it retired and refilled, P(o) out, P(o) @ V retired and
+# refilled; `scripts/probe_seesaw.py --trace` reads them)
+TRACE_ITERS = gl.constexpr(16)
+TRACE_EVENTS = gl.constexpr(6)
+
+
+@gluon.jit
+def _mark(Trace, b, split, mblk, i, WG: gl.constexpr, E: gl.constexpr):
+    """Probe only (`Trace` given): this SM's clock at event E of loop iteration i, recorded
+    for the first 4 requests' first split and head block, as Trace[b, WG, i, E]."""
+    if Trace is not None:
+        t = gl.inline_asm_elementwise(
+            "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+        )
+        at = ((b * 2 + WG) * TRACE_ITERS + i) * TRACE_EVENTS + E
+        ok = (b < 4) & (split == 0) & (mblk == 0) & (i < TRACE_ITERS)
+        gl.store(Trace + at, t, mask=ok)
+
+
+@gluon.jit
+def _take_other(
+    acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, p, WG: gl.constexpr, ROW: gl.constexpr,
+    O_L: gl.constexpr,
+):  # fmt: skip
+    """The other warpgroup's tile p, once its P is published: its running max taken, our
+    half of the output rescaled to it, and P(p) @ V over our half issued (not waited)."""
+    s = p % 2
+    mbarrier.wait(p_ready.index(s), (p // 2) & 1)
+    m_i, alpha = _take_max(m_smem.index(s), m_i, ROW)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    v = _v_half(k_smem, s, WG, k_smem.shape[2] // 2)
+    return warpgroup_mma(kr_smem.index(s), v, acc, is_async=True), m_i, l_i * alpha
+
+
+@gluon.jit
+def _own_pv(
+    acc, alpha, KDesc, KRDesc, row, k_smem, kr_smem, kv_ready, kv_free, o, n_load,
+    WG: gl.constexpr, NP: gl.constexpr, L: gl.constexpr, O_L: gl.constexpr,
+):  # fmt: skip
+    """Our half of P(o) @ V for the tile we scored, waited; then its slot refilled for tile
+    o + 2: our latent half at once (our scores and P @ V were its readers), the rope
+    columns (where P lives) once the other warpgroup's P(o) @ V retired too."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    v = _v_half(k_smem, WG, WG, L // 2)
+    acc = warpgroup_mma(kr_smem.index(WG), v, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(kv_free.index(WG), count=1)
+    _issue_pieces(
+        KDesc, KRDesc, k_smem, kr_smem, kv_ready, row, o + 2, n_load,
+        WG * (NP // 2), (WG + 1) * (NP // 2), NP, L,
+    )  # fmt: skip
+    mbarrier.wait(kv_free.index(WG), (o // 2) & 1, pred=o + 2 < n_load)
+    _issue_pieces(KDesc, KRDesc, k_smem, kr_smem, kv_ready, row, o + 2, n_load, NP, NP + 1, NP, L)
+    return acc
+
+
+@gluon.jit
+def _other_done(
+    KDesc, KRDesc, row, k_smem, kr_smem, kv_ready, kv_free, p, n_load,
+    WG: gl.constexpr, NP: gl.constexpr, L: gl.constexpr,
+):  # fmt: skip
+    """Our P(p) @ V over the other warpgroup's tile p retired: our latent half of its slot
+    refilled for tile p + 2 (its scores, the half's other reader, retired before P(p))."""
+    mbarrier.arrive(kv_free.index(p % 2), count=1)
+    _issue_pieces(
+        KDesc, KRDesc, k_smem, kr_smem, kv_ready, row, p + 2, n_load,
+        WG * (NP // 2), (WG + 1) * (NP // 2), NP, L,
+    )  # fmt: skip
+
+
 @gluon.jit
 def _warpgroup(
     Batch,
@@ -161,8 +238,11 @@ def _warpgroup(
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     WG: gl.constexpr,
+    PROBE: gl.constexpr,
+    Trace,
 ):
     HALF: gl.constexpr = L // 2
+    REUSE: gl.constexpr = PROBE == 1
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -179,92 +259,71 @@ def _warpgroup(
         Batch, b, mblk, split, H, BLOCK_M, BLOCK_N, NUM_SPLITS, False
     )
     n_full = gl.maximum(hi - lo, 0) // BLOCK_N
+    # PROBE 1 (compute only): the two slots' first fills serve every tile, nothing refilled
+    n_load = gl.minimum(n_full, 2) if REUSE else n_full
     rows_s = mblk * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW)
     visible = _visible(rows_s, seq, q_len, H)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_L)
-    # Tiles in pairs: warpgroup 0 scores tile 2i (slot 0), warpgroup 1 tile 2i + 1 (slot 1);
-    # each multiplies both tiles' P by its half of V. Warpgroup 1 issues its scores before
-    # waiting for P(2i) and runs its softmax while its P(2i) @ V runs; warpgroup 0 waits for
-    # P(2i + 1) while its P(2i) @ V runs. Prototype limit: an even number of whole tiles.
-    for i in range(n_full // 2):
-        ph = i & 1
-        if WG == 0:
+    # Staggered tiles: warpgroup w scores tiles o = w, w + 2, ... (slot w) and multiplies
+    # every tile's P by its half of V. Per own tile o, with p = o - 1 the other's tile before
+    # it: issue S(o); wait for P(p), take its max, issue P(p) @ V (ptxas waits for S(o) before
+    # the rescale: it cannot tell the accumulators apart); wait both, refill our half of slot
+    # p % 2; softmax(o) (publishing P(o) and the max); P(o) @ V, waited, and slot w refilled
+    # for o + 2. S(o) runs while the other warpgroup's softmax does, and the slots are
+    # refilled a tile apart, not a pair at a time.
+    if WG == 0:
+        if n_full > 0:  # tile 0: no tile of the other warpgroup before it
             sc = _tile_scores_async(
-                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i, S_L, BLOCK_M, BLOCK_N, NP
+                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE
             )
-            sc = warpgroup_mma_wait(0, deps=[sc])  # nothing else is in flight here
-            m_i, alpha, l_i = _softmax_tile(
-                sc, m_i, l_i, visible - (lo + 2 * i * BLOCK_N), qk_scale_log2,
-                kr_smem.index(0), m_smem.index(0), p_ready.index(0), S_L, BLOCK_N,
-            )  # fmt: skip
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            pv = warpgroup_mma(kr_smem.index(0), _v_half(k_smem, 0, WG, HALF), acc, is_async=True)
-            mbarrier.wait(p_ready.index(1), ph)
-            acc = warpgroup_mma_wait(0, deps=[pv])
-            mbarrier.arrive(kv_free.index(0), count=1)
-            m_i, alpha = _take_max(m_smem.index(1), m_i, ROW)
-            l_i = l_i * alpha
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            pv = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc, is_async=True)
-            # slot 0's left latent half was read only by this warpgroup (scores, P @ V): refill
-            # it for tile 2i + 2 now; its rope columns (P) once both P(2i) @ V retired
-            _issue_pieces(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
-                0, NP // 2, NP, L, PAGE, BLOCK_N,
-            )  # fmt: skip
-            if 2 * i + 2 < n_full:
-                mbarrier.wait(kv_free.index(0), ph)
-            _issue_pieces(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
-                NP, NP + 1, NP, L, PAGE, BLOCK_N,
-            )  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=[pv])
-            mbarrier.arrive(kv_free.index(1), count=1)
-            # slot 1's left half: read by warpgroup 1's scores (done before P(2i + 1)) and by
-            # this P(2i + 1) @ V, now retired
-            _issue_pieces(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
-                0, NP // 2, NP, L, PAGE, BLOCK_N,
-            )  # fmt: skip
-        else:
-            sc = _tile_scores_async(
-                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 2 * i + 1, S_L, BLOCK_M, BLOCK_N, NP
-            )
-            mbarrier.wait(p_ready.index(0), ph)
             sc = warpgroup_mma_wait(0, deps=[sc])
-            m_i, alpha = _take_max(m_smem.index(0), m_i, ROW)
-            l_i = l_i * alpha
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            pv = warpgroup_mma(kr_smem.index(0), _v_half(k_smem, 0, WG, HALF), acc, is_async=True)
             m_i, alpha, l_i = _softmax_tile(
-                sc, m_i, l_i, visible - (lo + (2 * i + 1) * BLOCK_N), qk_scale_log2,
-                kr_smem.index(1), m_smem.index(1), p_ready.index(1), S_L, BLOCK_N,
+                sc, m_i, l_i, visible - lo, qk_scale_log2, kr_smem.index(0), m_smem.index(0),
+                p_ready.index(0), S_L, BLOCK_N,
             )  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=[pv])
-            mbarrier.arrive(kv_free.index(0), count=1)
-            # slot 0's right half: read by warpgroup 0's scores (before P(2i)) and this
-            # P(2i) @ V, now retired
-            _issue_pieces(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 2, n_full,
-                NP // 2, NP, NP, L, PAGE, BLOCK_N,
+            row2 = _tile_row(Batch, b, lo, 2, n_load, PAGE, BLOCK_N)
+            acc = _own_pv(
+                acc, alpha, KDesc, KRDesc, row2, k_smem, kr_smem, kv_ready, kv_free, 0, n_load,
+                WG, NP, L, O_L,
             )  # fmt: skip
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            acc = warpgroup_mma(kr_smem.index(1), _v_half(k_smem, 1, WG, HALF), acc)
-            mbarrier.arrive(kv_free.index(1), count=1)
-            # slot 1's right half was read only by this warpgroup; its rope columns (P) once
-            # both P(2i + 1) @ V retired
-            _issue_pieces(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
-                NP // 2, NP, NP, L, PAGE, BLOCK_N,
-            )  # fmt: skip
-            if 2 * i + 3 < n_full:
-                mbarrier.wait(kv_free.index(1), ph)
-            _issue_pieces(
-                KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, 2 * i + 3, n_full,
-                NP, NP + 1, NP, L, PAGE, BLOCK_N,
-            )  # fmt: skip
+    first = 1 - WG  # WG0's loop starts at its second tile
+    for i in range(first, (n_full + 1 - WG) // 2):
+        o = 2 * i + WG
+        _mark(Trace, b, split, mblk, i, WG, 0)
+        # the pool rows of the two refills ahead, read from the table before anything waits
+        row_p2 = _tile_row(Batch, b, lo, o + 1, n_load, PAGE, BLOCK_N)
+        row_o2 = _tile_row(Batch, b, lo, o + 2, n_load, PAGE, BLOCK_N)
+        sc = _tile_scores_async(
+            q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE
+        )
+        _mark(Trace, b, split, mblk, i, WG, 1)
+        acc, m_i, l_i = _take_other(
+            acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, o - 1, WG, ROW, O_L
+        )
+        _mark(Trace, b, split, mblk, i, WG, 2)
+        acc, sc = warpgroup_mma_wait(0, deps=[acc, sc])
+        _other_done(
+            KDesc, KRDesc, row_p2, k_smem, kr_smem, kv_ready, kv_free, o - 1, n_load, WG, NP, L
+        )
+        _mark(Trace, b, split, mblk, i, WG, 3)
+        m_i, alpha, l_i = _softmax_tile(
+            sc, m_i, l_i, visible - (lo + o * BLOCK_N), qk_scale_log2, kr_smem.index(WG),
+            m_smem.index(WG), p_ready.index(WG), S_L, BLOCK_N,
+        )  # fmt: skip
+        _mark(Trace, b, split, mblk, i, WG, 4)
+        acc = _own_pv(
+            acc, alpha, KDesc, KRDesc, row_o2, k_smem, kr_smem, kv_ready, kv_free, o, n_load,
+            WG, NP, L, O_L,
+        )  # fmt: skip
+        _mark(Trace, b, split, mblk, i, WG, 5)
+    # the other warpgroup's last tile, if it has no own tile after it
+    if (n_full > 0) & ((n_full - 1) % 2 != WG):
+        acc, m_i, l_i = _take_other(
+            acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, n_full - 1, WG, ROW, O_L
+        )
+        acc = warpgroup_mma_wait(0, deps=[acc])
 
     # each warpgroup summed P over the tiles it scored, with the same rescaling: add them
     l_smem.index(WG).store(l_i)
@@ -308,6 +367,8 @@ def _seesaw_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
+    PROBE: gl.constexpr = 0,
+    Trace=None,
 ):
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     dtype: gl.constexpr = KDesc.dtype
@@ -339,10 +400,8 @@ def _seesaw_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec)
     fence_async_shared()
     for i in gl.static_range(2):
-        _issue_pieces(
-            KDesc, KRDesc, Batch, k_smem, kr_smem, kv_ready, b, lo, i, n_full, 0, NP + 1, NP,
-            L, PAGE, BLOCK_N,
-        )  # fmt: skip
+        row = _tile_row(Batch, b, lo, i, n_full, PAGE, BLOCK_N)
+        _issue_pieces(KDesc, KRDesc, k_smem, kr_smem, kv_ready, row, i, n_full, 0, NP + 1, NP, L)
 
     # Query rows (token, head), head fastest; rows past the request are zero.
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -382,12 +441,14 @@ def _seesaw_kernel(
             (
                 _warpgroup,
                 (Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem, kr_smem,
-                 m_smem, l_smem, bars, H, L, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 0),
+                 m_smem, l_smem, bars, H, L, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 0, PROBE,
+                 Trace),
             ),
             (
                 _warpgroup,
                 (Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem, kr_smem,
-                 m_smem, l_smem, bars, H, L, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 1),
+                 m_smem, l_smem, bars, H, L, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 1, PROBE,
+                 Trace),
             ),
         ],
         [4],
