@@ -34,6 +34,17 @@ BLOCK_M, BLOCK_N = 64, 64
 
 
 @gluon.jit
+def _score_piece(
+    q_smem, k_smem, kv_ready, sc, ph, s: gl.constexpr, C: gl.constexpr, ACC: gl.constexpr,
+    NP: gl.constexpr, W: gl.constexpr,
+):  # fmt: skip
+    """Latent piece C of slot s into the score tile, once it landed (issued, not waited)."""
+    mbarrier.wait(kv_ready.index((NP + 1) * s + C), ph)
+    k_c = k_smem.index(s).slice(C * W, W, dim=1).permute((1, 0))
+    return warpgroup_mma(q_smem.slice(C * W, W, dim=1), k_c, sc, use_acc=ACC, is_async=True)
+
+
+@gluon.jit
 def _tile_scores_async(
     q_smem,
     qr_smem,
@@ -46,20 +57,26 @@ def _tile_scores_async(
     BLOCK_N: gl.constexpr,
     NP: gl.constexpr,
     REUSE: gl.constexpr,
+    SLOT: gl.constexpr,
 ):
-    """S = Q K_j^T of tile j (slot j % 2), issued and not waited: each of the tile's TMA
-    pieces (NP latent column ranges, then the rope) is multiplied as soon as it landed.
+    """S = Q K_j^T of tile j (slot j % 2 == SLOT, the scoring warpgroup's), issued and not
+    waited. Each TMA piece is multiplied as soon as it landed: the scorer's own latent half
+    first (it refilled that half itself, right after its own P @ V), then the rope, then the
+    half the other warpgroup refilled (after its P @ V on the slot's last tile, the later
+    of the two), so less than half of the GEMM waits for the last piece.
     REUSE (the compute-only probe): the slot's first fill, never refilled, is read again."""
-    s = j % 2
+    s: gl.constexpr = SLOT
     ph = 0 if REUSE else (j // 2) & 1
+    HP: gl.constexpr = NP // 2  # latent pieces a half
     W: gl.constexpr = k_smem.shape[2] // NP
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    for c in gl.static_range(NP):
-        mbarrier.wait(kv_ready.index((NP + 1) * s + c), ph)
-        k_c = k_smem.index(s).slice(c * W, W, dim=1).permute((1, 0))
-        sc = warpgroup_mma(q_smem.slice(c * W, W, dim=1), k_c, sc, use_acc=c > 0, is_async=True)
+    for k in gl.static_range(HP):  # our half
+        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, s, s * HP + k, k > 0, NP, W)
     mbarrier.wait(kv_ready.index((NP + 1) * s + NP), ph)
-    return warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
+    sc = warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
+    for k in gl.static_range(HP):  # the other warpgroup's half
+        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, s, (1 - s) * HP + k, True, NP, W)
+    return sc
 
 
 @gluon.jit
@@ -276,7 +293,7 @@ def _warpgroup(
     if WG == 0:
         if n_full > 0:  # tile 0: no tile of the other warpgroup before it
             sc = _tile_scores_async(
-                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE
+                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE, 0
             )
             sc = warpgroup_mma_wait(0, deps=[sc])
             m_i, alpha, l_i = _softmax_tile(
@@ -296,7 +313,7 @@ def _warpgroup(
         row_p2 = _tile_row(Batch, b, lo, o + 1, n_load, PAGE, BLOCK_N)
         row_o2 = _tile_row(Batch, b, lo, o + 2, n_load, PAGE, BLOCK_N)
         sc = _tile_scores_async(
-            q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE
+            q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG
         )
         _mark(Trace, b, split, mblk, i, WG, 1)
         acc, m_i, l_i = _take_other(
