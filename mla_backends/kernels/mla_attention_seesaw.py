@@ -45,37 +45,38 @@ def _score_piece(
 
 
 @gluon.jit
-def _tile_scores_async(
-    q_smem,
-    qr_smem,
-    k_smem,
-    kr_smem,
-    kv_ready,
-    j,
-    S_L: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NP: gl.constexpr,
-    REUSE: gl.constexpr,
-    SLOT: gl.constexpr,
-):
-    """S = Q K_j^T of tile j (slot j % 2 == SLOT, the scoring warpgroup's), issued and not
-    waited. Each TMA piece is multiplied as soon as it landed: the scorer's own latent half
-    first (it refilled that half itself, right after its own P @ V), then the rope, then the
-    half the other warpgroup refilled (after its P @ V on the slot's last tile, the later
-    of the two), so less than half of the GEMM waits for the last piece.
+def _scores_own(
+    q_smem, k_smem, kv_ready, j, S_L: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, NP: gl.constexpr, REUSE: gl.constexpr, SLOT: gl.constexpr,
+):  # fmt: skip
+    """S = Q K_j^T of tile j (slot j % 2 == SLOT, the scoring warpgroup's) over the scorer's
+    own latent half, issued once it landed, not waited: the scorer refilled that half itself
+    right after its own P @ V, so it lands first. `_scores_rest` adds the rest.
     REUSE (the compute-only probe): the slot's first fill, never refilled, is read again."""
-    s: gl.constexpr = SLOT
     ph = 0 if REUSE else (j // 2) & 1
     HP: gl.constexpr = NP // 2  # latent pieces a half
     W: gl.constexpr = k_smem.shape[2] // NP
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-    for k in gl.static_range(HP):  # our half
-        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, s, s * HP + k, k > 0, NP, W)
-    mbarrier.wait(kv_ready.index((NP + 1) * s + NP), ph)
-    sc = warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
-    for k in gl.static_range(HP):  # the other warpgroup's half
-        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, s, (1 - s) * HP + k, True, NP, W)
+    for k in gl.static_range(HP):
+        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, SLOT, SLOT * HP + k, k > 0, NP, W)
+    return sc
+
+
+@gluon.jit
+def _scores_rest(
+    sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, NP: gl.constexpr, REUSE: gl.constexpr,
+    SLOT: gl.constexpr,
+):  # fmt: skip
+    """The rest of tile j's scores, each piece issued once it landed, not waited: the rope
+    and the other warpgroup's latent half, both refilled only after the other warpgroup's
+    P @ V on the slot's last tile (the rope holds P), so they land last."""
+    ph = 0 if REUSE else (j // 2) & 1
+    HP: gl.constexpr = NP // 2
+    W: gl.constexpr = k_smem.shape[2] // NP
+    mbarrier.wait(kv_ready.index((NP + 1) * SLOT + NP), ph)
+    sc = warpgroup_mma(qr_smem, kr_smem.index(SLOT).permute((1, 0)), sc, is_async=True)
+    for k in gl.static_range(HP):
+        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, SLOT, (1 - SLOT) * HP + k, True, NP, W)
     return sc
 
 
@@ -292,9 +293,8 @@ def _warpgroup(
     # refilled a tile apart, not a pair at a time.
     if WG == 0:
         if n_full > 0:  # tile 0: no tile of the other warpgroup before it
-            sc = _tile_scores_async(
-                q_smem, qr_smem, k_smem, kr_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE, 0
-            )
+            sc = _scores_own(q_smem, k_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE, 0)
+            sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, 0, NP, REUSE, 0)
             sc = warpgroup_mma_wait(0, deps=[sc])
             m_i, alpha, l_i = _softmax_tile(
                 sc, m_i, l_i, visible - lo, qk_scale_log2, kr_smem.index(0), m_smem.index(0),
@@ -312,18 +312,21 @@ def _warpgroup(
         # the pool rows of the two refills ahead, read from the table before anything waits
         row_p2 = _tile_row(Batch, b, lo, o + 1, n_load, PAGE, BLOCK_N)
         row_o2 = _tile_row(Batch, b, lo, o + 2, n_load, PAGE, BLOCK_N)
-        sc = _tile_scores_async(
-            q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG
-        )
+        sc = _scores_own(q_smem, k_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG)
         _mark(Trace, b, split, mblk, i, WG, 1)
         acc, m_i, l_i = _take_other(
             acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, o - 1, WG, ROW, O_L
         )
         _mark(Trace, b, split, mblk, i, WG, 2)
-        acc, sc = warpgroup_mma_wait(0, deps=[acc, sc])
+        # Hazard: the rest of S(o) waits for the pieces the other warpgroup's refills gate;
+        # our P(o - 1) @ V and its refill must not queue behind that wait, or each slot's
+        # refill waits for the other slot's landing (the two slots chained)
+        acc = warpgroup_mma_wait(0, deps=[acc])
         _other_done(
             KDesc, KRDesc, row_p2, k_smem, kr_smem, kv_ready, kv_free, o - 1, n_load, WG, NP, L
         )
+        sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, NP, REUSE, WG)
+        sc = warpgroup_mma_wait(0, deps=[sc])
         _mark(Trace, b, split, mblk, i, WG, 3)
         m_i, alpha, l_i = _softmax_tile(
             sc, m_i, l_i, visible - (lo + o * BLOCK_N), qk_scale_log2, kr_smem.index(WG),
