@@ -9,12 +9,12 @@ scores are computed (P @ V reads the latent only), so Q + two tiles fit in 216 K
 
 Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)`.
 Limits of the prototype: the Gluon kernel's contract, but whole 64-key tiles only (every
-split's key range a multiple of 64: the caller checks). Tiles come in three TMA pieces
-(latent halves, rope), each refilled as soon as its last reader retired. `PROBE` 1 (compute
-only: nothing refilled) and `Trace` (SM clocks at each step of the loop) are for
-`scripts/probe_seesaw.py`.
-`scripts/probe_seesaw.py` checks it against the Gluon kernel (BENCHMARKS.md, "Issue 19: a
-warp-specialised prototype"); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
+split's key range a multiple of 64: the caller checks). The warpgroups' tiles run a tile
+apart (not in pairs); each tile comes in three TMA pieces (latent halves, rope), each
+refilled as soon as its last reader retired. `scripts/probe_seesaw.py` checks it against the
+Gluon kernel and raw FlashMLA, with `PROBE` 1 (compute only: nothing refilled) and `Trace`
+(SM clocks at six steps of the loop) (BENCHMARKS.md, "Issue 19: the seesaw prototype with
+its tiles a tile apart"); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
 """
 
 from __future__ import annotations
