@@ -139,9 +139,9 @@ def mblocks() -> dict[str, float]:
 # the loop's events (`mla_attention_seesaw._mark`)
 EVENTS = (
     "e0 top",
-    "e1 S(o) issued (landed)",
-    "e2 P(p)@V issued (S(o) done)",
-    "e3 P(p)@V done, refilled",
+    "e1 S(o) own half issued (landed)",
+    "e2 P(p)@V issued",
+    "e3 P(p)@V done, refilled; rest of S(o) done",
     "e4 P(o) out",
     "e5 P(o)@V done, refilled",
 )

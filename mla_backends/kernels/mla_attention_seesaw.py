@@ -165,8 +165,8 @@ def _softmax_tile(
 
 
 # `Trace`: a warpgroup's first loop iterations recorded, six events each (the loop's top,
-# S(o) issued, P(p) @ V issued, it retired and refilled, P(o) out, P(o) @ V retired and
-# refilled; `scripts/probe_seesaw.py --trace` reads them)
+# S(o) over our half issued, P(p) @ V issued, it retired and refilled and the rest of S(o)
+# retired, P(o) out, P(o) @ V retired and refilled; `scripts/probe_seesaw.py --trace`)
 TRACE_ITERS = gl.constexpr(16)
 TRACE_EVENTS = gl.constexpr(6)
 
@@ -286,11 +286,12 @@ def _warpgroup(
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, O_L)
     # Staggered tiles: warpgroup w scores tiles o = w, w + 2, ... (slot w) and multiplies
     # every tile's P by its half of V. Per own tile o, with p = o - 1 the other's tile before
-    # it: issue S(o); wait for P(p), take its max, issue P(p) @ V (ptxas waits for S(o) before
-    # the rescale: it cannot tell the accumulators apart); wait both, refill our half of slot
-    # p % 2; softmax(o) (publishing P(o) and the max); P(o) @ V, waited, and slot w refilled
-    # for o + 2. S(o) runs while the other warpgroup's softmax does, and the slots are
-    # refilled a tile apart, not a pair at a time.
+    # it: S(o) over our own latent half (it lands first); wait for P(p), take its max, issue
+    # P(p) @ V (ptxas waits for that part of S(o) before the rescale); wait for it and refill
+    # our half of slot p % 2; the rest of S(o) (rope, the other half) once landed; softmax(o)
+    # (publishing P(o) and the max); P(o) @ V, waited, and slot w refilled for o + 2. S(o)
+    # runs while the other warpgroup's softmax does, and the slots are refilled a tile
+    # apart, not a pair at a time.
     if WG == 0:
         if n_full > 0:  # tile 0: no tile of the other warpgroup before it
             sc = _scores_own(q_smem, k_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE, 0)
