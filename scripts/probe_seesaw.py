@@ -4,6 +4,8 @@ shuffled pages, H128, bf16), output and LSE compared, then timed against each ot
 raw FlashMLA (CUDA-graph replay, µs). Whole 64-key tiles only (the prototype's limit).
 
     python3 scripts/probe_seesaw.py            # H100 / H200; JSON on stdout
+    python3 scripts/probe_seesaw.py --compute  # also with nothing refilled (compute only)
+    python3 scripts/probe_seesaw.py --trace    # each warpgroup's loop in SM clocks
     python3 scripts/probe_seesaw.py --mblocks  # one of H128's two head blocks against both
 """
 
@@ -26,7 +28,7 @@ from mla_backends.kernels.mla_attention import _merge
 K_BOX = int(os.environ.get("SEESAW_K_BOX", see.K_BOX))
 KERNELS = {"gluon": (None, None, None), "seesaw": (see.KERNEL, see.EXTRA, K_BOX)}
 # --compute: also the prototype with nothing refilled (the two first tiles read again): its
-# time is the compute chain alone, without the loads (PROBE 1); and its other loop order
+# time is the compute chain alone, without the loads (PROBE 1)
 VARIANTS = {"seesaw_compute": (see.KERNEL, {**see.EXTRA, "PROBE": 1}, K_BOX)}
 # the last row: 65 tiles a split, an odd count (warpgroup 0 scores the last tile)
 SHAPES = [
@@ -176,7 +178,8 @@ def trace(b: int, kv: int, probe: int) -> dict[str, object]:
             f"{EVENTS[-1]} -> next {EVENTS[0]}": round(nxt),
             "iteration (2 tiles)": round(period),
         }
-    # when WG1 publishes P(2i+1) against when WG0 has taken it (its event 1 of iteration i+1)
+    # from one warpgroup publishing P to the other's P @ V on it retired (its event 3: WG0's
+    # of iteration i + 1 for WG1's P(2i + 1), WG1's of iteration i for WG0's P(2i))
     res["wg1 P out -> wg0 e3"] = round(float((t[:, 0, 3:15, 3] - t[:, 1, 2:14, 4]).mean()))
     res["wg0 P out -> wg1 e3"] = round(float((t[:, 1, 2:14, 3] - t[:, 0, 2:14, 4]).mean()))
     return res
@@ -189,6 +192,8 @@ def main() -> None:
     p.add_argument("--trace", action="store_true", help="the loop's events in SM clocks")
     p.add_argument("--rows", type=int, default=len(SHAPES), help="only the first N shapes")
     args = p.parse_args()
+    if args.rows < 1:
+        p.error(f"--rows must be at least 1, got {args.rows}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.trace:
         for probe in (0, 1):
