@@ -143,9 +143,10 @@ EVENTS = (
     "e0 top",
     "e1 S(o) own half issued (landed)",
     "e2 P(p)@V issued",
-    "e3 P(p)@V done, refilled; rest of S(o) done",
-    "e4 P(o) out",
-    "e5 P(o)@V done, refilled",
+    "e3 P(p)@V done, refilled",
+    "e4 rest of S(o) done",
+    "e5 P(o) out",
+    "e6 P(o)@V done, refilled",
 )
 
 
@@ -180,8 +181,8 @@ def trace(b: int, kv: int, probe: int) -> dict[str, object]:
         }
     # from one warpgroup publishing P to the other's P @ V on it retired (its event 3: WG0's
     # of iteration i + 1 for WG1's P(2i + 1), WG1's of iteration i for WG0's P(2i))
-    res["wg1 P out -> wg0 e3"] = round(float((t[:, 0, 3:15, 3] - t[:, 1, 2:14, 4]).mean()))
-    res["wg0 P out -> wg1 e3"] = round(float((t[:, 1, 2:14, 3] - t[:, 0, 2:14, 4]).mean()))
+    res["wg1 P out -> wg0 e3"] = round(float((t[:, 0, 3:15, 3] - t[:, 1, 2:14, 5]).mean()))
+    res["wg0 P out -> wg1 e3"] = round(float((t[:, 1, 2:14, 3] - t[:, 0, 2:14, 5]).mean()))
     return res
 
 

@@ -13,7 +13,7 @@ split's key range a multiple of 64: the caller checks). The warpgroups' tiles ru
 apart (not in pairs); each tile comes in three TMA pieces (latent halves, rope), each
 refilled as soon as its last reader retired. `scripts/probe_seesaw.py` checks it against the
 Gluon kernel and raw FlashMLA, with `PROBE` 1 (compute only: nothing refilled) and `Trace`
-(SM clocks at six steps of the loop) (BENCHMARKS.md, "Issue 19: the seesaw prototype with
+(SM clocks at seven points of the loop) (BENCHMARKS.md, "Issue 19: the seesaw prototype with
 its tiles a tile apart"); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
 """
 
@@ -164,11 +164,11 @@ def _softmax_tile(
     return m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
 
-# `Trace`: a warpgroup's first loop iterations recorded, six events each (the loop's top,
-# S(o) over our half issued, P(p) @ V issued, it retired and refilled and the rest of S(o)
+# `Trace`: a warpgroup's first loop iterations recorded, seven events each (the loop's top,
+# S(o) over our half issued, P(p) @ V issued, it retired and refilled, the rest of S(o)
 # retired, P(o) out, P(o) @ V retired and refilled; `scripts/probe_seesaw.py --trace`)
 TRACE_ITERS = gl.constexpr(16)
-TRACE_EVENTS = gl.constexpr(6)
+TRACE_EVENTS = gl.constexpr(7)
 
 
 @gluon.jit
@@ -326,19 +326,20 @@ def _warpgroup(
         _other_done(
             KDesc, KRDesc, row_p2, k_smem, kr_smem, kv_ready, kv_free, o - 1, n_load, WG, NP, L
         )
+        _mark(Trace, b, split, mblk, i, WG, 3)
         sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, NP, REUSE, WG)
         sc = warpgroup_mma_wait(0, deps=[sc])
-        _mark(Trace, b, split, mblk, i, WG, 3)
+        _mark(Trace, b, split, mblk, i, WG, 4)
         m_i, alpha, l_i = _softmax_tile(
             sc, m_i, l_i, visible - (lo + o * BLOCK_N), qk_scale_log2, kr_smem.index(WG),
             m_smem.index(WG), p_ready.index(WG), S_L, BLOCK_N,
         )  # fmt: skip
-        _mark(Trace, b, split, mblk, i, WG, 4)
+        _mark(Trace, b, split, mblk, i, WG, 5)
         acc = _own_pv(
             acc, alpha, KDesc, KRDesc, row_o2, k_smem, kr_smem, kv_ready, kv_free, o, n_load,
             WG, NP, L, O_L,
         )  # fmt: skip
-        _mark(Trace, b, split, mblk, i, WG, 5)
+        _mark(Trace, b, split, mblk, i, WG, 6)
     # the other warpgroup's last tile, if it has no own tile after it
     if (n_full > 0) & ((n_full - 1) % 2 != WG):
         acc, m_i, l_i = _take_other(
