@@ -34,8 +34,12 @@ from mla_backends.sparse.triton_backend import gluon_here, launch_config
 # Digit widths (high to low) of the radix passes: the one-launch top-k's on COUNTS counters
 # (8x4) and on wide ones (8+16+8, batches up to 4: `topk_kernel.new_counts`), and others it
 # does not run, counted on the same logits to say what they would save.
-DIGITS = {"8x4": (8, 8, 8, 8), "8+16+8": (8, 16, 8), "12+12+8": (12, 12, 8)}
-DIGITS["11+11+10"] = (11, 11, 10)
+DIGITS = {
+    "8x4": (8, 8, 8, 8),
+    "8+16+8": (8, 16, 8),
+    "12+12+8": (12, 12, 8),
+    "11+11+10": (11, 11, 10),
+}
 
 
 def radix_passes(logits: torch.Tensor, k: int, digits: tuple[int, ...] = DIGITS["8x4"]) -> int:
@@ -80,6 +84,7 @@ def run_point(
         sctx = SparseContext(dims, bf16, req, idims.topk, torch.bfloat16)
         be = create_sparse_backend("triton", sctx)
         be.init_forward_metadata(batch)
+        cfg = launch_config(h, False, b, idims.topk, num_sms(dev), gluon_here(dev))
         per_draw = []
         for _ in range(draws):
             q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
@@ -99,7 +104,6 @@ def run_point(
             d = dense("triton", batch, qn, qr, bf16, req, dims, True)["graph"] * 1e3
             at_splits = {}
             for n in splits:  # the sparse kernel's KV splits set by hand, the step again
-                cfg = launch_config(h, False, b, idims.topk, num_sms(dev), gluon_here(dev))
                 be.launch = {**cfg, "splits": n}
                 at_splits[n] = timed(step, True)["graph"] * 1e3
                 be.launch = None
@@ -153,10 +157,11 @@ def main() -> None:
     if a.draws < 1:
         raise SystemExit(f"--draws must be >= 1, got {a.draws}")
     contexts, batches, heads, pools, out, meta = start(a, "bench_dsa_draws.py", False)
+    splits = ints(a.splits)
     rows: list[dict] = []
     for ctx in contexts:
         for b in batches:
-            rows += run_point(ctx, b, heads, a.draws, pools, ints(a.splits))
+            rows += run_point(ctx, b, heads, a.draws, pools, splits)
             doc = {"meta": meta, "rows": rows}
             (out / "bench_dsa_draws.json").write_text(json.dumps(doc, indent=1))
 

@@ -152,8 +152,9 @@ EVENTS = (
 
 def trace(b: int, kv: int, probe: int) -> dict[str, object]:
     """The prototype's loop traced in SM clocks (`Trace`: the first 4 requests' first head
-    block): per warpgroup, the mean clocks from each event to the next over iterations 2-13,
-    and a loop iteration (two tiles). probe 1: nothing refilled (compute only)."""
+    block): per warpgroup, the mean clocks from each event to the next over iterations 2-13
+    (of `TRACE_ITERS`), and a loop iteration (two tiles). probe 1: nothing refilled (compute
+    only)."""
     st = paged_setup(b, kv, 0)
     dev = st.pool.device
     out = torch.empty(b, 128, 512, device=dev, dtype=torch.bfloat16)
@@ -168,12 +169,15 @@ def trace(b: int, kv: int, probe: int) -> dict[str, object]:
         glu.launch(*args, out, lse, po, pl, see.KERNEL, extra, K_BOX)
     torch.cuda.synchronize()
     t = tr.cpu().double()
+    # iterations 2 .. n - 3 (warm, and each with a next one recorded) and their next ones
+    n = int(see.TRACE_ITERS)
+    cur, nxt_it = slice(2, n - 2), slice(3, n - 1)
     res: dict[str, object] = {}
     for wg in (0, 1):
-        w = t[:, wg, 2:14]  # [req, iter, event]
+        w = t[:, wg, cur]  # [req, iter, event]
         steps = [float((w[:, :, e + 1] - w[:, :, e]).mean()) for e in range(len(EVENTS) - 1)]
-        nxt = float((t[:, wg, 3:15, 0] - w[:, :, -1]).mean())
-        period = float((t[:, wg, 3:15, 0] - w[:, :, 0]).mean())
+        nxt = float((t[:, wg, nxt_it, 0] - w[:, :, -1]).mean())
+        period = float((t[:, wg, nxt_it, 0] - w[:, :, 0]).mean())
         res[f"wg{wg}"] = {
             **{f"{EVENTS[e]} -> {EVENTS[e + 1]}": round(steps[e]) for e in range(len(steps))},
             f"{EVENTS[-1]} -> next {EVENTS[0]}": round(nxt),
@@ -181,8 +185,8 @@ def trace(b: int, kv: int, probe: int) -> dict[str, object]:
         }
     # from one warpgroup publishing P to the other's P @ V on it retired (its event 3: WG0's
     # of iteration i + 1 for WG1's P(2i + 1), WG1's of iteration i for WG0's P(2i))
-    res["wg1 P out -> wg0 e3"] = round(float((t[:, 0, 3:15, 3] - t[:, 1, 2:14, 5]).mean()))
-    res["wg0 P out -> wg1 e3"] = round(float((t[:, 1, 2:14, 3] - t[:, 0, 2:14, 5]).mean()))
+    res["wg1 P out -> wg0 e3"] = round(float((t[:, 0, nxt_it, 3] - t[:, 1, cur, 5]).mean()))
+    res["wg0 P out -> wg1 e3"] = round(float((t[:, 1, cur, 3] - t[:, 0, cur, 5]).mean()))
     return res
 
 
