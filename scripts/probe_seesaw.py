@@ -1,7 +1,7 @@
 """Probe for issue 19's prototype (`kernels/mla_attention_seesaw.py`): the same decode call
 through the Gluon kernel and the seesaw prototype on one random paged pool (page 64,
 shuffled pages, H128, bf16), output and LSE compared, then timed against each other and
-raw FlashMLA (CUDA-graph replay, µs). Whole 64-key tiles only (the prototype's limit).
+raw FlashMLA (CUDA-graph replay, µs). The last shape ends its splits inside a tile.
 
     python3 scripts/probe_seesaw.py            # H100 / H200; JSON on stdout
     python3 scripts/probe_seesaw.py --compute  # also with nothing refilled (compute only)
@@ -30,7 +30,8 @@ KERNELS = {"gluon": (None, None, None), "seesaw": (see.KERNEL, see.EXTRA, K_BOX)
 # --compute: also the prototype with nothing refilled (the two first tiles read again): its
 # time is the compute chain alone, without the loads (PROBE 1)
 VARIANTS = {"seesaw_compute": (see.KERNEL, {**see.EXTRA, "PROBE": 1}, K_BOX)}
-# the last row: 65 tiles a split, an odd count (warpgroup 0 scores the last tile)
+# the last rows: 65 tiles a split, an odd count (warpgroup 0 scores the last tile); two
+# splits of 33 tiles and of 31 plus a partial tail of 4 keys
 SHAPES = [
     (64, 4096, 1),
     (128, 8192, 1),
@@ -38,6 +39,7 @@ SHAPES = [
     (16, 32768, 4),
     (64, 16384, 1),
     (32, 4160, 1),
+    (48, 4100, 2),
 ]
 
 
@@ -56,7 +58,7 @@ class Setup:
 def paged_setup(b: int, kv: int, seed: int, h: int = 128, page: int = 64) -> Setup:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
-    n_pages = b * (kv // page) + 1
+    n_pages = b * -(-kv // page) + 1
     return Setup(
         torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16(),
         (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1),

@@ -63,7 +63,11 @@ RULES: list[Rule] = [
     Rule(
         "tests-7",
         "test_gluon.py",
-        ("test_backend_takes_narrow_kernel", "test_narrow_off_keeps_the_earlier_kernels"),
+        (
+            "test_backend_takes_narrow_kernel",
+            "test_narrow_off_keeps_the_earlier_kernels",
+            "test_seesaw_off_keeps_the_lockstep_kernel",
+        ),
         seconds=5.0,
     ),
     # tests-2: the narrow kernel's and the tile probe's offline compiles (tests-1 holds the
@@ -93,12 +97,12 @@ RULES: list[Rule] = [
         cpu=True,
     ),
     Rule("tests-1", "test_gluon.py", seconds=12.0),
-    Rule(  # the 64-row kernel's and the seesaw prototype's offline compiles
+    Rule(  # the 64-row kernels' offline compiles (lockstep and seesaw)
         "tests-1",
         "test_gluon.py",
         (
             "test_gluon_kernel_compiles_for_sm90_without_spills",
-            "test_seesaw_prototype_compiles_for_sm90_with_its_wgmma_shapes",
+            "test_seesaw_kernel_compiles_for_sm90_with_its_wgmma_shapes",
         ),
         seconds=8.0,
         cpu=True,

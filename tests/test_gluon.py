@@ -45,8 +45,8 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(dtype: str, launch: str) 
     assert use["wgmma"] == ["m64n256k16", "m64n32k16"], use
 
 
-def test_seesaw_prototype_compiles_for_sm90_with_its_wgmma_shapes() -> None:
-    """The warp-specialised prototype (issue 19, not wired into a backend) keeps building:
+def test_seesaw_kernel_compiles_for_sm90_with_its_wgmma_shapes() -> None:
+    """The warp-specialised kernel (what 64-row Gluon blocks run) keeps building:
     P over the rope columns keeps Q and two tiles within one block's shared memory, and each
     warpgroup scores whole tiles (`m64n64`) and keeps half the output (`m64n256`). Its small
     spill (240-280 B of stack with triton 3.9 / 3.6) is recorded in BENCHMARKS.md, not
@@ -131,17 +131,28 @@ def _narrow_cases() -> list[Case]:
     return cases + long + [replace(c, q_len=2) for c in verify]
 
 
-def _recorded_launch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The query rows a CTA (`block_m`) of every Gluon launch from now on."""
+def _recorded_launch(
+    monkeypatch: pytest.MonkeyPatch, kernels: list[object] | None = None
+) -> list[int]:
+    """The query rows a CTA (`block_m`) of every Gluon launch from now on, and into
+    `kernels` the kernel each launch named (None: the lockstep 64-row kernel)."""
     rows: list[int] = []
     launch = gluon_mod.launch
 
     def record(*a: object, **k: Any) -> None:
         rows.append(k.get("block_m", gluon_mod.BLOCK_M))
+        if kernels is not None:
+            kernels.append(a[14] if len(a) > 14 else k.get("kernel"))
         launch(*a, **k)
 
     monkeypatch.setattr(gluon_mod, "launch", record)
     return rows
+
+
+def _seesaw_kernel() -> object:
+    from mla_backends.kernels import mla_attention_seesaw as ms
+
+    return ms.KERNEL
 
 
 @pytest.mark.sm90
@@ -153,11 +164,14 @@ def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch)
 
     from mla_backends.kernels.common import num_sms
 
-    rows = _recorded_launch(monkeypatch)
+    kernels: list[object] = []
+    rows = _recorded_launch(monkeypatch, kernels)
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"
     want = _expected_rows(case, num_sms(torch.device("cuda")))
     assert rows and set(rows) == {want}, f"{case.id}: {want}-row Gluon launches expected: {rows}"
+    if want == 64:  # H128's 64-row blocks run the warp-specialised kernel (`seesaw_pays`)
+        assert set(kernels) == {_seesaw_kernel() if case.num_heads >= 128 else None}, kernels
 
 
 @pytest.mark.sm90
@@ -186,6 +200,25 @@ def test_narrow_off_keeps_the_earlier_kernels(
     r = run_case(case, "cuda")
     assert r.ok, f"{case.id}: {r.detail}"
     assert set(rows) == {64}, rows
+
+
+@pytest.mark.sm90
+def test_seesaw_off_keeps_the_lockstep_kernel(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """MLA_SEESAW=0 (A/B runs): 64-row blocks go back to the lockstep kernel
+    (`mla_attention_gluon`'s own), and the result still matches the reference."""
+    from mla_backends.kernels import tuning
+
+    monkeypatch.setenv("MLA_SEESAW", "0")
+    tuning.seesaw_on.cache_clear()  # read once a process: read again here and after the test
+    request.addfinalizer(tuning.seesaw_on.cache_clear)
+    kernels: list[object] = []
+    rows = _recorded_launch(monkeypatch, kernels)
+    case = with_batch(parity_cases("triton", (64,), (128,), ("bfloat16",), ("decode",))[0], 64)
+    r = run_case(case, "cuda")
+    assert r.ok, f"{case.id}: {r.detail}"
+    assert set(rows) == {64} and set(kernels) == {None}, (rows, kernels)
 
 
 @pytest.mark.sm90

@@ -466,3 +466,17 @@ def test_narrow_blocks_only_for_short_one_wave_grids(
     tuning.narrow_on.cache_clear()
     request.addfinalizer(tuning.narrow_on.cache_clear)
     assert tuning.block_m_for(128, bf16, True, 1, 4096, sms) == 64
+
+
+def test_seesaw_only_for_h128_and_up(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """64-row Gluon blocks take the warp-specialised kernel at H >= 128 only (faster there,
+    slower at H64 on the H100), and never with MLA_SEESAW=0."""
+    from mla_backends.kernels import tuning
+
+    assert [tuning.seesaw_pays(h) for h in (16, 32, 64, 128, 256)] == [False] * 3 + [True] * 2
+    monkeypatch.setenv("MLA_SEESAW", "0")
+    tuning.seesaw_on.cache_clear()  # read once a process: read again here and after the test
+    request.addfinalizer(tuning.seesaw_on.cache_clear)
+    assert not tuning.seesaw_pays(128)

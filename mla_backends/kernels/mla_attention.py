@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mla_backends.arith import cdiv
+from mla_backends.kernels import tuning
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 
@@ -309,7 +310,8 @@ def mla_attention(
     `kv_scale` multiplies scores and output, so rows are dequantized in registers only.
     workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32).
     tma: load whole page-aligned tiles through TMA where the GPU and page size allow it.
-    gluon: take a Gluon kernel where `gluon_ok`: 64-row blocks (`mla_attention_gluon`), or
+    gluon: take a Gluon kernel where `gluon_ok`: 64-row blocks (`mla_attention_seesaw` for
+    H >= 128, `tuning.seesaw_pays`, else `mla_attention_gluon`), or
     with `block_m` 16 / 32 the narrow kernel (`mla_attention_narrow`); block_n / warps /
     stages then apply only to the fallback, which also takes the call (and every later one)
     if the Gluon kernel fails to build here (`gluon_error`)."""
@@ -329,11 +331,16 @@ def mla_attention(
         rows = mg.BLOCK_M
         kernel: Any = None
         extra = mg.launch_options(max_q_len)
+        k_box: int | None = None
         try:
             if block_m in NARROW_ROWS:
                 from mla_backends.kernels import mla_attention_narrow as mn
 
                 rows, kernel, extra = block_m, mn.KERNEL, mn.EXTRA
+            elif tuning.seesaw_pays(h):
+                from mla_backends.kernels import mla_attention_seesaw as ms
+
+                kernel, extra, k_box = ms.KERNEL, ms.EXTRA, ms.K_BOX
             mg.launch(
                 q_nope,
                 q_rope,
@@ -351,6 +358,7 @@ def mla_attention(
                 part_lse,
                 kernel,
                 extra,
+                k_box,
                 block_m=rows,
             )
         except Exception as e:  # import, first-use compile: a failure there never fails a decode

@@ -1,5 +1,7 @@
-"""PROTOTYPE (issue 19, not wired into any backend): the absorbed decode kernel with its two
-warpgroups on alternate 64-key tiles (docs/HOPPER_NEXT_KERNEL.md).
+"""Absorbed MLA decode for 64-row query blocks on Hopper with its two warpgroups on
+alternate 64-key tiles (warp-specialised, the "seesaw"; docs/HOPPER_NEXT_KERNEL.md): what
+the `triton` backend runs for H >= 128 on SM90 (`tuning.seesaw_pays`; the lockstep kernel,
+`mla_attention_gluon`'s own, takes other 64-row blocks and MLA_SEESAW=0).
 
 Warpgroup w scores tiles j with j % 2 == w as one `m64n64` wgmma (the probe's 822-870 TFLOP/s
 shape, not the split `m64n32` pair at 622), runs the online softmax of that tile, and hands
@@ -7,14 +9,13 @@ the running max and P to the other warpgroup through shared memory; each warpgro
 half of the 512 output columns. P is written over the tile's 64 rope columns, dead once its
 scores are computed (P @ V reads the latent only), so Q + two tiles fit in 216 KB.
 
-Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)`.
-Limits of the prototype: the Gluon kernel's contract, but whole 64-key tiles only (every
-split's key range a multiple of 64: the caller checks). The warpgroups' tiles run a tile
-apart (not in pairs); each tile comes in three TMA pieces (latent halves, rope), each
-refilled as soon as its last reader retired. `scripts/probe_seesaw.py` checks it against the
-Gluon kernel and raw FlashMLA, with `PROBE` 1 (compute only: nothing refilled) and `Trace`
-(SM clocks at seven points of the loop) (BENCHMARKS.md, "Issue 19: the seesaw prototype with
-its tiles a tile apart"); docs/HOPPER_NEXT_KERNEL.md lists what it lacks.
+Launched by `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)`, the
+Gluon kernel's contract (grid, rows, causality, split partials). The warpgroups' tiles run a
+tile apart; each whole tile comes in three TMA pieces (latent halves, rope), each refilled
+as soon as its last reader retired. A split's partial tail tile is staged from registers
+after the loop (masked loads, so stale pool rows never reach P @ V). Measured against the
+lockstep kernel and raw FlashMLA by `scripts/probe_seesaw.py` (`PROBE` 1: compute only;
+`Trace`: SM clocks at seven points of the loop) and `bench --suite hopper` (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -118,6 +119,32 @@ def _issue_pieces(
         else:
             mbarrier.expect(bar, KDesc.block_type.nbytes, pred)
             _tma_load(KDesc, [row, c * W], bar, k_smem.index(s).slice(c * W, W, dim=1), pred)
+
+
+@gluon.jit
+def _stage_tail(
+    Pool, Batch, b, start, hi, k_buf, kr_buf, kv_ready, s: gl.constexpr, NP: gl.constexpr,
+    L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Keys [start, hi), fewer than a tile, into slot s through registers by the warpgroup
+    that scores them, then each of the slot's pieces marked landed (kv_ready) as a TMA
+    would. Masked loads: 0 past hi, so no stale or NaN-poisoned pool row reaches P @ V (P is
+    0 there, but 0 * NaN is NaN). The slot's last readers must have retired."""
+    KV, stride_kv = Pool
+    LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
+    ok = n < hi
+    Table, stride_tab, _, _ = Batch
+    page = gl.load(Table + b * stride_tab + n // PAGE, mask=ok, other=0).to(gl.int64)
+    row = KV + (page * PAGE + n % PAGE) * stride_kv
+    cols = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
+    for c in gl.static_range(L // R):  # R (64) columns at a time: 16 registers a thread
+        k = gl.load(row[:, None] + (c * R + cols)[None, :], mask=ok[:, None], other=0.0)
+        k_buf.slice(c * R, R, dim=1).store(k)
+    kr_buf.store(gl.load(row[:, None] + (L + cols)[None, :], mask=ok[:, None], other=0.0))
+    fence_async_shared()  # Hazard: generic-proxy stores, read by wgmma (the async proxy)
+    for c in gl.static_range(NP + 1):
+        mbarrier.arrive(kv_ready.index((NP + 1) * s + c), count=1)
 
 
 @gluon.jit
@@ -237,6 +264,7 @@ def _other_done(
 
 @gluon.jit
 def _warpgroup(
+    Pool,
     Batch,
     Dest,
     KDesc,
@@ -251,6 +279,7 @@ def _warpgroup(
     bars,
     H: gl.constexpr,
     L: gl.constexpr,
+    R: gl.constexpr,
     PAGE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -346,6 +375,33 @@ def _warpgroup(
             acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, n_full - 1, WG, ROW, O_L
         )
         acc = warpgroup_mma_wait(0, deps=[acc])
+    # The split's partial tail, tile t = n_full, after the loop so the loop keeps its
+    # registers: its scorer stages it from registers into slot t % 2 once both P(t - 2) @ V
+    # retired, and it goes through the same steps as a whole tile (nothing refilled after).
+    t = n_full
+    if (not REUSE) & (hi - lo > t * BLOCK_N):
+        if t % 2 == WG:
+            mbarrier.wait(kv_free.index(WG), ((t - 2) // 2) & 1, pred=t >= 2)
+            _stage_tail(
+                Pool, Batch, b, lo + t * BLOCK_N, hi, k_smem.index(WG), kr_smem.index(WG),
+                kv_ready, WG, NP, L, R, PAGE, BLOCK_N,
+            )  # fmt: skip
+            sc = _scores_own(q_smem, k_smem, kv_ready, t, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG)
+            sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, t, NP, REUSE, WG)
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            m_i, alpha, l_i = _softmax_tile(
+                sc, m_i, l_i, visible - (lo + t * BLOCK_N), qk_scale_log2, kr_smem.index(WG),
+                m_smem.index(WG), p_ready.index(WG), S_L, BLOCK_N,
+            )  # fmt: skip
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            v = _v_half(k_smem, WG, WG, HALF)
+            acc = warpgroup_mma(kr_smem.index(WG), v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            acc, m_i, l_i = _take_other(
+                acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, t, WG, ROW, O_L
+            )
+            acc = warpgroup_mma_wait(0, deps=[acc])
 
     # each warpgroup summed P over the tiles it scored, with the same rescaling: add them
     l_smem.index(WG).store(l_i)
@@ -462,15 +518,15 @@ def _seesaw_kernel(
         [
             (
                 _warpgroup,
-                (Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem, kr_smem,
-                 m_smem, l_smem, bars, H, L, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 0, PROBE,
-                 Trace),
+                (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem,
+                 kr_smem, m_smem, l_smem, bars, H, L, R, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 0,
+                 PROBE, Trace),
             ),
             (
                 _warpgroup,
-                (Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem, kr_smem,
-                 m_smem, l_smem, bars, H, L, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 1, PROBE,
-                 Trace),
+                (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem,
+                 kr_smem, m_smem, l_smem, bars, H, L, R, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 1,
+                 PROBE, Trace),
             ),
         ],
         [4],
@@ -480,7 +536,10 @@ def _seesaw_kernel(
 
 # `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)` launches it:
 # four warps a partition, the default one and one worker (`gl.warp_specialize`), 240
-# registers a thread.
+# registers a thread. Hazard: ptxas keeps every k-step's wgmma descriptor live across the
+# loop and spills some (~40 spill stores offline); code added inside the loop moved ~30
+# more into it and cost 12-19 % (BENCHMARKS.md, twenty-first session): keep rare paths,
+# like the tail tile, outside it.
 KERNEL = _seesaw_kernel
 EXTRA = {"num_warps": 4, "maxnreg": 240}
 K_BOX = 256  # the latent TMA box: half a row (two pieces a tile, refilled apart)

@@ -21,6 +21,27 @@ def narrow_on() -> bool:
     return os.environ.get("MLA_NARROW", "1") != "0"
 
 
+@functools.cache  # read once a process, as `narrow_on`
+def seesaw_on() -> bool:
+    """64-row Gluon blocks of H >= 128 run the warp-specialised kernel (`seesaw_pays`);
+    MLA_SEESAW=0 in the environment the process starts with gives them the lockstep kernel
+    (`mla_attention_gluon`'s own) instead (A/B runs)."""
+    return os.environ.get("MLA_SEESAW", "1") != "0"
+
+
+# H100, one run each way (BENCHMARKS.md, twenty-first session): at H128 the seesaw was
+# 1.02-1.07x the lockstep kernel at q_len 1 and 2, B 4-128 (0.99x at B256 kv 1k); at H64
+# 0.89-0.93x. With one 64-row block a token every block streams its tiles from HBM alone,
+# and the loads the seesaw's two slots leave exposed are then most of a tile's time.
+SEESAW_MIN_HEADS = 128
+
+
+def seesaw_pays(heads: int) -> bool:
+    """Whether 64-row Gluon blocks of `heads` query heads run the warp-specialised kernel
+    (`mla_attention_seesaw`: two warpgroups on alternate key tiles)."""
+    return heads >= SEESAW_MIN_HEADS and seesaw_on()
+
+
 def is_narrow(block_m: int, gluon: bool) -> bool:
     """Whether `block_m`-row programs run the narrow Gluon kernel (`block_m_for` chose it)."""
     return gluon and block_m < 64 and narrow_on()
