@@ -30,9 +30,9 @@ def seesaw_on() -> bool:
 
 
 # H100, one run each way (BENCHMARKS.md, twenty-first session): at H128 the seesaw was
-# 1.02-1.07x the lockstep kernel at q_len 1 and 2, B 4-128 (0.99x at B256 kv 1k); at H64
-# 0.89-0.93x. With one 64-row block a token every block streams its tiles from HBM alone,
-# and the loads the seesaw's two slots leave exposed are then most of a tile's time.
+# 1.01-1.08x the lockstep kernel at q_len 1 and 2, B 4-256 (0.99x at B256 kv 1k, q_len 1);
+# at H64 0.89-0.94x. With one 64-row block a token, every block streams its tiles from HBM
+# alone, and the loads the seesaw's two slots leave exposed are then most of a tile's time.
 SEESAW_MIN_HEADS = 128
 
 
