@@ -379,7 +379,9 @@ def _warpgroup(
     # registers: its scorer stages it from registers into slot t % 2 once both P(t - 2) @ V
     # retired, and it goes through the same steps as a whole tile (nothing refilled after).
     t = n_full
-    if (not REUSE) & (hi - lo > t * BLOCK_N):
+    if REUSE:  # the compute-only probe: whole tiles only, nothing staged
+        pass
+    elif hi - lo > t * BLOCK_N:
         if t % 2 == WG:
             mbarrier.wait(kv_free.index(WG), ((t - 2) // 2) & 1, pred=t >= 2)
             _stage_tail(
