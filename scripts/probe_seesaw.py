@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_backends.arith import cdiv
 from mla_backends.bench.timing import graph_us
 from mla_backends.kernels import mla_attention_gluon as glu
 from mla_backends.kernels import mla_attention_seesaw as see
@@ -58,7 +59,7 @@ class Setup:
 def paged_setup(b: int, kv: int, seed: int, h: int = 128, page: int = 64) -> Setup:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
-    n_pages = b * -(-kv // page) + 1
+    n_pages = b * cdiv(kv, page) + 1
     return Setup(
         torch.randn(n_pages * page, 576, generator=g, device=dev).bfloat16(),
         (torch.randperm(n_pages - 1, generator=g, device=dev) + 1).int().view(b, -1),

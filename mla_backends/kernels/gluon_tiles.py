@@ -435,21 +435,27 @@ def _stage_tail(
     """Keys [start, hi) of request b, fewer than a tile, into k_buf / kr_buf through
     registers (masked loads: 0 past hi, so no stale pool row is read), fenced for the
     wgmma and visible to every warp."""
-    n_ld = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
-    n_ok = n_ld < hi
-    Table, stride_tab, _, _ = Batch
-    page = gl.load(Table + b * stride_tab + n_ld // PAGE, mask=n_ok, other=0).to(gl.int64)
-    slot = page * PAGE + n_ld % PAGE
+    row, n_ok = _tail_rows(KV, stride_kv, Batch, b, start, hi, LD_L, PAGE, BLOCK_N)
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
-    k = gl.load(KV + slot[:, None] * stride_kv + offs_l[None, :], mask=n_ok[:, None], other=0.0)
-    k_buf.store(k)
-    kr = gl.load(
-        KV + slot[:, None] * stride_kv + L + offs_r[None, :], mask=n_ok[:, None], other=0.0
-    )
-    kr_buf.store(kr)
+    k_buf.store(gl.load(row[:, None] + offs_l[None, :], mask=n_ok[:, None], other=0.0))
+    kr_buf.store(gl.load(row[:, None] + (L + offs_r)[None, :], mask=n_ok[:, None], other=0.0))
     fence_async_shared()
     _barrier()
+
+
+@gluon.jit
+def _tail_rows(
+    KV, stride_kv, Batch, b, start, hi, LD_L: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """(pool row pointers, in range) of keys start .. start + BLOCK_N - 1 of request b, as
+    LD_L's rows: a partial tail tile's masked loads (keys >= hi point at row 0, unread)."""
+    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
+    ok = n < hi
+    Table, stride_tab, _, _ = Batch
+    page = gl.load(Table + b * stride_tab + n // PAGE, mask=ok, other=0).to(gl.int64)
+    return KV + (page * PAGE + n % PAGE) * stride_kv, ok
 
 
 @gluon.jit

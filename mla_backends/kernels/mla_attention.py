@@ -356,9 +356,9 @@ def mla_attention(
                 lse,
                 part_out,
                 part_lse,
-                kernel,
-                extra,
-                k_box,
+                kernel=kernel,
+                extra=extra,
+                k_box=k_box,
                 block_m=rows,
             )
         except Exception as e:  # import, first-use compile: a failure there never fails a decode

@@ -29,7 +29,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_backends.kernels.gluon_tiles import _bounds, _normalise, _store_rows, _tma_load, _visible
+from mla_backends.kernels.gluon_tiles import (
+    _bounds,
+    _normalise,
+    _store_rows,
+    _tail_rows,
+    _tma_load,
+    _visible,
+)
 
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -79,6 +86,31 @@ def _scores_rest(
     for k in gl.static_range(HP):
         sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, SLOT, (1 - SLOT) * HP + k, True, NP, W)
     return sc
+
+
+@gluon.jit
+def _score_own_tile(
+    m_i, l_i, visible, start, qk_scale_log2, q_smem, qr_smem, k_smem, kr_smem, kv_ready,
+    m_buf, p_bar, j, S_L: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NP: gl.constexpr, REUSE: gl.constexpr, SLOT: gl.constexpr,
+):  # fmt: skip
+    """Scores and softmax of our tile j (keys from `start`) with no tile of the other
+    warpgroup to take between them (tile 0, the tail): (m_new, alpha, l_new), P published."""
+    sc = _scores_own(q_smem, k_smem, kv_ready, j, S_L, BLOCK_M, BLOCK_N, NP, REUSE, SLOT)
+    sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, NP, REUSE, SLOT)
+    sc = warpgroup_mma_wait(0, deps=[sc])
+    return _softmax_tile(
+        sc,
+        m_i,
+        l_i,
+        visible - start,
+        qk_scale_log2,
+        kr_smem.index(SLOT),
+        m_buf,
+        p_bar,
+        S_L,
+        BLOCK_N,
+    )
 
 
 @gluon.jit
@@ -132,11 +164,7 @@ def _stage_tail(
     0 there, but 0 * NaN is NaN). The slot's last readers must have retired."""
     KV, stride_kv = Pool
     LD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD_L))
-    ok = n < hi
-    Table, stride_tab, _, _ = Batch
-    page = gl.load(Table + b * stride_tab + n // PAGE, mask=ok, other=0).to(gl.int64)
-    row = KV + (page * PAGE + n % PAGE) * stride_kv
+    row, ok = _tail_rows(KV, stride_kv, Batch, b, start, hi, LD_L, PAGE, BLOCK_N)
     cols = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
     for c in gl.static_range(L // R):  # R (64) columns at a time: 16 registers a thread
         k = gl.load(row[:, None] + (c * R + cols)[None, :], mask=ok[:, None], other=0.0)
@@ -227,6 +255,16 @@ def _take_other(
 
 
 @gluon.jit
+def _pv_own_waited(acc, alpha, k_smem, kr_smem, WG: gl.constexpr, O_L: gl.constexpr):
+    """Our half of the output rescaled by alpha, plus P @ V of the tile we scored (slot WG,
+    P over its rope columns), waited."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    v = _v_half(k_smem, WG, WG, k_smem.shape[2] // 2)
+    acc = warpgroup_mma(kr_smem.index(WG), v, acc, is_async=True)
+    return warpgroup_mma_wait(0, deps=[acc])
+
+
+@gluon.jit
 def _own_pv(
     acc, alpha, KDesc, KRDesc, row, k_smem, kr_smem, kv_ready, kv_free, o, n_load,
     WG: gl.constexpr, NP: gl.constexpr, L: gl.constexpr, O_L: gl.constexpr,
@@ -234,10 +272,7 @@ def _own_pv(
     """Our half of P(o) @ V for the tile we scored, waited; then its slot refilled for tile
     o + 2: our latent half at once (our scores and P @ V were its readers), the rope
     columns (where P lives) once the other warpgroup's P(o) @ V retired too."""
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-    v = _v_half(k_smem, WG, WG, L // 2)
-    acc = warpgroup_mma(kr_smem.index(WG), v, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    acc = _pv_own_waited(acc, alpha, k_smem, kr_smem, WG, O_L)
     mbarrier.arrive(kv_free.index(WG), count=1)
     _issue_pieces(
         KDesc, KRDesc, k_smem, kr_smem, kv_ready, row, o + 2, n_load,
@@ -323,12 +358,10 @@ def _warpgroup(
     # apart, not a pair at a time.
     if WG == 0:
         if n_full > 0:  # tile 0: no tile of the other warpgroup before it
-            sc = _scores_own(q_smem, k_smem, kv_ready, 0, S_L, BLOCK_M, BLOCK_N, NP, REUSE, 0)
-            sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, 0, NP, REUSE, 0)
-            sc = warpgroup_mma_wait(0, deps=[sc])
-            m_i, alpha, l_i = _softmax_tile(
-                sc, m_i, l_i, visible - lo, qk_scale_log2, kr_smem.index(0), m_smem.index(0),
-                p_ready.index(0), S_L, BLOCK_N,
+            m_i, alpha, l_i = _score_own_tile(
+                m_i, l_i, visible, lo, qk_scale_log2, q_smem, qr_smem, k_smem, kr_smem,
+                kv_ready, m_smem.index(0), p_ready.index(0), 0, S_L, BLOCK_M, BLOCK_N, NP,
+                REUSE, 0,
             )  # fmt: skip
             row2 = _tile_row(Batch, b, lo, 2, n_load, PAGE, BLOCK_N)
             acc = _own_pv(
@@ -388,17 +421,12 @@ def _warpgroup(
                 Pool, Batch, b, lo + t * BLOCK_N, hi, k_smem.index(WG), kr_smem.index(WG),
                 kv_ready, WG, NP, L, R, PAGE, BLOCK_N,
             )  # fmt: skip
-            sc = _scores_own(q_smem, k_smem, kv_ready, t, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG)
-            sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, t, NP, REUSE, WG)
-            sc = warpgroup_mma_wait(0, deps=[sc])
-            m_i, alpha, l_i = _softmax_tile(
-                sc, m_i, l_i, visible - (lo + t * BLOCK_N), qk_scale_log2, kr_smem.index(WG),
-                m_smem.index(WG), p_ready.index(WG), S_L, BLOCK_N,
+            m_i, alpha, l_i = _score_own_tile(
+                m_i, l_i, visible, lo + t * BLOCK_N, qk_scale_log2, q_smem, qr_smem, k_smem,
+                kr_smem, kv_ready, m_smem.index(WG), p_ready.index(WG), t, S_L, BLOCK_M,
+                BLOCK_N, NP, REUSE, WG,
             )  # fmt: skip
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            v = _v_half(k_smem, WG, WG, HALF)
-            acc = warpgroup_mma(kr_smem.index(WG), v, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            acc = _pv_own_waited(acc, alpha, k_smem, kr_smem, WG, O_L)
         else:
             acc, m_i, l_i = _take_other(
                 acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, t, WG, ROW, O_L
