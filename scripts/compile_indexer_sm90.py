@@ -43,10 +43,11 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
     prep_sig |= {"stride_w": "i32", "stride_cs": "i32", "weight_scale": "fp32"}
     prep_sig |= {"Zero": "*i32", "n_zero": "i32"}
     logits_sig = {"Q": "*fp8e4nv", "W": "*fp32", "Data": "*fp8e4nv", "Scale": "*fp32"}
-    logits_sig |= {"R2T": "*i32", "Rows": "*i64", "Vis": "*i32", "Out": "*fp32", "width": "i32"}
+    logits_sig |= {"R2T": "*i32", "Rows": "*i64", "Vis": "*i32", "Out": "*fp32"}
+    logits_sig |= {"Counts": "*i32", "width": "i32"}
     logits_sig |= dict.fromkeys(("stride_q_t", "stride_q_h", "stride_w", "stride_r2t"), "i32")
-    logits_sig["stride_o"] = "i32"
-    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True}
+    logits_sig |= {"stride_o": "i32", "stride_c": "i32"}
+    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True, "COUNT": False, "WIDE": False}
     return [
         (
             "prep_q",
@@ -86,17 +87,40 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
                 topk_fused._topk_fused_kernel,
                 {**SRC, **DST},
                 {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True}
-                | {"WIDE": wide},
+                | {"WIDE": wide, "COUNTED": False},
                 8,
             )
             for name, wide in (("fused", False), ("fused_wide", True))
         ),
+        # what the indexer launches: the logits counting the keys' first digits (wide
+        # counters, as at batch 1-4) and the top-k starting from those counts
+        (
+            "logits_loop_count",
+            ik._logits_kernel,
+            logits_sig,
+            {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
+            | {"PRECISION": "tf32", "LOOP": True, "COUNT": True, "WIDE": True},
+            4,
+        ),
+        *(
+            (
+                name,
+                topk_fused._topk_fused_kernel,
+                {**SRC, **DST},
+                {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True}
+                | {"WIDE": wide, "COUNTED": True},
+                8,
+            )
+            for name, wide in (("fused_counted", False), ("fused_wide_counted", True))
+        ),
     ]
 
 
-def gluon_usage(heads: int = 64) -> dict:  # type: ignore[type-arg]
+def gluon_usage(heads: int = 64, count: bool = False) -> dict:  # type: ignore[type-arg]
     """The Gluon logits kernel compiled for SM90 at DeepSeek-V3.2's dims (64 heads of 128),
-    or with fewer index heads (a 16-wide MMA at 8 heads, as small configs take it)."""
+    or with fewer index heads (a 16-wide MMA at 8 heads, as small configs take it); `count`:
+    counting its keys for the top-k on wide counters, as the indexer launches it at batch
+    1-4."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_backends.sparse import indexer_gluon as ig
@@ -106,6 +130,7 @@ def gluon_usage(heads: int = 64) -> dict:  # type: ignore[type-arg]
     block_h = max(16, 1 << (heads - 1).bit_length())
     const = {"HI": heads, "D": ig.D, "BLOCK_H": block_h, "BLOCK_N": ig.BLOCK_N, **CACHE}
     const |= {"STAGES": ig.STAGES, "EARLY_KEYS": True, "USE_GDC": True}
+    const |= {"COUNT": count, "WIDE": count}
     ints = tuple(n for n in sig if n.startswith("stride"))
     src = GluonASTSource(
         fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, offline.aligned(fn, sig, ints)
@@ -119,6 +144,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["gluon"]:
         for heads in (64, 8):
             print(json.dumps({"kernel": f"logits_gluon_h{heads}", **gluon_usage(heads)}))
+        print(json.dumps({"kernel": "logits_gluon_h64_count", **gluon_usage(64, True)}))
         raise SystemExit(0)
     for name, fn, sig, const, warps in kernels():
         src = ASTSource(
@@ -127,7 +153,7 @@ if __name__ == "__main__":
             constexprs=const,
             attrs=offline.aligned(fn, sig, tuple(n for n in sig if n.startswith("stride"))),
         )
-        cap = {"maxnreg": ik.LOOP_MAXNREG} if name == "logits_loop" else {}
+        cap = {"maxnreg": ik.LOOP_MAXNREG} if name.startswith("logits_loop") else {}
         opts = {"num_warps": warps, "num_stages": 3, **cap}
         use = offline.usage(triton.compile(src, target=offline.SM90, options=opts))
         print(

@@ -151,6 +151,49 @@ def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_index_logits_count_the_topks_first_digits(wide: bool) -> None:
+    """`index_logits(counts=)`: the logits kernel adds each visible key's first digit (and on
+    wide counters its leading 16 bits) to the top-k's counters, as `add_first_counts` does in
+    torch, one program a block and looping alike, over a poisoned cache (NaN past each
+    context), touching no other counter; a top-k told `counted` then skips its first pass
+    and picks the sets it picks uncounted. Bad counters and `counted` without them raise."""
+    from mla_backends.sparse.indexer_kernels import index_logits, store_index_k
+    from mla_backends.sparse.topk_kernel import add_first_counts, new_counts, topk_slots
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    t, width, k = 40, 48, 8
+    keys, q, w, cos, sin = _indexer_inputs(dims, t, 4)
+    cache = IndexKCache(1, 200, 32, True, "cpu")
+    cache.buffers[0].fill_(0xFF)  # NaN data and scales wherever nothing is stored
+    loc = torch.randperm(190)[:t] + 2
+    store_index_k(cache, 0, keys, cos, sin, loc)
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    r2t[2, :t] = loc.int()
+    rows = torch.full((6,), 2)
+    vis = torch.tensor([1, 7, 16, 17, 33, 40], dtype=torch.int32)
+    qp, wp = prepare_q(dims, q[:6], w[:6], cos[:6], sin[:6])
+    args = (cache, 0, qp, wp, r2t, rows, vis, width)
+    logits = index_logits(*args)
+    want = new_counts(6, qp.device, wide=wide)
+    add_first_counts(logits, want)
+    assert int(want[:, :256].sum()) == int(vis.sum())
+    for loop in (False, True):
+        counts = new_counts(6, qp.device, wide=wide)
+        assert torch.equal(index_logits(*args, loop=loop, counts=counts), logits)
+        assert torch.equal(counts, want), loop
+    sel = topk_slots(logits, k, r2t, rows, vis, path="launches")
+    got = topk_slots(logits, k, r2t, rows, vis, path="launches", counts=counts, counted=True)
+    assert _slot_sets(got) == _slot_sets(sel)
+    with pytest.raises(ValueError, match="counts must be int32"):
+        index_logits(*args, counts=torch.zeros(6, 2000, dtype=torch.int64))
+    with pytest.raises(ValueError, match="counts rows must be contiguous"):
+        index_logits(*args, counts=torch.zeros(6, 100, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counted needs the counters"):
+        topk_slots(logits, k, r2t, rows, vis, counted=True)
+
+
+@pytest.mark.interp
 def test_gluon_logits_failure_falls_back_to_the_triton_kernel_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -648,14 +691,18 @@ def test_indexer_kernels_compile_for_sm90() -> None:
     which compiles nothing: a loop-carried variable changing type passed every CPU test and
     failed on the GPU), within one block's shared memory, without spills, the logits' K tile
     as the MMA's register operand (only q in shared memory: 16 KB); the looping logits kernel
-    within its cap of 168 registers (three programs an SM), whose price is ~100 B of spills."""
+    within its cap of 168 registers (three programs an SM), whose price is ~100 B of spills;
+    the same for the forms the indexer launches at batch 1-4: the looping logits counting its
+    keys for the top-k (wide counters) and the one-launch top-k starting from those counts."""
     uses = compile_usage("compile_indexer_sm90.py")
     names = ["prep_q", "logits", "logits_loop", "hist", "split", "fused", "fused_wide"]
+    names += ["logits_loop_count", "fused_counted", "fused_wide_counted"]
     assert [u["kernel"] for u in uses] == names, uses
     for use in uses:
         assert use["shared"] <= 48 * 1024, use
-        if use["kernel"] != "logits_loop":
+        if not use["kernel"].startswith("logits_loop"):
             assert use["local"] == 0 and use["stack"] == 0, use
+    assert uses[7]["reg"] <= 168, uses[7]
     assert uses[1]["shared"] == uses[2]["shared"] == 16 * 1024, uses[1:3]
     # three looping programs an SM, as for one program a block (its spills are the price)
     assert uses[2]["reg"] <= 168, uses[2]
@@ -666,10 +713,12 @@ def test_gluon_indexer_logits_kernel_compiles_for_sm90() -> None:
     keeps building for SM90 at 64 and at 8 index heads: no spills, few enough registers and
     little enough shared memory (its four-tile ring and q) for four programs an SM
     (`PROGRAMS_PER_SM`, one wave), and the fp16 MMA of its shape (never an FP8 one: the
-    module's hazard)."""
+    module's hazard); also as the indexer launches it at batch 1-4, counting its keys for
+    the top-k on wide counters."""
     uses = compile_usage("compile_indexer_sm90.py", "gluon")
-    assert [u["kernel"] for u in uses] == ["logits_gluon_h64", "logits_gluon_h8"], uses
-    for use, n in zip(uses, (64, 16)):  # V3.2's 64 index heads, and 8 in a 16-wide MMA
+    names = ["logits_gluon_h64", "logits_gluon_h8", "logits_gluon_h64_count"]
+    assert [u["kernel"] for u in uses] == names, uses
+    for use, n in zip(uses, (64, 16, 64)):  # V3.2's 64 index heads, and 8 in a 16-wide MMA
         assert use["local"] == 0 and use["stack"] == 0, use
         assert use["reg"] * 128 * 4 <= 65536 and use["shared"] * 4 <= 232448, use
         assert use["wgmma"] == [f"m64n{n}k16"], use

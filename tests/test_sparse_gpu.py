@@ -78,17 +78,23 @@ def test_triton_sparse_backend_at_tiny_dims(mode: str, act: str) -> None:
 
 
 PATHS = ["launches", "fused", "fused_wide"]
+PATHS += [f"{p}_counted" for p in PATHS]
 
 
 def _topk(logits, k, r2t, rows, vis=None, path="auto"):  # type: ignore[no-untyped-def]
     """`topk_slots` on `path`, where "fused" is the one launch on counters of COUNTS (8-bit
-    digits) and "fused_wide" the one launch on wide counters (its 16-bit middle digit)."""
-    from mla_backends.sparse.topk_kernel import new_counts, topk_slots
+    digits) and "fused_wide" the one launch on wide counters (its 16-bit middle digit);
+    "..._counted": the same told `counted`, its counters holding the first counts a logits
+    kernel adds (`add_first_counts`, the torch form of `_count_logits`)."""
+    from mla_backends.sparse.topk_kernel import add_first_counts, new_counts, topk_slots
 
-    if path.startswith("fused"):
-        counts = new_counts(logits.shape[0], logits.device, wide=path == "fused_wide")
-        return topk_slots(logits, k, r2t, rows, vis, path="fused", counts=counts)
-    return topk_slots(logits, k, r2t, rows, vis, path=path)
+    base = path.removesuffix("_counted")
+    counts = new_counts(logits.shape[0], logits.device, wide=base == "fused_wide")
+    if path != base:
+        add_first_counts(logits, counts, vis)
+    return topk_slots(
+        logits, k, r2t, rows, vis, base.removesuffix("_wide"), counts, counted=path != base
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -159,7 +165,7 @@ def test_topk_slots_kernel_takes_exactly_k_with_ties_gpu(path: str) -> None:
         assert len(set(got[0].tolist())) == k and (got[0] % 7 == 0).all()
         assert len(set(got[1].tolist())) == k and (got[1] >= 0).all()
         assert len(set(got[2].tolist())) == k and (got[2] >= 0).all() and (got[2] < 5000).all()
-        if path != "launches":  # slots are positions here
+        if not path.startswith("launches"):  # slots are positions here
             assert torch.equal(got[0].sort().values, torch.arange(0, 7 * k, 7, dtype=torch.int32))
             assert torch.equal(got[1].sort().values, torch.arange(k, dtype=torch.int32))
             assert torch.equal(got[2].sort().values, torch.arange(k, dtype=torch.int32))
@@ -336,6 +342,7 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
     from mla_backends.sparse import indexer_gluon as ig
     from mla_backends.sparse.indexer import IndexKCache
     from mla_backends.sparse.indexer_kernels import index_logits
+    from mla_backends.sparse.topk_kernel import add_first_counts, new_counts
 
     if not ig.usable(IndexKCache(1, 64, 128, True, "cuda"), torch.empty(1, heads, 128,
                      dtype=torch.float8_e4m3fn, device="cuda")):  # fmt: skip
@@ -352,6 +359,14 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
         assert torch.equal(index_logits(cache, 0, qp, wp, r2t, rows, vis, width), got)
     assert torch.isfinite(got).sum(1).tolist() == vis_list
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    # counting the keys for the top-k (`counts=`, as the indexer launches it): the same
+    # logits, and the counts `add_first_counts` takes from them, narrow and wide counters
+    for wide in (False, True):
+        counts, ref = (new_counts(len(vis_list), got.device, wide=wide) for _ in range(2))
+        args = (cache, 0, qp, wp, r2t, rows, vis, width, programs)
+        assert torch.equal(ig.index_logits(*args, early_keys=True, counts=counts), got)
+        add_first_counts(got, ref)
+        assert torch.equal(counts, ref), wide
     fin = torch.isfinite(want)
     # fp32 sums of the same exact products in another order: within a few fp32 ulps
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6 * want[fin].abs().max())

@@ -180,10 +180,13 @@ class Indexer:
         start: int,
         end: int,
         early_keys: bool = False,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prepared q [T, Hi, D], w [T, Hi] of tokens [start, end) -> [end - start, width]
         fp32, -inf where a key is not visible. `early_keys`: `index_logits`' (safe only when
-        the launch just before released this one after its own wait, as in `select`)."""
+        the launch just before released this one after its own wait, as in `select`);
+        `counts`: `index_logits`' (the Triton kernels only: the top-k's zeroed counters of
+        these tokens, which the logits kernel counts into)."""
         md = self.metadata
         assert md is not None
         rows, vis = md.rows[start:end], md.visible[start:end]
@@ -201,6 +204,7 @@ class Indexer:
                 md.width,
                 loop=md.graph,
                 early_keys=early_keys,
+                counts=counts,
             )
         pos = torch.arange(md.width, device=q.device)
         slots = self.req_to_token[
@@ -226,6 +230,7 @@ class Indexer:
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
         k, r2t = self.dims.topk, self.req_to_token
+        score: Callable[[int, int], torch.Tensor]
         pick: Callable[[torch.Tensor, int, int], torch.Tensor]
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import prepare_q_fused
@@ -236,18 +241,27 @@ class Indexer:
             counts = new_counts(q.shape[0], q.device, zeroed=False)
             qp, wp = prepare_q_fused(self.dims, q, w, cos, sin, zero=counts)
 
+            def score(start: int, end: int) -> torch.Tensor:
+                # early_keys: the launch before each logits launch is `prepare_q_fused` or,
+                # for a later chunk, the last chunk's top-k; each releases it after its own
+                # wait. The logits kernel counts the keys' first digits for the top-k, which
+                # then skips that pass (`topk_slots(counted=True)`).
+                return self.logits(layer, qp, wp, start, end, True, counts[start:end])
+
             def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
                 rows, vis = md.rows[start:end], md.visible[start:end]
-                return topk_slots(logits, k, r2t, rows, vis, self.topk_path, counts[start:end])
+                return topk_slots(
+                    logits, k, r2t, rows, vis, self.topk_path, counts[start:end], counted=True
+                )
 
         else:
             qp, wp = prepare_q(self.dims, q, w, cos, sin)
 
+            def score(start: int, end: int) -> torch.Tensor:
+                return self.logits(layer, qp, wp, start, end)
+
             def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
                 return positions_to_slots(select_topk(logits, k), r2t, md.rows[start:end])
 
-        # early_keys: the launch before each logits launch is `prepare_q_fused` or, for a
-        # later chunk, the last chunk's top-k; each releases it after its own wait
-        early = self.kernels == "triton"
-        out = [pick(self.logits(layer, qp, wp, s, e, early), s, e) for s, e in md.chunks]
+        out = [pick(score(s, e), s, e) for s, e in md.chunks]
         return out[0] if len(out) == 1 else torch.cat(out)

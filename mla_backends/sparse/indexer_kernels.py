@@ -16,6 +16,7 @@ from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
+from mla_backends.sparse.topk_kernel import COUNTS, WIDE_COUNTS, _count_logits
 
 PAGE_C = tl.constexpr(PAGE)
 ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
@@ -302,12 +303,14 @@ def _logits_kernel(
     Rows,
     Vis,
     Out,
+    Counts,
     width,
     stride_q_t,
     stride_q_h,
     stride_w,
     stride_r2t,
     stride_o,
+    stride_c,
     HI: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -320,11 +323,14 @@ def _logits_kernel(
     PRECISION: tl.constexpr,
     LOOP: tl.constexpr,
     USE_GDC: tl.constexpr,
+    COUNT: tl.constexpr = False,
+    WIDE: tl.constexpr = False,
 ):
     """Program (t, j): block j of token t; with LOOP, blocks j, j + G, ... (G = programs along
     axis 1), the next block's slots loaded while one is scored, then -inf stored over the
     blocks past the token's visible keys without a key read. Blocks past the visible keys
-    hold -inf either way."""
+    hold -inf either way. COUNT: each block's keys counted for the top-k as well
+    (`topk_kernel._count_logits` into Counts[t]; WIDE: rows of wide counters)."""
     wait_previous(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     vis = tl.load(Vis + t)
@@ -343,6 +349,9 @@ def _logits_kernel(
                                   stride_w, HI, D, BLOCK_H, BLK_E, BLK_S, SCALE_OFF, DOT_F32,
                                   DOT_F16, PRECISION)  # fmt: skip
             tl.store(Out + t * stride_o + n, logit, mask=n < width)
+            if COUNT:
+                ok = (logit > float("-inf")) & (n < width)
+                _count_logits(logit, ok, Counts + t * stride_c, WIDE, BLOCK_N)
             slot = slot_next
         past = tl.program_id(1) + tl.maximum(tl.cdiv(visible_blocks - tl.program_id(1), g), 0) * g
         for j in tl.range(past, tl.cdiv(width, BLOCK_N), g, num_stages=1):
@@ -363,6 +372,9 @@ def _logits_kernel(
                               stride_w, HI, D, BLOCK_H, BLK_E, BLK_S, SCALE_OFF, DOT_F32,
                               DOT_F16, PRECISION)  # fmt: skip
         tl.store(out, logit, mask=n < width)
+        if COUNT:
+            ok = (logit > float("-inf")) & (n < width)
+            _count_logits(logit, ok, Counts + t * stride_c, WIDE, BLOCK_N)
     # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
     # programs released early would sit on the SMs the later waves need.
     launch_next(USE_GDC)
@@ -456,6 +468,7 @@ def index_logits(
     loop: bool = False,
     kernel: str = "auto",
     early_keys: bool = False,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hi, D] (e4m3 codes, or fp32 unquantised), w [T, Hi] fp32, rows [T], visible [T]
     -> logits [T, width] fp32, -inf at keys >= visible. `kernel`: "auto" (the Gluon kernel,
@@ -468,14 +481,18 @@ def index_logits(
     starts streaming the keys before its programmatic wait for q, which is safe only when the
     launch just before this one released it after its own wait and wrote none of the keys,
     slots or visible counts (in `Indexer.select`: the q prep, `prepare_q_fused`, or for a
-    later prefill chunk the last chunk's top-k)."""
+    later prefill chunk the last chunk's top-k). `counts`: the top-k's zeroed counters
+    [T, COUNTS or WIDE_COUNTS] (`topk_kernel.new_counts`), into which either kernel adds its
+    keys' first digit counts (`topk_kernel._count_logits`) for a top-k told `counted`; they
+    must be zeroed before this launch (the indexer's q prep does it)."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
+    count = _count_args(counts, q.shape[0], visible)
     if kernel == "gluon" and block_n is not None:
         raise ValueError("index_logits: block_n is the Triton kernel's; kernel='gluon' takes none")
     if kernel == "gluon" or (kernel == "auto" and block_n is None):
         args = (cache, layer, q, w, req_to_token, rows, visible, width)
-        out = _gluon_logits(args, kernel, early_keys)
+        out = _gluon_logits(args, kernel, early_keys, counts)
         if out is not None:
             return out
     t, hi, d = q.shape
@@ -502,16 +519,20 @@ def index_logits(
         rows,
         visible,
         out,
+        count[0],
         width,
         q.stride(0),
         q.stride(1),
         w.stride(0),
         req_to_token.stride(0),
         out.stride(0),
+        count[1],
         HI=hi,
         D=d,
         BLOCK_H=max(16, next_pow2(hi)),
         BLOCK_N=block_n,
+        COUNT=counts is not None,
+        WIDE=count[2],
         DOT_F32=interp,
         DOT_F16=not interp and q.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(q.dtype),
@@ -526,7 +547,29 @@ def index_logits(
     return out
 
 
-def _gluon_logits(args: tuple[Any, ...], kernel: str, early_keys: bool) -> torch.Tensor | None:
+def _count_args(
+    counts: torch.Tensor | None, t: int, dummy: torch.Tensor
+) -> tuple[torch.Tensor, int, bool]:
+    """(counters, row stride, wide) for the logits kernels' counting; with no counters a
+    dummy int32 pointer (never read: the kernels count only when given counters)."""
+    if counts is None:
+        return dummy, 0, False
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[0] < t:
+        raise ValueError(
+            f"index_logits: counts must be int32 [>= {t}, >= {COUNTS}] (topk_kernel.new_counts), "
+            f"got {counts.dtype} {tuple(counts.shape)}"
+        )
+    if counts.shape[1] < COUNTS or counts.stride(1) != 1:
+        raise ValueError(
+            f"index_logits: counts rows must be contiguous and >= {COUNTS} wide, "
+            f"got {tuple(counts.shape)} strides {counts.stride()}"
+        )
+    return counts, counts.stride(0), counts.shape[1] >= WIDE_COUNTS
+
+
+def _gluon_logits(
+    args: tuple[Any, ...], kernel: str, early_keys: bool, counts: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The Gluon kernel's logits where it takes the call (the Gluon route open, `indexer_gluon
     .usable`), else None (`kernel` "gluon": a ValueError instead). A failure to build or launch
     it turns the Gluon route off for the process (`mla_attention.gluon_failed`) and the Triton
@@ -547,7 +590,7 @@ def _gluon_logits(args: tuple[Any, ...], kernel: str, early_keys: bool) -> torch
             )
         return None
     try:
-        return ig.index_logits(*args, early_keys=early_keys)
+        return ig.index_logits(*args, early_keys=early_keys, counts=counts)
     except (ValueError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # a compile or launch failure: the Triton kernel takes the call

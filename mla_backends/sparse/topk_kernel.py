@@ -140,6 +140,21 @@ def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _count_logits(logit, ok, hist_row, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """The top-k's first counts, added where the logits are made (`index_logits(counts=)`):
+    pass 0's digit of the keys where `ok` into hist_row[0], and on wide rows each key's
+    leading 16 bits into its bin of the 2^16 after COUNTS (one relaxed atomic a key; the
+    keys spread over those bins, few to a bin). A top-k told `counted` starts from them and
+    skips the pass these would take it (`topk_slots`)."""
+    key = _sortable(logit)
+    h = _masked_histogram((key >> 24).to(tl.int32), ok, BLOCK)
+    tl.atomic_add(hist_row + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+    if WIDE:
+        ones = tl.full([BLOCK], 1, tl.int32)
+        tl.atomic_add(hist_row + WIDE_C + (key >> 16).to(tl.int32), ones, mask=ok, sem="relaxed")
+
+
+@triton.jit
 def _bucket16(hist_row, K: tl.constexpr):
     """`_threshold` after the first two digits, and whether that settles the row: it takes
     every key, or the threshold's 16-bit bucket holds exactly the keys still needed."""
@@ -321,12 +336,14 @@ def _write_tail(Dst, t, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
 # then each of its programs' keys tied at the threshold (TIES, up to MAX_ROW_PROGRAMS; not
 # read before written). Zeroed before the top-k, once for the whole batch (`new_counts`).
 # Wide rows (WIDE_COUNTS) hold 2^16 more after those: the one launch's 16-bit middle digit
-# (`topk_fused`), which settles a row in two passes where 8-bit digits take three.
+# (`topk_fused`), which settles a row in two passes where 8-bit digits take three, or, where
+# the logits kernel counted (`_count_logits`), each key's leading 16 bits.
 TIE_SYNC_C = tl.constexpr(SPLIT_DONE_C.value + 1)
 TIES_C = tl.constexpr(TIE_SYNC_C.value + 1)
 MAX_ROW_PROGRAMS_C = tl.constexpr(256)
 MAX_ROW_PROGRAMS = MAX_ROW_PROGRAMS_C.value
 COUNTS = TIES_C.value + MAX_ROW_PROGRAMS
+WIDE_C = tl.constexpr(COUNTS)  # where a wide row's 2^16 bins start
 WIDE_BINS = 1 << 16
 WIDE_COUNTS = COUNTS + WIDE_BINS
 # Rows up to which `new_counts` gives wide counters by default: their 256 KB a row are zeroed
@@ -352,6 +369,31 @@ def new_counts(
     return torch.empty(rows, width, dtype=torch.int32, device=device)
 
 
+def sortable_keys(x: torch.Tensor) -> torch.Tensor:
+    """`_sortable` in torch: fp32 -> int64 holding the order-preserving uint32 key."""
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+def add_first_counts(
+    logits: torch.Tensor, counts: torch.Tensor, visible: torch.Tensor | None = None
+) -> None:
+    """What the logits kernels' `_count_logits` adds, in torch: for logits made by another
+    kernel that a top-k told `counted` should take (and the tests' reference). Visible keys:
+    finite or +inf, and before visible[t] where given."""
+    t, width = logits.shape
+    ok = logits > float("-inf")
+    if visible is not None:
+        ok &= torch.arange(width, device=logits.device)[None, :] < visible[:, None].long()
+    key = sortable_keys(logits)
+    for i in range(t):
+        k = key[i][ok[i]]
+        counts[i, :256] += torch.bincount(k >> 24, minlength=256).to(torch.int32)
+        if counts.shape[1] >= WIDE_COUNTS:
+            fine = torch.bincount(k >> 16, minlength=WIDE_BINS).to(torch.int32)
+            counts[i, COUNTS:WIDE_COUNTS] += fine
+
+
 @dataclass(frozen=True)
 class TopkCall:
     """One top-k's inputs, as every path takes them: logits [T, W] fp32, k, the pool's
@@ -365,6 +407,7 @@ class TopkCall:
     vis: torch.Tensor
     has_vis: bool
     counts: torch.Tensor
+    counted: bool = False  # pass 0's counts (and on wide rows the 16-bit ones) already in
 
     def kernel_args(self) -> tuple[torch.Tensor, tuple, tuple]:
         """A fresh output [T, k] int32 and the kernels' (Src, Dst) argument tuples:
@@ -384,6 +427,7 @@ def topk_slots(
     visible: torch.Tensor | None = None,
     path: str = "auto",
     counts: torch.Tensor | None = None,
+    counted: bool = False,
 ) -> torch.Tensor:
     """logits [T, W] fp32 (-inf where not visible), rows [T] request rows -> int32 [T, k] pool
     slots of the k largest logits (any order), -1 for unused entries. No host sync.
@@ -393,7 +437,11 @@ def topk_slots(
     `sparse.topk_fused`), or "auto" (fused where it fits in blocks of up to
     `topk_fused.AUTO_LARGEST` keys, the faster one there); either on zeroed counters.
     `counts`: zeroed counters from `new_counts` (allocated here when not given); wide
-    ones let the one launch take its 16-bit middle digit."""
+    ones let the one launch take its 16-bit middle digit. `counted`: the logits kernel
+    already added its keys' first counts to them (`index_logits(counts=)`,
+    `_count_logits`), so every path skips its first pass: one wait fewer in the one launch
+    (two on wide counters, whose leading 16 bits are then counted), one launch fewer in
+    the launches. Counted by anything else, or not at all, the sets are wrong."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
@@ -407,12 +455,14 @@ def topk_slots(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if counts is None:
+        if counted:
+            raise ValueError("topk_slots: counted needs the counters the logits counted into")
         counts = new_counts(t, logits.device)
     elif counts.dtype != torch.int32 or counts.shape[0] < t or counts.shape[1] < COUNTS:
         raise ValueError(f"topk_slots: counts must be int32 [>= {t}, >= {COUNTS}] (new_counts)")
     has_vis = visible is not None
     vis = visible if visible is not None else rows  # not read without HAS_VIS
-    call = TopkCall(logits, k, req_to_token, rows, vis, has_vis, counts)
+    call = TopkCall(logits, k, req_to_token, rows, vis, has_vis, counts, counted)
     if path != "launches":
         from mla_backends.sparse import topk_fused
 
@@ -446,7 +496,7 @@ def launches(
     # a row's undecided keys: as many as its keys at worst (near-equal logits)
     cand = torch.empty((t, width), dtype=torch.int32, device=out.device)
     grid = (t, cdiv(width, hist_block))
-    for p in range(2):
+    for p in range(1 if call.counted else 0, 2):
         _hist_kernel[grid](
             src, K=k, P=p, BLOCK=hist_block, HAS_VIS=has_vis, num_warps=max(4, hist_block // 512)
         )
