@@ -47,7 +47,7 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
     logits_sig |= {"Counts": "*i32", "width": "i32"}
     logits_sig |= dict.fromkeys(("stride_q_t", "stride_q_h", "stride_w", "stride_r2t"), "i32")
     logits_sig |= {"stride_o": "i32", "stride_c": "i32"}
-    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True, "COUNT": False, "WIDE": False}
+    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True, "COUNT": False}
     return [
         (
             "prep_q",
@@ -92,14 +92,14 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
             )
             for name, wide in (("fused", False), ("fused_wide", True))
         ),
-        # what the indexer launches: the logits counting the keys' first digits (wide
-        # counters, as at batch 1-4) and the top-k starting from those counts
+        # what the indexer launches: the logits counting the keys' first digit for the
+        # top-k, and the top-k starting from those counts
         (
             "logits_loop_count",
             ik._logits_kernel,
             logits_sig,
             {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
-            | {"PRECISION": "tf32", "LOOP": True, "COUNT": True, "WIDE": True},
+            | {"PRECISION": "tf32", "LOOP": True, "COUNT": True},
             4,
         ),
         *(
@@ -119,8 +119,7 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
 def gluon_usage(heads: int = 64, count: bool = False) -> dict:  # type: ignore[type-arg]
     """The Gluon logits kernel compiled for SM90 at DeepSeek-V3.2's dims (64 heads of 128),
     or with fewer index heads (a 16-wide MMA at 8 heads, as small configs take it); `count`:
-    counting its keys for the top-k on wide counters, as the indexer launches it at batch
-    1-4."""
+    counting its keys for the top-k, as the indexer launches it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_backends.sparse import indexer_gluon as ig
@@ -130,7 +129,7 @@ def gluon_usage(heads: int = 64, count: bool = False) -> dict:  # type: ignore[t
     block_h = max(16, 1 << (heads - 1).bit_length())
     const = {"HI": heads, "D": ig.D, "BLOCK_H": block_h, "BLOCK_N": ig.BLOCK_N, **CACHE}
     const |= {"STAGES": ig.STAGES, "EARLY_KEYS": True, "USE_GDC": True}
-    const |= {"COUNT": count, "WIDE": count}
+    const |= {"COUNT": count}
     ints = tuple(n for n in sig if n.startswith("stride"))
     src = GluonASTSource(
         fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, offline.aligned(fn, sig, ints)

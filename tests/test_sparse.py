@@ -153,11 +153,11 @@ def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
 @pytest.mark.interp
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_index_logits_count_the_topks_first_digits(wide: bool) -> None:
-    """`index_logits(counts=)`: the logits kernel adds each visible key's first digit (and on
-    wide counters its leading 16 bits) to the top-k's counters, as `add_first_counts` does in
-    torch, one program a block and looping alike, over a poisoned cache (NaN past each
-    context), touching no other counter; a top-k told `counted` then skips its first pass
-    and picks the sets it picks uncounted. Bad counters and `counted` without them raise."""
+    """`index_logits(counts=)`: the logits kernel adds each visible key's first digit to the
+    top-k's counters (narrow or wide rows), as `add_first_counts` does in torch, one program
+    a block and looping alike, over a poisoned cache (NaN past each context), touching no
+    other counter; a top-k told `counted` then skips its first pass and picks the sets it
+    picks uncounted. Bad counters and `counted` without them raise."""
     from mla_backends.sparse.indexer_kernels import index_logits, store_index_k
     from mla_backends.sparse.topk_kernel import add_first_counts, new_counts, topk_slots
 

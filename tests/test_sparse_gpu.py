@@ -314,6 +314,45 @@ def _wide_logits_case(vis_list: list[int], width: int, heads: int, seed: int):  
     return cache, qp, wp, r2t, rows, vis
 
 
+@pytest.mark.parametrize(
+    "vis_list, path",
+    [([40000], "auto"), ([2049, 16384, 9000], "auto"), ([1, 2047, 2049, 9000, 40000], "auto")]
+    + [([2049, 16384, 9000], "launches")],
+    ids=["b1-wide", "b3-wide", "b5", "b3-launches"],
+)
+def test_indexer_select_takes_the_topk_of_its_logits(vis_list: list[int], path: str) -> None:
+    """`Indexer.select` on the GPU (its q prep zeroing the counters, the logits counting the
+    keys' first digits, the top-k told `counted`: one launch on wide counters at batch 1-4,
+    on narrow ones above, or the launches) picks the slots torch.topk picks from the same
+    logits (`index_logits` uncounted): contexts shorter and longer than top-k, one of
+    40000 keys."""
+    from mla_backends.sparse.indexer import (
+        Indexer,
+        IndexerMetadata,
+        positions_to_slots,
+        select_topk,
+    )
+    from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
+
+    width, dims = 40001, IndexerDims()
+    cache, _, _, r2t, rows, vis = _wide_logits_case(vis_list, width, 64, 9)
+    g = torch.Generator(device="cuda").manual_seed(len(vis_list))
+    t = len(vis_list)
+    q = torch.randn(t, 64, 128, generator=g, device="cuda").bfloat16()
+    w = torch.randn(t, 64, generator=g, device="cuda")
+    ang = torch.rand(t, 32, generator=g, device="cuda") * 6
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    ix = Indexer(dims, cache, r2t, "triton", topk_path=path)
+    ix.metadata = IndexerMetadata(rows, vis, width, [(0, t)])
+    got = ix.select(0, q, w, cos, sin)
+    qp, wp = prepare_q_fused(dims, q, w, cos, sin)
+    logits = index_logits(cache, 0, qp, wp, r2t, rows, vis, width)
+    want = positions_to_slots(select_topk(logits, dims.topk), r2t, rows)
+    for i in range(t):
+        a, b = got[i].tolist(), want[i].tolist()
+        assert set(a) - {-1} == set(b) - {-1} and a.count(-1) == b.count(-1), i
+
+
 def test_indexer_logits_looping_programs_equal_one_program_a_block() -> None:
     """The logits as a captured graph runs them (a few programs a token looping over its
     visible blocks, `index_logits(loop=True)`, under its register cap) equal one program a

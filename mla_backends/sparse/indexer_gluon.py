@@ -37,11 +37,9 @@ from mla_backends.kernels.gluon_tiles import _barrier
 from mla_backends.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from mla_backends.sparse.gluon_kernel import _cp_async
 from mla_backends.sparse.index_k import PAGE, IndexKCache
-from mla_backends.sparse.topk_kernel import COUNTS
 
 BLOCK_N, STAGES, D = 64, 4, 128
 PAGE_C = gl.constexpr(PAGE)  # slots a block of the index-K cache (`index_k.IndexKCache`)
-COUNTS_C = gl.constexpr(COUNTS)  # where a wide counter row's 2^16 bins start
 # Programs an SM the grid aims at: ~50 KB of shared memory and ~100 registers a thread each
 # (four fit), so that another program's tiles stream while one scores.
 PROGRAMS_PER_SM = 4
@@ -74,18 +72,14 @@ def _slots(R2T, r2t_row, n, vis):
 
 
 @gluon.jit
-def _count_keys(logit, ok, hist_row, WIDE: gl.constexpr):
+def _count_keys(logit, ok, hist_row):
     """`topk_kernel._count_logits` in Gluon: pass 0's digit of the keys where `ok` into
-    hist_row[0:256] (one histogram, an atomic a bin that has keys), and on wide rows each
-    key's leading 16 bits into its bin after COUNTS (an atomic a key)."""
+    hist_row[0:256] (one histogram, an atomic a bin that has keys)."""
     H_L: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # 256 bins over 128 threads
     bits = logit.to(gl.uint32, bitcast=True)
     key = gl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)  # `topk_kernel._sortable`
     h = gl.histogram((key >> 24).to(gl.int32), 256, mask=ok, layout=H_L)
     gl.atomic_add(hist_row + gl.arange(0, 256, layout=H_L), h, mask=h > 0, sem="relaxed")
-    if WIDE:
-        ones = gl.full_like(logit, 1, dtype=gl.int32)
-        gl.atomic_add(hist_row + COUNTS_C + (key >> 16).to(gl.int32), ones, mask=ok, sem="relaxed")
 
 
 @gluon.jit
@@ -95,7 +89,6 @@ def _logits_gluon_kernel(
     HI: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     BLK_E: gl.constexpr, BLK_S: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
     EARLY_KEYS: gl.constexpr, USE_GDC: gl.constexpr, COUNT: gl.constexpr = False,
-    WIDE: gl.constexpr = False,
 ):  # fmt: skip
     gl.static_assert(gl.num_warps() == 4, "one warpgroup: launch with num_warps=4")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -184,7 +177,7 @@ def _logits_gluon_kernel(
         gl.store(out_row + n_out, gl.where(n_out < vis, logit, float("-inf")), mask=n_out < width)
         if COUNT:  # for a top-k told `counted` (`indexer_kernels.index_logits(counts=)`)
             ok = (n_out < vis) & (n_out < width) & (logit > float("-inf"))
-            _count_keys(logit, ok, Counts + t * stride_c, WIDE)
+            _count_keys(logit, ok, Counts + t * stride_c)
     async_copy.wait_group(0)
     # Late, as in the Triton kernel (`kernels.pdl.launch_next`). Released at the start (one
     # wave: room to spare at batch 1), the top-k's programs crowded onto the SMs with room
@@ -258,14 +251,14 @@ def index_logits(
         return out
     buf = cache.buffers[layer]
     g = programs_per_token or programs(t, width, q.device)
-    count, stride_c, wide = _count_args(counts, t, visible)
+    count, stride_c = _count_args(counts, t, visible)
     _logits_gluon_kernel[(t, g)](
         q, w, buf.view(torch.float8_e4m3fn), buf.view(torch.float32), req_to_token, rows,
         visible, out, count, width, q.stride(0), q.stride(1), w.stride(0),
         req_to_token.stride(0), out.stride(0), stride_c, HI=hi, D=D,
         BLOCK_H=max(16, 1 << (hi - 1).bit_length()), BLOCK_N=BLOCK_N, BLK_E=cache.block_bytes,
         BLK_S=cache.block_bytes // 4, SCALE_OFF=PAGE * D // 4, STAGES=stages,
-        EARLY_KEYS=early_keys, COUNT=counts is not None, WIDE=wide, num_warps=4,
+        EARLY_KEYS=early_keys, COUNT=counts is not None, num_warps=4,
         **pdl_args(q.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

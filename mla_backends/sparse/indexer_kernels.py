@@ -16,7 +16,7 @@ from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
-from mla_backends.sparse.topk_kernel import COUNTS, WIDE_COUNTS, _count_logits
+from mla_backends.sparse.topk_kernel import COUNTS, _count_logits
 
 PAGE_C = tl.constexpr(PAGE)
 ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
@@ -324,13 +324,12 @@ def _logits_kernel(
     LOOP: tl.constexpr,
     USE_GDC: tl.constexpr,
     COUNT: tl.constexpr = False,
-    WIDE: tl.constexpr = False,
 ):
     """Program (t, j): block j of token t; with LOOP, blocks j, j + G, ... (G = programs along
     axis 1), the next block's slots loaded while one is scored, then -inf stored over the
     blocks past the token's visible keys without a key read. Blocks past the visible keys
     hold -inf either way. COUNT: each block's keys counted for the top-k as well
-    (`topk_kernel._count_logits` into Counts[t]; WIDE: rows of wide counters)."""
+    (`topk_kernel._count_logits` into Counts[t])."""
     wait_previous(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     vis = tl.load(Vis + t)
@@ -351,7 +350,7 @@ def _logits_kernel(
             tl.store(Out + t * stride_o + n, logit, mask=n < width)
             if COUNT:
                 ok = (logit > float("-inf")) & (n < width)
-                _count_logits(logit, ok, Counts + t * stride_c, WIDE, BLOCK_N)
+                _count_logits(logit, ok, Counts + t * stride_c, BLOCK_N)
             slot = slot_next
         past = tl.program_id(1) + tl.maximum(tl.cdiv(visible_blocks - tl.program_id(1), g), 0) * g
         for j in tl.range(past, tl.cdiv(width, BLOCK_N), g, num_stages=1):
@@ -374,7 +373,7 @@ def _logits_kernel(
         tl.store(out, logit, mask=n < width)
         if COUNT:
             ok = (logit > float("-inf")) & (n < width)
-            _count_logits(logit, ok, Counts + t * stride_c, WIDE, BLOCK_N)
+            _count_logits(logit, ok, Counts + t * stride_c, BLOCK_N)
     # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
     # programs released early would sit on the SMs the later waves need.
     launch_next(USE_GDC)
@@ -482,9 +481,9 @@ def index_logits(
     launch just before this one released it after its own wait and wrote none of the keys,
     slots or visible counts (in `Indexer.select`: the q prep, `prepare_q_fused`, or for a
     later prefill chunk the last chunk's top-k). `counts`: the top-k's zeroed counters
-    [T, COUNTS or WIDE_COUNTS] (`topk_kernel.new_counts`), into which either kernel adds its
-    keys' first digit counts (`topk_kernel._count_logits`) for a top-k told `counted`; they
-    must be zeroed before this launch (the indexer's q prep does it)."""
+    (`topk_kernel.new_counts`), into which either kernel adds its keys' first digit counts
+    (`topk_kernel._count_logits`) for a top-k told `counted`; zeroed before this launch (the
+    indexer's q prep does it)."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
     count = _count_args(counts, q.shape[0], visible)
@@ -532,7 +531,6 @@ def index_logits(
         BLOCK_H=max(16, next_pow2(hi)),
         BLOCK_N=block_n,
         COUNT=counts is not None,
-        WIDE=count[2],
         DOT_F32=interp,
         DOT_F16=not interp and q.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(q.dtype),
@@ -549,11 +547,11 @@ def index_logits(
 
 def _count_args(
     counts: torch.Tensor | None, t: int, dummy: torch.Tensor
-) -> tuple[torch.Tensor, int, bool]:
-    """(counters, row stride, wide) for the logits kernels' counting; with no counters a
-    dummy int32 pointer (never read: the kernels count only when given counters)."""
+) -> tuple[torch.Tensor, int]:
+    """(counters, row stride) for the logits kernels' counting; with no counters a dummy
+    int32 pointer (never read: the kernels count only when given counters)."""
     if counts is None:
-        return dummy, 0, False
+        return dummy, 0
     if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[0] < t:
         raise ValueError(
             f"index_logits: counts must be int32 [>= {t}, >= {COUNTS}] (topk_kernel.new_counts), "
@@ -564,7 +562,7 @@ def _count_args(
             f"index_logits: counts rows must be contiguous and >= {COUNTS} wide, "
             f"got {tuple(counts.shape)} strides {counts.stride()}"
         )
-    return counts, counts.stride(0), counts.shape[1] >= WIDE_COUNTS
+    return counts, counts.stride(0)
 
 
 def _gluon_logits(

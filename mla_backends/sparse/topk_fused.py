@@ -8,10 +8,9 @@ bucket holds exactly the keys still needed: on random logits usually after three
 digits, or after two on wide counters (`topk_kernel.new_counts`, batches up to 4):
 the second pass then takes key bits 23..8 as one 16-bit digit (`_wide_pass`). Each pass with
 its wait costs a batch-1 row ~2.5 us on an H100; the wide one ~0.5 us more than an 8-bit one
-(nineteenth session, BENCHMARKS.md). Where the logits kernel counted its keys
-(`topk_slots(counted=True)`: pass 0's digit, and on wide counters each key's leading 16 bits)
-the first pass is skipped, and on wide counters the second byte is read off those counts, so
-a row then waits at one counter where it waited at two.
+(nineteenth session, BENCHMARKS.md). Where the logits kernel counted its keys' first digit
+(`topk_slots(counted=True)`) the first pass and its wait are skipped: 1.0-1.6 us off the
+batch-1 step (twenty-second session).
 
 Hazard: a program spinning on its row's counter waits for programs of the same launch, so
 every program must be resident at once: the grid is kept to one program per SM (T x blocks
@@ -31,11 +30,11 @@ from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.topk_kernel import (
+    COUNTS,
     MAX_ROW_PROGRAMS,
     MAX_ROW_PROGRAMS_C,
     TIE_SYNC_C,
     TIES_C,
-    WIDE_C,
     WIDE_COUNTS,
     TopkCall,
     _count_digit,
@@ -58,6 +57,7 @@ WARPS = {512: 8, 1024: 8, 2048: 8, 4096: 8, 8192: 16}
 # session, BENCHMARKS.md); an explicit `fused` still takes them.
 AUTO_LARGEST = 4096
 SYNC = 4 * 256 + 2  # hist row: 4 x 256 digit counts, (written, unused here), 4 pass counters
+WIDE_C = tl.constexpr(COUNTS)  # a wide row's 16-bit digit counts (`topk_kernel.new_counts`)
 
 
 @triton.jit
@@ -86,21 +86,13 @@ def _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK: tl.constexpr, SYNC: 
     match = ok & ((key >> 24) == prefix)
     d16 = ((key >> 8) & 0xFFFF).to(tl.int32)
     _count_digit(x, hist_row, 1, prefix, BLOCK)  # the coarse counts: pass 1's digit
-    tl.atomic_add(hist_row + WIDE_C + d16, tl.full([BLOCK], 1, tl.int32), mask=match, sem="relaxed")
+    fine = hist_row + WIDE_C
+    tl.atomic_add(fine + d16, tl.full([BLOCK], 1, tl.int32), mask=match, sem="relaxed")
     _row_sync(hist_row + SYNC + 1, progs)
     hi, need = _digit_step(tl.load(hist_row + 256 + bins, volatile=True), bins, need)
-    return _fine_step(hist_row, prefix, hi, need)
-
-
-@triton.jit
-def _fine_step(hist_row, above, hi, need):
-    """The low byte of a 16-bit digit whose high byte `hi` is known, from that byte's 256
-    counts in the wide bins -> (need, the digits so far: `above` (the threshold's digits
-    before this one) then hi and lo, done)."""
-    bins = tl.arange(0, 256)
-    h = tl.load(hist_row + WIDE_C + hi * 256 + bins, volatile=True)
+    h = tl.load(fine + hi * 256 + bins, volatile=True)
     lo, need = _digit_step(h, bins, need)
-    prefix = (above << 16) | (hi << 8).to(tl.uint32) | lo.to(tl.uint32)
+    prefix = (prefix << 16) | (hi << 8).to(tl.uint32) | lo.to(tl.uint32)
     return need, prefix, (tl.sum(tl.where(bins == lo, h, 0), 0) == need).to(tl.int32)
 
 
@@ -145,19 +137,13 @@ def _topk_fused_kernel(
     # program waits at a counter the others never reach.
     done = ((total <= K) | (tl.sum(tl.where(bins == b, h, 0), 0) == need)).to(tl.int32)
     shift = (total * 0 + 24).to(tl.uint32)  # a tensor: it changes inside a runtime branch
-    if WIDE and COUNTED:
-        # the logits counted each key's leading 16 bits: the second byte without a pass
-        if done == 0:
-            need, prefix, done = _fine_step(hist_row, prefix * 0, b, need)
-            shift -= 8
-    elif WIDE:
+    if WIDE:
         # bits 23..8 as one digit: 2 passes settle most rows where 8-bit digits take 3
         if done == 0:
             need, prefix, done = _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK, SYNC)
             shift -= 16
-    # the 8-bit passes left: after the counted 16 bits 2 and 3, after the wide pass 3
-    for p in tl.static_range(2 if WIDE and COUNTED else 3 if WIDE else 1, 4):
-        if done == 0:
+    for p in tl.static_range(1, 4):
+        if (p == 3 or not WIDE) and done == 0:  # p 1 and 2: the wide pass's bits
             _count_digit(x, hist_row, p, prefix, BLOCK)
             _row_sync(hist_row + SYNC + p, progs)
             h = tl.load(hist_row + p * 256 + bins, volatile=True)

@@ -140,18 +140,15 @@ def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_logits(logit, ok, hist_row, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _count_logits(logit, ok, hist_row, BLOCK: tl.constexpr):
     """The top-k's first counts, added where the logits are made (`index_logits(counts=)`):
-    pass 0's digit of the keys where `ok` into hist_row[0], and on wide rows each key's
-    leading 16 bits into its bin of the 2^16 after COUNTS (one relaxed atomic a key; the
-    keys spread over those bins, few to a bin). A top-k told `counted` starts from them and
-    skips the pass these would take it (`topk_slots`)."""
-    key = _sortable(logit)
-    h = _masked_histogram((key >> 24).to(tl.int32), ok, BLOCK)
+    pass 0's digit of the keys where `ok` into hist_row[0] (one histogram, an atomic a bin
+    that has keys). A top-k told `counted` starts from them and skips that pass
+    (`topk_slots`). Hazard: counting each key's leading 16 bits too (one atomic a key into
+    the wide bins, which would save the wide pass as well) made the batch-1 logits ~2 us
+    slower, as much as it saved (H100, twenty-second session, BENCHMARKS.md)."""
+    h = _masked_histogram((_sortable(logit) >> 24).to(tl.int32), ok, BLOCK)
     tl.atomic_add(hist_row + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
-    if WIDE:
-        ones = tl.full([BLOCK], 1, tl.int32)
-        tl.atomic_add(hist_row + WIDE_C + (key >> 16).to(tl.int32), ones, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -336,14 +333,12 @@ def _write_tail(Dst, t, taken, K: tl.constexpr, BLOCK_K: tl.constexpr):
 # then each of its programs' keys tied at the threshold (TIES, up to MAX_ROW_PROGRAMS; not
 # read before written). Zeroed before the top-k, once for the whole batch (`new_counts`).
 # Wide rows (WIDE_COUNTS) hold 2^16 more after those: the one launch's 16-bit middle digit
-# (`topk_fused`), which settles a row in two passes where 8-bit digits take three, or, where
-# the logits kernel counted (`_count_logits`), each key's leading 16 bits.
+# (`topk_fused`), which settles a row in two passes where 8-bit digits take three.
 TIE_SYNC_C = tl.constexpr(SPLIT_DONE_C.value + 1)
 TIES_C = tl.constexpr(TIE_SYNC_C.value + 1)
 MAX_ROW_PROGRAMS_C = tl.constexpr(256)
 MAX_ROW_PROGRAMS = MAX_ROW_PROGRAMS_C.value
 COUNTS = TIES_C.value + MAX_ROW_PROGRAMS
-WIDE_C = tl.constexpr(COUNTS)  # where a wide row's 2^16 bins start
 WIDE_BINS = 1 << 16
 WIDE_COUNTS = COUNTS + WIDE_BINS
 # Rows up to which `new_counts` gives wide counters by default: their 256 KB a row are zeroed
@@ -387,11 +382,7 @@ def add_first_counts(
         ok &= torch.arange(width, device=logits.device)[None, :] < visible[:, None].long()
     key = sortable_keys(logits)
     for i in range(t):
-        k = key[i][ok[i]]
-        counts[i, :256] += torch.bincount(k >> 24, minlength=256).to(torch.int32)
-        if counts.shape[1] >= WIDE_COUNTS:
-            fine = torch.bincount(k >> 16, minlength=WIDE_BINS).to(torch.int32)
-            counts[i, COUNTS:WIDE_COUNTS] += fine
+        counts[i, :256] += torch.bincount(key[i][ok[i]] >> 24, minlength=256).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -407,7 +398,7 @@ class TopkCall:
     vis: torch.Tensor
     has_vis: bool
     counts: torch.Tensor
-    counted: bool = False  # pass 0's counts (and on wide rows the 16-bit ones) already in
+    counted: bool = False  # pass 0's counts already in (`_count_logits`)
 
     def kernel_args(self) -> tuple[torch.Tensor, tuple, tuple]:
         """A fresh output [T, k] int32 and the kernels' (Src, Dst) argument tuples:
@@ -438,10 +429,10 @@ def topk_slots(
     `topk_fused.AUTO_LARGEST` keys, the faster one there); either on zeroed counters.
     `counts`: zeroed counters from `new_counts` (allocated here when not given); wide
     ones let the one launch take its 16-bit middle digit. `counted`: the logits kernel
-    already added its keys' first counts to them (`index_logits(counts=)`,
-    `_count_logits`), so every path skips its first pass: one wait fewer in the one launch
-    (two on wide counters, whose leading 16 bits are then counted), one launch fewer in
-    the launches. Counted by anything else, or not at all, the sets are wrong."""
+    already added its keys' first digit counts to them (`index_logits(counts=)`,
+    `_count_logits`; `add_first_counts` for logits made elsewhere), so every path skips its
+    first pass: one wait fewer in the one launch, one launch fewer in the launches. Told
+    `counted` over counters that hold anything else, the sets are wrong."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         # the radix keys are the fp32 bit patterns
         raise ValueError(
