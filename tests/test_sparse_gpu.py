@@ -321,11 +321,11 @@ def _wide_logits_case(vis_list: list[int], width: int, heads: int, seed: int):  
     ids=["b1-wide", "b3-wide", "b5", "b3-launches"],
 )
 def test_indexer_select_takes_the_topk_of_its_logits(vis_list: list[int], path: str) -> None:
-    """`Indexer.select` on the GPU (its q prep zeroing the counters, the logits counting the
-    keys' first digits, the top-k told `counted`: one launch on wide counters at batch 1-4,
-    on narrow ones above, or the launches) picks the slots torch.topk picks from the same
-    logits (`index_logits` uncounted): contexts shorter and longer than top-k, one of
-    40000 keys."""
+    """`Indexer.select` on the GPU (its q prep zeroing the counters; up to `COUNT_TOKENS`
+    tokens the logits counting the keys' first digit and the top-k told `counted`, in one
+    launch on wide counters or in the launches; above, neither, on narrow counters) picks the
+    slots torch.topk picks from the same logits (`index_logits` uncounted): contexts shorter
+    and longer than top-k, one of 40000 keys."""
     from mla_backends.sparse.indexer import (
         Indexer,
         IndexerMetadata,

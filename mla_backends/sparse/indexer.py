@@ -55,6 +55,13 @@ __all__ = [
     "token_rows",
 ]
 
+# Tokens a batch up to which the logits kernel counts the keys' first digit for the top-k
+# (`index_logits(counts=)`), which then skips its first pass and that pass's wait: 1.0-1.6
+# us off a batch-1 step. Past a few tokens the histogram and atomics every 64-key tile then
+# adds cost more than the pass: the indexer at B16 128k 179 -> 192 us, B64 128k 600 -> 685
+# (H100, twenty-second session, BENCHMARKS.md).
+COUNT_TOKENS = 4
+
 
 # ----------------------------------------------------------------------------- the step
 @dataclass
@@ -241,18 +248,20 @@ class Indexer:
             counts = new_counts(q.shape[0], q.device, zeroed=False)
             qp, wp = prepare_q_fused(self.dims, q, w, cos, sin, zero=counts)
 
+            counted = q.shape[0] <= COUNT_TOKENS  # decode at batch 1-4: one chunk
+
             def score(start: int, end: int) -> torch.Tensor:
                 # early_keys: the launch before each logits launch is `prepare_q_fused` or,
                 # for a later chunk, the last chunk's top-k; each releases it after its own
-                # wait. The logits kernel counts the keys' first digits for the top-k, which
-                # then skips that pass (`topk_slots(counted=True)`).
-                return self.logits(layer, qp, wp, start, end, True, counts[start:end])
+                # wait. `counted`: the logits kernel counts the keys' first digit for the
+                # top-k, which then skips that pass (`topk_slots(counted=True)`).
+                part = counts[start:end] if counted else None
+                return self.logits(layer, qp, wp, start, end, True, part)
 
             def pick(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
                 rows, vis = md.rows[start:end], md.visible[start:end]
-                return topk_slots(
-                    logits, k, r2t, rows, vis, self.topk_path, counts[start:end], counted=True
-                )
+                part = counts[start:end]
+                return topk_slots(logits, k, r2t, rows, vis, self.topk_path, part, counted)
 
         else:
             qp, wp = prepare_q(self.dims, q, w, cos, sin)
