@@ -29,6 +29,7 @@ from mla_backends.kernels.common import num_sms
 from mla_backends.sparse.base import SparseContext, create_sparse_backend
 from mla_backends.sparse.indexer import Indexer, IndexerDims
 from mla_backends.sparse.indexer_kernels import index_logits, prepare_q_fused
+from mla_backends.sparse.topk_kernel import sortable_keys
 from mla_backends.sparse.triton_backend import gluon_here, launch_config
 
 # Digit widths (high to low) of the radix passes: the one-launch top-k's on COUNTS counters
@@ -49,8 +50,7 @@ def radix_passes(logits: torch.Tensor, k: int, digits: tuple[int, ...] = DIGITS[
     x = logits[torch.isfinite(logits)].float()
     if x.numel() <= k:
         return 1
-    b = x.view(torch.int32).long() & 0xFFFFFFFF
-    key = torch.where(b >> 31 == 1, ~b & 0xFFFFFFFF, b | 0x80000000)  # order-preserving
+    key = sortable_keys(x)
     need, match, shift = k, torch.ones_like(key, dtype=torch.bool), 32
     for p, width in enumerate(digits):
         shift -= width

@@ -85,7 +85,7 @@ def _topk(logits, k, r2t, rows, vis=None, path="auto"):  # type: ignore[no-untyp
     """`topk_slots` on `path`, where "fused" is the one launch on counters of COUNTS (8-bit
     digits) and "fused_wide" the one launch on wide counters (its 16-bit middle digit);
     "..._counted": the same told `counted`, its counters holding the first counts a logits
-    kernel adds (`add_first_counts`, the torch form of `_count_logits`)."""
+    kernel adds (`add_first_counts`, their torch form)."""
     from mla_backends.sparse.topk_kernel import add_first_counts, new_counts, topk_slots
 
     base = path.removesuffix("_counted")

@@ -73,8 +73,11 @@ def _slots(R2T, r2t_row, n, vis):
 
 @gluon.jit
 def _count_keys(logit, ok, hist_row):
-    """`topk_kernel._count_logits` in Gluon: pass 0's digit of the keys where `ok` into
-    hist_row[0:256] (one histogram, an atomic a bin that has keys)."""
+    """The top-k's pass 0 (`topk_kernel._count_digit`) in Gluon: the first digit of the keys
+    where `ok` into hist_row[0:256], one histogram and an atomic a bin that has keys. Hazard:
+    counting each key's leading 16 bits too (an atomic a key into the wide bins, which would
+    save the top-k's wide pass as well) made the batch-1 logits ~2 us slower, as much as it
+    saved (H100, twenty-second session, BENCHMARKS.md)."""
     H_L: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # 256 bins over 128 threads
     bits = logit.to(gl.uint32, bitcast=True)
     key = gl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)  # `topk_kernel._sortable`

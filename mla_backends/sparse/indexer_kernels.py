@@ -16,7 +16,7 @@ from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
-from mla_backends.sparse.topk_kernel import COUNTS, _count_logits
+from mla_backends.sparse.topk_kernel import COUNTS, _count_digit
 
 PAGE_C = tl.constexpr(PAGE)
 ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
@@ -328,8 +328,8 @@ def _logits_kernel(
     """Program (t, j): block j of token t; with LOOP, blocks j, j + G, ... (G = programs along
     axis 1), the next block's slots loaded while one is scored, then -inf stored over the
     blocks past the token's visible keys without a key read. Blocks past the visible keys
-    hold -inf either way. COUNT: each block's keys counted for the top-k as well
-    (`topk_kernel._count_logits` into Counts[t])."""
+    hold -inf either way. COUNT: each block's keys counted for the top-k as well (its
+    pass 0, `topk_kernel._count_digit`, into Counts[t])."""
     wait_previous(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     vis = tl.load(Vis + t)
@@ -348,9 +348,9 @@ def _logits_kernel(
                                   stride_w, HI, D, BLOCK_H, BLK_E, BLK_S, SCALE_OFF, DOT_F32,
                                   DOT_F16, PRECISION)  # fmt: skip
             tl.store(Out + t * stride_o + n, logit, mask=n < width)
-            if COUNT:
-                ok = (logit > float("-inf")) & (n < width)
-                _count_logits(logit, ok, Counts + t * stride_c, BLOCK_N)
+            if COUNT:  # the top-k's pass 0, over the keys stored
+                stored = tl.where(n < width, logit, float("-inf"))
+                _count_digit(stored, Counts + t * stride_c, 0, 0, BLOCK_N)
             slot = slot_next
         past = tl.program_id(1) + tl.maximum(tl.cdiv(visible_blocks - tl.program_id(1), g), 0) * g
         for j in tl.range(past, tl.cdiv(width, BLOCK_N), g, num_stages=1):
@@ -371,9 +371,9 @@ def _logits_kernel(
                               stride_w, HI, D, BLOCK_H, BLK_E, BLK_S, SCALE_OFF, DOT_F32,
                               DOT_F16, PRECISION)  # fmt: skip
         tl.store(out, logit, mask=n < width)
-        if COUNT:
-            ok = (logit > float("-inf")) & (n < width)
-            _count_logits(logit, ok, Counts + t * stride_c, BLOCK_N)
+        if COUNT:  # the top-k's pass 0, over the keys stored
+            stored = tl.where(n < width, logit, float("-inf"))
+            _count_digit(stored, Counts + t * stride_c, 0, 0, BLOCK_N)
     # Late, not at the start: at long contexts this grid runs in waves, and the top-k's
     # programs released early would sit on the SMs the later waves need.
     launch_next(USE_GDC)
@@ -482,7 +482,7 @@ def index_logits(
     slots or visible counts (in `Indexer.select`: the q prep, `prepare_q_fused`, or for a
     later prefill chunk the last chunk's top-k). `counts`: the top-k's zeroed counters
     (`topk_kernel.new_counts`), into which either kernel adds its keys' first digit counts
-    (`topk_kernel._count_logits`) for a top-k told `counted`; zeroed before this launch (the
+    (the top-k's pass 0) for a top-k told `counted`; zeroed before this launch (the
     indexer's q prep does it)."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")

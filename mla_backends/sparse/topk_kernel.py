@@ -140,18 +140,6 @@ def _count_digit(x, hist_row, P: tl.constexpr, prefix, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_logits(logit, ok, hist_row, BLOCK: tl.constexpr):
-    """The top-k's first counts, added where the logits are made (`index_logits(counts=)`):
-    pass 0's digit of the keys where `ok` into hist_row[0] (one histogram, an atomic a bin
-    that has keys). A top-k told `counted` starts from them and skips that pass
-    (`topk_slots`). Hazard: counting each key's leading 16 bits too (one atomic a key into
-    the wide bins, which would save the wide pass as well) made the batch-1 logits ~2 us
-    slower, as much as it saved (H100, twenty-second session, BENCHMARKS.md)."""
-    h = _masked_histogram((_sortable(logit) >> 24).to(tl.int32), ok, BLOCK)
-    tl.atomic_add(hist_row + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
-
-
-@triton.jit
 def _bucket16(hist_row, K: tl.constexpr):
     """`_threshold` after the first two digits, and whether that settles the row: it takes
     every key, or the threshold's 16-bit bucket holds exactly the keys still needed."""
@@ -373,7 +361,8 @@ def sortable_keys(x: torch.Tensor) -> torch.Tensor:
 def add_first_counts(
     logits: torch.Tensor, counts: torch.Tensor, visible: torch.Tensor | None = None
 ) -> None:
-    """What the logits kernels' `_count_logits` adds, in torch: for logits made by another
+    """What the logits kernels add for the top-k (`index_logits(counts=)`: pass 0's
+    `_count_digit`), in torch: for logits made by another
     kernel that a top-k told `counted` should take (and the tests' reference). Visible keys:
     finite or +inf, and before visible[t] where given."""
     t, width = logits.shape
@@ -398,7 +387,7 @@ class TopkCall:
     vis: torch.Tensor
     has_vis: bool
     counts: torch.Tensor
-    counted: bool = False  # pass 0's counts already in (`_count_logits`)
+    counted: bool = False  # pass 0's counts already in (`index_logits(counts=)`)
 
     def kernel_args(self) -> tuple[torch.Tensor, tuple, tuple]:
         """A fresh output [T, k] int32 and the kernels' (Src, Dst) argument tuples:
@@ -429,8 +418,8 @@ def topk_slots(
     `topk_fused.AUTO_LARGEST` keys, the faster one there); either on zeroed counters.
     `counts`: zeroed counters from `new_counts` (allocated here when not given); wide
     ones let the one launch take its 16-bit middle digit. `counted`: the logits kernel
-    already added its keys' first digit counts to them (`index_logits(counts=)`,
-    `_count_logits`; `add_first_counts` for logits made elsewhere), so every path skips its
+    already added its keys' first digit counts to them (`index_logits(counts=)`;
+    `add_first_counts` for logits made elsewhere), so every path skips its
     first pass: one wait fewer in the one launch, one launch fewer in the launches. Told
     `counted` over counters that hold anything else, the sets are wrong."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
