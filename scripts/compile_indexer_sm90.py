@@ -47,7 +47,7 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
     logits_sig |= {"Counts": "*i32", "width": "i32"}
     logits_sig |= dict.fromkeys(("stride_q_t", "stride_q_h", "stride_w", "stride_r2t"), "i32")
     logits_sig |= {"stride_o": "i32", "stride_c": "i32"}
-    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True, "COUNT": False}
+    dots = {"DOT_F32": False, "DOT_F16": True, "USE_GDC": True}
     return [
         (
             "prep_q",
@@ -57,21 +57,22 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
             | {"EXACT_FP8_ROUND": False, "ZERO_BLOCK": 1024, "USE_GDC": True},
             4,
         ),
-        (
-            "logits",
-            ik._logits_kernel,
-            logits_sig,
-            {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
-            | {"PRECISION": "tf32", "LOOP": False},
-            4,
-        ),
-        (
-            "logits_loop",
-            ik._logits_kernel,
-            logits_sig,
-            {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
-            | {"PRECISION": "tf32", "LOOP": True},
-            4,
+        # the looping form counting the keys' first digit for the top-k, as the indexer
+        # launches it at batch 1-4 (with the one-launch top-k told `counted`, below)
+        *(
+            (
+                name,
+                ik._logits_kernel,
+                logits_sig,
+                {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
+                | {"PRECISION": "tf32", "LOOP": loop, "COUNT": count},
+                4,
+            )
+            for name, loop, count in (
+                ("logits", False, False),
+                ("logits_loop", True, False),
+                ("logits_loop_count", True, True),
+            )
         ),
         ("hist", tk._hist_kernel, SRC, {**row, "P": 1}, 4),
         (
@@ -87,31 +88,15 @@ def kernels() -> list[tuple[str, object, dict, dict, int]]:
                 topk_fused._topk_fused_kernel,
                 {**SRC, **DST},
                 {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True}
-                | {"WIDE": wide, "COUNTED": False},
+                | {"WIDE": wide, "COUNTED": counted},
                 8,
             )
-            for name, wide in (("fused", False), ("fused_wide", True))
-        ),
-        # what the indexer launches: the logits counting the keys' first digit for the
-        # top-k, and the top-k starting from those counts
-        (
-            "logits_loop_count",
-            ik._logits_kernel,
-            logits_sig,
-            {"HI": 64, "D": 128, "BLOCK_H": 64, "BLOCK_N": 128, **CACHE, **dots}
-            | {"PRECISION": "tf32", "LOOP": True, "COUNT": True},
-            4,
-        ),
-        *(
-            (
-                name,
-                topk_fused._topk_fused_kernel,
-                {**SRC, **DST},
-                {**row, "BLOCK": 512, "BLOCK_K": K, "SYNC": topk_fused.SYNC, "USE_GDC": True}
-                | {"WIDE": wide, "COUNTED": True},
-                8,
+            for name, wide, counted in (
+                ("fused", False, False),
+                ("fused_wide", True, False),
+                ("fused_counted", False, True),
+                ("fused_wide_counted", True, True),
             )
-            for name, wide in (("fused_counted", False), ("fused_wide_counted", True))
         ),
     ]
 
