@@ -44,9 +44,7 @@ def compile_sm90(dtype: str = "bf16", num_splits: int = 2, kernel: str = "gluon"
         from mla_backends.kernels import mla_attention_seesaw as ms
 
         # every constexpr given: one left out reaches the partitions as None, not its default
-        # "seesaw_l2_N": each tile N tiles ahead prefetched into L2 (its `L2_AHEAD`)
-        ahead = int(kernel.rsplit("_", 1)[1]) if kernel.startswith("seesaw_l2_") else 0
-        const.update(PROBE=int(kernel == "seesaw_compute"), Trace=None, L2_AHEAD=ahead)
+        const.update(PROBE=int(kernel == "seesaw_compute"), Trace=None)
         sig.update({k: "constexpr" for k in const})
         src = GluonASTSource(ms._seesaw_kernel, sig, const, offline.aligned(ms._seesaw_kernel, sig))
         return triton.compile(src, target=offline.SM90, options=ms.EXTRA)

@@ -70,17 +70,13 @@ def paged_setup(b: int, kv: int, seed: int, h: int = 128, page: int = 64) -> Set
     )
 
 
-def run_shape(
-    b: int, kv: int, splits: int, compute: bool = False, l2: tuple[int, ...] = ()
-) -> dict[str, float]:
+def run_shape(b: int, kv: int, splits: int, compute: bool = False) -> dict[str, float]:
     dev, h, page = torch.device("cuda"), 128, 64
     st = paged_setup(b, kv, b + kv)
     pool, table, qn, qr, qo, lens = st.pool, st.table, st.qn, st.qr, st.qo, st.lens
     scale = 1.0 / math.sqrt(192)
     outs = {}
-    kernels = {**KERNELS, **VARIANTS} if compute else dict(KERNELS)
-    # --l2 N: the seesaw with each tile N tiles ahead prefetched into L2 (its L2_AHEAD)
-    kernels |= {f"seesaw_l2_{n}": (see.KERNEL, {**see.EXTRA, "L2_AHEAD": n}, K_BOX) for n in l2}
+    kernels = {**KERNELS, **VARIANTS} if compute else KERNELS
     for name, kern in kernels.items():
         # NaN first: a kernel that stores nothing must not pass as one that matched (the
         # allocator hands back the last kernel's freed output)
@@ -97,22 +93,16 @@ def run_shape(
         call()
         torch.cuda.synchronize()
         outs[name] = (out.float(), lse.clone(), graph_us(call))
-    (o1, l1, t1), (o2, l2v, t2) = outs["gluon"], outs["seesaw"]
+    (o1, l1, t1), (o2, l2, t2) = outs["gluon"], outs["seesaw"]
     res = {
         "gluon_us": t1,
         "seesaw_us": t2,
         "seesaw_speedup": t1 / t2,
         "out_max_abs_diff": float((o1 - o2).abs().nan_to_num(float("inf")).max()),
-        "lse_max_abs_diff": float((l1 - l2v).abs().nan_to_num(float("inf")).max()),
+        "lse_max_abs_diff": float((l1 - l2).abs().nan_to_num(float("inf")).max()),
     }
     for name in VARIANTS if compute else ():
         res[f"{name}_us"] = outs[name][2]
-    for n in l2:
-        o, lv, t = outs[f"seesaw_l2_{n}"]
-        res[f"seesaw_l2_{n}_us"] = t
-        res[f"seesaw_l2_{n}_speedup"] = t2 / t
-        res[f"seesaw_l2_{n}_out_diff"] = float((o - o2).abs().nan_to_num(float("inf")).max())
-        res[f"seesaw_l2_{n}_lse_diff"] = float((lv - l2v).abs().nan_to_num(float("inf")).max())
     try:
         from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
@@ -209,7 +199,6 @@ def main() -> None:
     p.add_argument("--compute", action="store_true", help="also time the compute chain alone")
     p.add_argument("--trace", action="store_true", help="the loop's events in SM clocks")
     p.add_argument("--rows", type=int, default=len(SHAPES), help="only the first N shapes")
-    p.add_argument("--l2", default="", help="also the seesaw prefetching N tiles ahead: N,...")
     args = p.parse_args()
     if args.rows < 1:
         p.error(f"--rows must be at least 1, got {args.rows}")
@@ -224,8 +213,7 @@ def main() -> None:
         return
     rows = []
     for b, kv, splits in SHAPES[: args.rows]:
-        l2 = tuple(int(n) for n in args.l2.split(",") if n)
-        r = {"batch": b, "kv": kv, "splits": splits, **run_shape(b, kv, splits, args.compute, l2)}
+        r = {"batch": b, "kv": kv, "splits": splits, **run_shape(b, kv, splits, args.compute)}
         print(json.dumps(r), flush=True)
         rows.append(r)
     print(json.dumps({"meta": meta, "rows": rows}))

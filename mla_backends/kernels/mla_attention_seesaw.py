@@ -123,32 +123,6 @@ def _tile_row(Batch, b, lo, j, n_full, PAGE: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _prefetch_l2(Pool, row, pred, BLOCK_N: gl.constexpr):
-    """The BLOCK_N pool rows from `row` (a tile: contiguous, inside one page) pulled into L2,
-    a 128-byte line a prefetch from every thread of the warpgroup, no shared memory or
-    barrier, so that the tile's TMA refill later hits L2 (EXPERIMENT: L2_AHEAD). Not one
-    bulk prefetch: its operands live in uniform registers, where the wgmma descriptors do,
-    and ptxas spilled 150 more of those."""
-    KV, stride_kv = Pool
-    LINES: gl.constexpr = 512
-    PF_L: gl.constexpr = gl.BlockedLayout([LINES // 128], [32], [4], [0])
-    span = BLOCK_N * stride_kv  # elements: 2 bytes each
-    line = gl.arange(0, LINES, layout=PF_L)
-    # 512 prefetches over the tile: every (span * 2 / 512)-byte step, one 128-byte line each
-    # (steps above 128 bytes leave a few lines to the TMA)
-    ptr = KV + row.to(gl.int64) * stride_kv + (line.to(gl.int64) * span) // LINES
-    gl.inline_asm_elementwise(
-        "{\n .reg .pred p;\n setp.ne.b32 p, $2, 0;\n @p prefetch.global.L2 [$1];\n"
-        " mov.u32 $0, 0;\n}",
-        "=r,l,r",
-        [ptr, (line * 0 + pred.to(gl.int32))],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
 def _issue_pieces(
     KDesc,
     KRDesc,
@@ -348,7 +322,6 @@ def _warpgroup(
     WG: gl.constexpr,
     PROBE: gl.constexpr,
     Trace,
-    L2_AHEAD: gl.constexpr,
 ):
     HALF: gl.constexpr = L // 2
     REUSE: gl.constexpr = PROBE == 1
@@ -403,9 +376,6 @@ def _warpgroup(
         row_p2 = _tile_row(Batch, b, lo, o + 1, n_load, PAGE, BLOCK_N)
         row_o2 = _tile_row(Batch, b, lo, o + 2, n_load, PAGE, BLOCK_N)
         sc = _scores_own(q_smem, k_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG)
-        if L2_AHEAD > 0:
-            row_pf = _tile_row(Batch, b, lo, o + L2_AHEAD, n_load, PAGE, BLOCK_N)
-            _prefetch_l2(Pool, row_pf, o + L2_AHEAD < n_load, BLOCK_N)
         _mark(Trace, b, split, mblk, i, WG, 1)
         acc, m_i, l_i = _take_other(
             acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, o - 1, WG, ROW, O_L
@@ -507,7 +477,6 @@ def _seesaw_kernel(
     NUM_SPLITS: gl.constexpr,
     PROBE: gl.constexpr = 0,
     Trace=None,
-    L2_AHEAD: gl.constexpr = 0,
 ):
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     dtype: gl.constexpr = KDesc.dtype
@@ -581,13 +550,13 @@ def _seesaw_kernel(
                 _warpgroup,
                 (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem,
                  kr_smem, m_smem, l_smem, bars, H, L, R, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 0,
-                 PROBE, Trace, L2_AHEAD),
+                 PROBE, Trace),
             ),
             (
                 _warpgroup,
                 (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem,
                  kr_smem, m_smem, l_smem, bars, H, L, R, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 1,
-                 PROBE, Trace, L2_AHEAD),
+                 PROBE, Trace),
             ),
         ],
         [4],
