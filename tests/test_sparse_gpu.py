@@ -399,13 +399,19 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
     assert torch.isfinite(got).sum(1).tolist() == vis_list
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
     # counting the keys for the top-k (`counts=`, as the indexer launches it): the same
-    # logits, and the counts `add_first_counts` takes from them, narrow and wide counters
+    # logits, and the counts `add_first_counts` takes from them, narrow and wide counters;
+    # the Triton kernel's counting too (what runs where the Gluon route is closed)
     for wide in (False, True):
-        counts, ref = (new_counts(len(vis_list), got.device, wide=wide) for _ in range(2))
+        counts, ref, tri = (new_counts(len(vis_list), got.device, wide=wide) for _ in range(3))
         args = (cache, 0, qp, wp, r2t, rows, vis, width, programs)
         assert torch.equal(ig.index_logits(*args, early_keys=True, counts=counts), got)
         add_first_counts(got, ref)
         assert torch.equal(counts, ref), wide
+        base = (cache, 0, qp, wp, r2t, rows, vis, width)
+        assert torch.equal(index_logits(*base, kernel="triton", counts=tri), want)
+        ref.zero_()
+        add_first_counts(want, ref)
+        assert torch.equal(tri, ref), wide
     fin = torch.isfinite(want)
     # fp32 sums of the same exact products in another order: within a few fp32 ulps
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6 * want[fin].abs().max())
