@@ -486,7 +486,7 @@ def index_logits(
     indexer's q prep does it)."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
-    count = _count_args(counts, q.shape[0], visible)
+    count, stride_c = _count_args(counts, q.shape[0], visible)
     if kernel == "gluon" and block_n is not None:
         raise ValueError("index_logits: block_n is the Triton kernel's; kernel='gluon' takes none")
     if kernel == "gluon" or (kernel == "auto" and block_n is None):
@@ -518,14 +518,14 @@ def index_logits(
         rows,
         visible,
         out,
-        count[0],
+        count,
         width,
         q.stride(0),
         q.stride(1),
         w.stride(0),
         req_to_token.stride(0),
         out.stride(0),
-        count[1],
+        stride_c,
         HI=hi,
         D=d,
         BLOCK_H=max(16, next_pow2(hi)),

@@ -362,16 +362,14 @@ def add_first_counts(
     logits: torch.Tensor, counts: torch.Tensor, visible: torch.Tensor | None = None
 ) -> None:
     """What the logits kernels add for the top-k (`index_logits(counts=)`: pass 0's
-    `_count_digit`), in torch: for logits made by another
-    kernel that a top-k told `counted` should take (and the tests' reference). Visible keys:
-    finite or +inf, and before visible[t] where given."""
+    `_count_digit`), in torch and without a host sync: for logits made by another kernel
+    that a top-k told `counted` should take (and the tests' reference). Visible keys: finite
+    or +inf, and before visible[t] where given."""
     t, width = logits.shape
     ok = logits > float("-inf")
     if visible is not None:
         ok &= torch.arange(width, device=logits.device)[None, :] < visible[:, None].long()
-    key = sortable_keys(logits)
-    for i in range(t):
-        counts[i, :256] += torch.bincount(key[i][ok[i]] >> 24, minlength=256).to(torch.int32)
+    counts[:t, :256].scatter_add_(1, sortable_keys(logits) >> 24, ok.to(torch.int32))
 
 
 @dataclass(frozen=True)
