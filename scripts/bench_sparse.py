@@ -58,9 +58,26 @@ from mla_backends.sparse.topk_kernel import topk_slots
 
 PAGE = 64
 CHUNK = 1 << 19  # rows per fill chunk
-# (block_m, block_n, warps, stages) alternatives for --triton-configs (the default launch
-# table is in sparse/triton_backend.py).
+# (block_m, block_n, warps, stages[, splits]) alternatives for --triton-configs (the default
+# launch table is in sparse/triton_backend.py); without splits, the split rule's count.
 TRITON_CONFIGS = [(64, 64, 8, 2), (64, 16, 8, 2), (32, 64, 8, 3), (32, 32, 8, 3), (16, 32, 4, 3)]
+LAUNCH_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "splits")
+
+
+def parse_configs(text: str) -> list[tuple[int, ...]]:
+    """'16x32x4x3x64,16x64x4x2' -> [(16, 32, 4, 3, 64), (16, 64, 4, 2)]."""
+    out = []
+    for spec in text.split(","):
+        try:
+            cfg = tuple(int(x) for x in spec.split("x"))
+        except ValueError:
+            cfg = ()
+        if len(cfg) not in (4, 5) or min(cfg) < 1:
+            raise SystemExit(
+                f"bench_sparse: bad --triton-configs entry {spec!r} (BMxBNxWxS[xSPLITS])"
+            )
+        out.append(cfg)
+    return out
 
 
 def timed(fn: Callable[[], object], graphs: bool) -> dict[str, float]:
@@ -112,7 +129,7 @@ def run_one(
     pools,  # type: ignore[no-untyped-def]
     backends: list[str],
     graphs: bool,
-    sweep: bool = False,
+    sweep: list[tuple[int, ...]] | None = None,
 ) -> list[dict]:
     bf16, fp8, cache, req = pools
     dev = torch.device("cuda")
@@ -238,16 +255,23 @@ def run_one(
                     lambda be=be: be.forward_sparse(0, q_nope, q_rope, select(), batch), graphs
                 )
                 if name == "triton" and sweep:  # launch alternatives, each timed alone
-                    for cfg in TRITON_CONFIGS:
-                        be.launch = dict(
-                            zip(("block_m", "block_n", "num_warps", "num_stages"), cfg)
-                        )
+                    for cfg in sweep:
+                        be.launch = dict(zip(LAUNCH_KEYS, cfg))
                         tag = "x".join(str(x) for x in cfg)
                         try:
                             attn[f"triton_{fmt}[{tag}]"] = timed(fn, graphs)
                         except Exception as e:  # out of shared memory, say
                             print(f"  triton {fmt} {tag}: {type(e).__name__} {str(e)[:80]}")
                     be.launch = None
+                    # the default launch with its splits merged by the merge kernel (batch
+                    # 2-4 at H16 merge inside the launch: `triton_kernel.merges_here`)
+                    be.merge_here = False
+                    attn[f"triton_{fmt}[merge kernel]"] = timed(fn, graphs)
+                    steps[f"triton_{fmt}[merge kernel]"] = timed(
+                        lambda be=be: be.forward_sparse(0, q_nope, q_rope, select(), batch),
+                        graphs,
+                    )
+                    be.merge_here = True
         if backends:  # --indexer-only: no attention rows, peers included
             attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
             for name in DENSE:
@@ -436,10 +460,17 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true", help="eager timings only")
     p.add_argument("--indexer-only", action="store_true", help="time the indexer alone")
     p.add_argument(
-        "--triton-configs", action="store_true", help="also time the Triton launch alternatives"
+        "--triton-configs",
+        nargs="?",
+        const="default",
+        help="also time the Triton launch alternatives: the built-in list, or "
+        "BMxBNxWARPSxSTAGES[xSPLITS],...",
     )
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    sweep = None
+    if a.triton_configs:
+        sweep = TRITON_CONFIGS if a.triton_configs == "default" else parse_configs(a.triton_configs)
     contexts, batches, heads, pools, out, meta = start(a, "bench_sparse.py", not a.no_fp8_rows)
     rows = []
     for ctx in contexts:
@@ -447,7 +478,7 @@ def main() -> None:
             rows += run_one(
                 ctx, b, heads, a.topk, pools,
                 [] if a.indexer_only else a.backends.split(","), not a.no_graphs,
-                a.triton_configs,
+                sweep,
             )  # fmt: skip
             # rewritten after each point: a run cut short by a time limit keeps its rows
             doc = {"meta": meta, "rows": rows}
