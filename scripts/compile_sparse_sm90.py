@@ -34,7 +34,7 @@ def signature(fp8: bool) -> dict[str, str]:
     kv = "*u8" if fp8 else "*bf16"
     sig = {"QNope": "*bf16", "QRope": "*bf16", "KV": kv, "KV8": "*fp8e4nv" if fp8 else kv}
     sig |= {"KVS": "*fp32" if fp8 else kv, "KVR": "*bf16", "Idx": "*i32", "Out": "*bf16"}
-    sig |= {"Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32"}
+    sig |= {"Lse": "*fp32", "PartOut": "*fp32", "PartLse": "*fp32", "Sync": "*i32"}
     sig |= dict.fromkeys(INTS, "i32") | {"qk_scale_log2": "fp32", "out_scale": "fp32"}
     return sig
 
@@ -91,12 +91,15 @@ if __name__ == "__main__":
         print(json.dumps({"launch": "gluon H128 fp8 rows 64x64", **gluon_usage(fp8=True)}))
         raise SystemExit(0)
     fn = sk._sparse_mla_kernel
-    for (block, fp8), cfg in LAUNCH.items():
+    # each launch of the table, and the H16 bf16 one merging its own 32 splits (batch 2-4)
+    variants = [(key, cfg, False) for key, cfg in LAUNCH.items()]
+    variants.append(((16, False), LAUNCH[(16, False)], True))
+    for (block, fp8), cfg, merge in variants:
         heads = 16 if block == 16 else 128
         sig = signature(fp8)
         const = dict(H=heads, L=512, R=64, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"])
-        const |= dict(NUM_SPLITS=2, FP8_ROW=fp8, TILE_C=TILE, DOT_F32=False)
-        const |= dict(PRECISION="tf32", USE_GDC=True, **rows(fp8))
+        const |= dict(NUM_SPLITS=32 if merge else 2, FP8_ROW=fp8, TILE_C=TILE, DOT_F32=False)
+        const |= dict(PRECISION="tf32", MERGE_HERE=merge, USE_GDC=True, **rows(fp8))
         src = ASTSource(
             fn=fn,
             signature={**sig, **dict.fromkeys(const, "constexpr")},
@@ -106,5 +109,6 @@ if __name__ == "__main__":
         opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         use = offline.usage(triton.compile(src, target=offline.SM90, options=opts))
         name = f"H{heads} {'fp8 rows' if fp8 else 'bf16'} {cfg['block_m']}x{cfg['block_n']}"
+        name += " merged here" if merge else ""
         out = {k: use[k] for k in ("reg", "local", "stack", "shared")}
         print(json.dumps({"launch": name, "warps": cfg["num_warps"], **out}))

@@ -505,6 +505,42 @@ def test_gluon_sparse_failure_falls_back_to_tl_dot_once(
     assert ma.gluon_error() is None
 
 
+def test_tl_dot_sparse_kernel_merges_here_only_where_every_program_fits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`sparse_mla(sync=)` merges the splits inside its launch only where its programs wait
+    for each other safely and the merge tile fits (the GPU test runs it): never in the
+    interpreter or off a GPU, never past the SMs; a bad sync is refused, and the
+    interpreter's calls with a sync equal those without (the merge kernel, sync untouched)."""
+    from mla_backends.sparse import triton_kernel as sk
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not sk.merges_here((1, 2, 32), 16, 512, 32, cpu)
+    monkeypatch.setattr(sk, "interpreting", lambda: False)
+    monkeypatch.setattr(sk, "num_sms", lambda device: 132)
+    assert sk.merges_here((1, 4, 32), 16, 512, 32, gpu)
+    assert sk.merges_here((1, 2, 8), 16, 512, 8, gpu)
+    assert not sk.merges_here((1, 1, 32), 16, 512, 32, gpu)  # one token: the merge kernel
+    assert not sk.merges_here((1, 5, 32), 16, 512, 32, gpu)  # 160 programs on 132 SMs
+    assert not sk.merges_here((2, 2, 32), 64, 512, 32, gpu)  # a 64 x 512 fp32 merge tile
+    assert not sk.merges_here((1, 2, 1), 16, 512, 1, gpu)  # one split: nothing to merge
+    assert not sk.merges_here((1, 2, 1024), 16, 512, 1024, gpu)  # under one column a split
+    monkeypatch.undo()
+
+    gen = torch.Generator().manual_seed(3)
+    t, h, lat, r, slots, k = 2, 16, 32, 16, 128, 64
+    kv = torch.randn(slots, lat + r, generator=gen).half()
+    q = torch.randn(t, h, lat + r, generator=gen).half()
+    idx = torch.stack([torch.randperm(slots, generator=gen)[:k] for _ in range(t)]).int()
+    launch = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
+    sync = torch.zeros(2, dtype=torch.int32)
+    want = sk.attend(q[..., :lat], q[..., lat:], kv, idx, 0.2, 1.0, launch)
+    got = sk.attend(q[..., :lat], q[..., lat:], kv, idx, 0.2, 1.0, launch, sync=sync)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert sync.tolist() == [0, 0]
+    for bad in (torch.zeros(2), torch.zeros(1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="sync must be 2 int32"):
+            sk.attend(q[..., :lat], q[..., lat:], kv, idx, 0.2, 1.0, launch, sync=bad)
+
+
 def test_poisoned_rows_would_fail_the_comparison() -> None:
     """The harness can fail: point one valid entry at a poisoned (NaN) slot."""
     b = build(SparseCase("torch", "bfloat16", "bfloat16"), "cpu")
@@ -727,14 +763,15 @@ def test_gluon_indexer_logits_kernel_compiles_for_sm90() -> None:
 def test_sparse_kernel_launches_compile_for_sm90() -> None:
     """Every launch configuration of the `triton` sparse backend builds for SM90 (CI runs the
     kernel only in the interpreter) within one block's shared memory; the H16 bf16 launch
-    without spills. The H128 launches' spills (~300 B, measured faster than the spill-free
-    tiles) are recorded in sparse/triton_backend.py, not asserted away."""
+    without spills, also merging its own splits (`sparse_mla(sync=)`, batch 2-4). The H128
+    launches' spills (~300 B, measured faster than the spill-free tiles) are recorded in
+    sparse/triton_backend.py, not asserted away."""
     uses = {u["launch"]: u for u in compile_usage("compile_sparse_sm90.py")}
-    assert len(uses) == 4, uses
+    assert len(uses) == 5, uses
     for use in uses.values():
         assert use["shared"] <= 232448 and use["reg"] <= 255 and use["local"] == 0, use
-    h16 = uses["H16 bf16 16x32"]
-    assert h16["stack"] == 0, h16
+    for h16 in (uses["H16 bf16 16x64"], uses["H16 bf16 16x64 merged here"]):
+        assert h16["stack"] == 0, h16
 
 
 @pytest.mark.parametrize("rows", ["gluon", "gluon-fp8"])

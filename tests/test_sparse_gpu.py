@@ -696,6 +696,84 @@ def test_gluon_sparse_kernel_matches_the_reference(splits: int) -> None:
     assert bool((lse[2] == float("-inf")).all())
 
 
+@pytest.mark.parametrize("tokens, splits", [(2, 32), (4, 32), (2, 64), (3, 8)])
+def test_tl_dot_sparse_kernel_merges_its_splits_in_its_launch(tokens: int, splits: int) -> None:
+    """The `tl.dot` sparse kernel at H16 merging its own splits (`sparse_mla(sync=)`, what the
+    `triton` backend runs at batch 2-4) against the fp64 reference and against the same
+    launch with the merge kernel: -1 entries mid-list and at the tail, a token with none (a
+    split with no key, and one with nothing at all), NaN in every unnamed pool row; the sync
+    counters back at zero after each call; a captured graph replayed with new queries equal to
+    eager calls, bit for bit."""
+    from mla_backends.sparse import triton_kernel as sk
+    from mla_backends.sparse.reference import sparse_attention
+    from mla_backends.testing import TOLERANCES
+
+    dev = torch.device("cuda")
+    h, slots, k, cfg = 16, 8192, TOPK, dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    if not sk.merges_here((1, tokens, splits), 16, 512, splits, dev):
+        pytest.skip("fewer SMs than the launch's programs")
+    gen = torch.Generator().manual_seed(tokens * 100 + splits)
+    pool = torch.full((slots, 576), float("nan"))
+    idx = torch.full((tokens, k), -1, dtype=torch.int32)
+    for i, n in enumerate((k, 1500, 0, 700)[:tokens]):
+        chosen = torch.randperm(slots, generator=gen)[:n].to(torch.int32)
+        idx[i, :n] = chosen
+        pool[chosen.long()] = torch.randn(n, 576, generator=gen)
+    if tokens == 4:
+        idx[3, 100:164] = -1  # a whole key block of unused entries inside a list
+    scale = 576**-0.5
+    valid = idx >= 0
+    rows = torch.where(valid[..., None], pool[idx.clamp(min=0).long()].double(), 0.0)
+    kv, ix = pool.bfloat16().to(dev), idx.to(dev)
+    sync = torch.zeros(2, dtype=torch.int32, device=dev)
+
+    def call(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, here: bool) -> None:
+        qn, qr = q[..., :512], q[..., 512:]
+        sk.sparse_mla(qn, qr, kv, ix, scale, 1.0, splits, out, lse, sync=sync if here else None,
+                      **cfg)  # fmt: skip
+
+    def new_out() -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.full((tokens, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+        return out, torch.full((tokens, h), 7.0, device=dev)
+
+    q = torch.randn(tokens, h, 576, generator=gen).bfloat16()
+    want, want_lse = sparse_attention(q[..., :512].double(), q[..., 512:].double(), rows, valid,
+                                      scale)  # fmt: skip
+    (out, lse), (plain, plain_lse) = new_out(), new_out()
+    call(q.to(dev), out, lse, True)
+    assert sync.tolist() == [0, 0]
+    call(q.to(dev), plain, plain_lse, False)
+    atol, rtol, _ = TOLERANCES["bfloat16"]
+    keep = [i for i in range(tokens) if i != 2]
+    torch.testing.assert_close(out.double().cpu()[keep], want[keep], atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double().cpu()[keep], want_lse[keep], atol=atol, rtol=rtol)
+    # the merge kernel's sum in another order: the same within a rounding of the output
+    torch.testing.assert_close(out, plain, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, plain_lse, atol=1e-5, rtol=1e-5)
+    if tokens > 2:
+        assert torch.equal(out[2].cpu(), torch.zeros(h, 512, dtype=torch.bfloat16))  # no index
+        assert bool((lse[2] == float("-inf")).all())
+
+    q_static = q.to(dev).clone()
+    g_out, g_lse = new_out()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call(q_static, g_out, g_lse, True)  # warm-up off the default stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            call(q_static, g_out, g_lse, True)
+    torch.cuda.synchronize()
+    for step in range(3):
+        q_new = torch.randn(tokens, h, 576, generator=gen).bfloat16().to(dev)
+        q_static.copy_(q_new)
+        graph.replay()
+        e_out, e_lse = new_out()
+        call(q_new, e_out, e_lse, True)
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse), f"replay {step}"
+        assert sync.tolist() == [0, 0], f"replay {step}"
+
+
 @pytest.mark.sm90
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gluon_fp8row_kernel_matches_the_reference(splits: int) -> None:

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting, num_sms
+from mla_backends.kernels.grid_sync import arrive_and_wait
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.sparse.topk_kernel import (
     COUNTS,
@@ -61,19 +62,6 @@ WIDE_C = tl.constexpr(COUNTS)  # a wide row's 16-bit digit counts (`topk_kernel.
 
 
 @triton.jit
-def _row_sync(Counter, target):
-    """Waits until `target` programs arrived at Counter: the counts every program of the row
-    added before it are then complete (acquire-release on arrival, acquire while spinning)."""
-    tl.debug_barrier()  # every thread of this program issued its histogram atomics
-    # the arrival's own count first: the row's last program goes on without another round
-    # trip to L2 (acquire: it then sees what the others released)
-    seen = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu") + 1
-    while seen < target:
-        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK: tl.constexpr, SYNC: tl.constexpr):
     """The second pass over a 16-bit digit (key bits 23..8) of the keys sharing the
     threshold's first 8 bits (`prefix`): each adds its fine count to the row's 2^16 bins (one
@@ -88,7 +76,7 @@ def _wide_pass(x, ok, hist_row, prefix, need, progs, BLOCK: tl.constexpr, SYNC: 
     _count_digit(x, hist_row, 1, prefix, BLOCK)  # the coarse counts: pass 1's digit
     fine = hist_row + WIDE_C
     tl.atomic_add(fine + d16, tl.full([BLOCK], 1, tl.int32), mask=match, sem="relaxed")
-    _row_sync(hist_row + SYNC + 1, progs)
+    arrive_and_wait(hist_row + SYNC + 1, progs)
     hi, need = _digit_step(tl.load(hist_row + 256 + bins, volatile=True), bins, need)
     h = tl.load(fine + hi * 256 + bins, volatile=True)
     lo, need = _digit_step(h, bins, need)
@@ -125,7 +113,7 @@ def _topk_fused_kernel(
     # COUNTED: pass 0's counts came with the logits (complete once their grid finished)
     if not COUNTED:
         _count_digit(x, hist_row, 0, 0, BLOCK)
-        _row_sync(hist_row + SYNC, progs)
+        arrive_and_wait(hist_row + SYNC, progs)
     h = tl.load(hist_row + bins, volatile=True)
     total = tl.sum(h, 0)
     take_all = (total <= K).to(tl.int32)
@@ -145,7 +133,7 @@ def _topk_fused_kernel(
     for p in tl.static_range(1, 4):
         if (p == 3 or not WIDE) and done == 0:  # p 1 and 2: the wide pass's bits
             _count_digit(x, hist_row, p, prefix, BLOCK)
-            _row_sync(hist_row + SYNC + p, progs)
+            arrive_and_wait(hist_row + SYNC + p, progs)
             h = tl.load(hist_row + p * 256 + bins, volatile=True)
             b, need = _digit_step(h, bins, need)
             prefix = (prefix << 8) | b.to(tl.uint32)
@@ -173,7 +161,7 @@ def _topk_fused_kernel(
     if done == 0:
         me = tl.program_id(1)
         tl.store(hist_row + TIES_C + me, tl.sum(eq.to(tl.int32), 0))
-        _row_sync(hist_row + TIE_SYNC_C, progs)
+        arrive_and_wait(hist_row + TIE_SYNC_C, progs)
         i = tl.arange(0, MAX_ROW_PROGRAMS_C)
         rank += tl.sum(tl.load(hist_row + TIES_C + i, mask=i < me, other=0, volatile=True), 0)
     take = (ok & ((key > prefix) | all_keys)) | (eq & (rank < need))

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv
-from mla_backends.kernels.common import interpreting
+from mla_backends.kernels.common import interpreting, num_sms
+from mla_backends.kernels.grid_sync import arrive_and_wait
 from mla_backends.kernels.mla_attention import (
     LOG2E,
     _merge,
@@ -46,6 +47,7 @@ def _sparse_mla_kernel(
     Lse,
     PartOut,
     PartLse,
+    Sync,
     stride_qn_t,
     stride_qn_h,
     stride_qr_t,
@@ -73,6 +75,7 @@ def _sparse_mla_kernel(
     TILE_C: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    MERGE_HERE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     wait_previous(USE_GDC)  # q and the indices come from the kernels before this one
@@ -153,6 +156,61 @@ def _sparse_mla_kernel(
         prow = (t * H + heads) * NUM_SPLITS + split
         tl.store(PartOut + prow[:, None] * L + offs_l[None, :], out, mask=h_ok[:, None])
         tl.store(PartLse + prow, lse, mask=h_ok)
+        if MERGE_HERE:
+            _merge_here(
+                PartOut, PartLse, Out, Lse, Sync, t, heads, h_ok, split,
+                stride_o_t, stride_o_h, stride_lse_t, H, L, NUM_SPLITS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_here(
+    PartOut,
+    PartLse,
+    Out,
+    Lse,
+    Sync,
+    t,
+    heads,
+    h_ok,
+    split,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """The splits' merge inside the launch (`sparse_mla(sync=)`): once every program stored
+    its partials, the program of split s merges columns [s, s + 1) x L / NUM_SPLITS of its
+    heads over all splits, as `mla_attention._merge_kernel` does, without the merge's launch
+    and its wait. Sync: two int32, zero between launches: arrivals, then departures; the last
+    program out sets both back to zero (none is still spinning then: each departs after its
+    wait). Hazards: `kernels.grid_sync` (every program resident at once)."""
+    n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    arrive_and_wait(Sync, n)
+    CW: tl.constexpr = L // NUM_SPLITS
+    cols = split * CW + tl.arange(0, CW)
+    prow = (t * H + heads)[:, None] * NUM_SPLITS + tl.arange(0, NUM_SPLITS)[None, :]
+    lse = tl.load(PartLse + prow, mask=h_ok[:, None], other=float("-inf"))
+    m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe[:, None])  # empty splits: exp(-inf) = 0
+    total = tl.sum(w, 1)
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    parts = tl.load(
+        PartOut + prow[:, :, None] * L + cols[None, None, :], mask=h_ok[:, None, None], other=0.0
+    )
+    acc = tl.sum(parts * w[:, :, None], 1) / total_safe[:, None]
+    o_ptr = Out + t * stride_o_t + heads[:, None] * stride_o_h + cols[None, :]
+    tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=h_ok[:, None])
+    if split == 0:
+        lse_out = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
+        tl.store(Lse + t * stride_lse_t + heads, lse_out, mask=h_ok)
+    tl.debug_barrier()  # every thread of this program read its partials
+    if tl.atomic_add(Sync + 1, 1, sem="relaxed", scope="gpu") == n - 1:
+        tl.store(Sync, 0)
+        tl.store(Sync + 1, 0)
 
 
 def sparse_mla(
@@ -171,14 +229,27 @@ def sparse_mla(
     num_warps: int = 8,
     num_stages: int = 2,
     dot_f32: bool = False,
+    sync: torch.Tensor | None = None,
 ) -> None:
     """q_nope [T, H, L], q_rope [T, H, R], indices [T, K] int32 slots (-1 unused) ->
     out [T, H, L], lse [T, H] fp32 (natural log). kv: the pool layer's [slots, L + R] rows,
-    or with `fmt` its [slots, row_bytes] uint8 FP8 rows (then kv_scale must be 1)."""
+    or with `fmt` its [slots, row_bytes] uint8 FP8 rows (then kv_scale must be 1).
+    sync: two zeroed int32 on q's device, owned by the caller, kept zero between calls by the
+    kernel: with it the splits are merged inside the launch where `merges_here` allows.
+    Hazard: two launches sharing one sync must not run at once (one stream per owner)."""
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     if t == 0:
         return
+    grid = (cdiv(h, block_m), t, num_splits)
+    here = sync is not None and merges_here(grid, block_m, lat, num_splits, q_nope.device)
+    if sync is not None and (
+        sync.dtype != torch.int32 or sync.numel() < 2 or sync.device != q_nope.device
+    ):
+        raise ValueError(
+            f"sparse_mla: sync must be 2 int32 on {q_nope.device}, got {sync.numel()} "
+            f"{sync.dtype} on {sync.device}"
+        )
     part_out, part_lse = split_partials(out, lse, num_splits)
     if fmt is not None:
         if kv_scale != 1.0:
@@ -201,7 +272,7 @@ def sparse_mla(
         rows = dict(ROW_E8=0, ROW_S=0, S_OFF=0, ROW_B=0, R_OFF=0)
         stride_kv = kv.stride(0)
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"
-    _sparse_mla_kernel[(cdiv(h, block_m), t, num_splits)](
+    _sparse_mla_kernel[grid](
         q_nope,
         q_rope,
         kv,
@@ -213,6 +284,7 @@ def sparse_mla(
         lse,
         part_out,
         part_lse,
+        sync if here else part_lse,  # not read without MERGE_HERE
         q_nope.stride(0),
         q_nope.stride(1),
         q_rope.stride(0),
@@ -235,12 +307,36 @@ def sparse_mla(
         TILE_C=TILE,
         DOT_F32=dot_f32,
         PRECISION=precision,
+        MERGE_HERE=here,
         num_warps=num_warps,
         num_stages=num_stages,
         **rows,
         **pdl_args(q_nope.device),
     )
-    _merge(part_out, part_lse, out, lse, num_splits)
+    if not here:
+        _merge(part_out, part_lse, out, lse, num_splits)
+
+
+def merges_here(
+    grid: tuple[int, int, int], block_m: int, lat: int, num_splits: int, device: torch.device
+) -> bool:
+    """Whether a launch of `grid` merges its splits itself (`_merge_here`): two or more
+    tokens, more than one split, each owning a whole share of the columns, every program
+    resident at once (the grid within the SMs: `kernels.grid_sync`), a merge tile of
+    <= 16 x 512 fp32 (64 registers a thread at 4 warps), on a GPU (the interpreter runs
+    programs one by one). At H16 on an H100 it took the sparse call 0.3-1.2 us off at 2-4
+    tokens and added 0.4 at one, where the merge kernel's 128 programs read the 1 MB of
+    partials faster than the launch's own 32 (BENCHMARKS.md, twenty-third session)."""
+    programs = grid[0] * grid[1] * grid[2]
+    return (
+        grid[1] >= 2
+        and num_splits > 1
+        and lat % num_splits == 0
+        and block_m * lat <= 16 * 512
+        and device.type == "cuda"
+        and not interpreting()
+        and programs <= num_sms(device)
+    )
 
 
 def attend(
@@ -252,10 +348,12 @@ def attend(
     kv_scale: float,
     launch: dict[str, int],
     fmt: Fp8RowFormat | None = None,
+    sync: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_mla` into new tensors: out [T, H, L] in q's dtype and lse [T, H] fp32, with
     the tiles, warps, stages and "splits" of `launch` (`triton_backend.launch_config`); with
-    "gluon" set there, the Gluon kernel where it runs (`_gluon_attend`)."""
+    "gluon" set there, the Gluon kernel where it runs (`_gluon_attend`). sync: `sparse_mla`'s
+    (the `tl.dot` kernel's merge inside its launch)."""
     t, h, lat = q_nope.shape
     out = torch.empty(t, h, lat, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=q_nope.device)
@@ -269,7 +367,7 @@ def attend(
     # dot_f32 in the interpreter: its bf16 dots are wrong (DESIGN.md)
     sparse_mla(
         q_nope, q_rope, kv, indices, sm_scale, kv_scale, splits, out, lse, fmt,
-        dot_f32=interpreting(), **cfg,
+        dot_f32=interpreting(), sync=sync, **cfg,
     )  # fmt: skip
     return out, lse
 
