@@ -225,9 +225,9 @@ def _merge_kernel(
     USE_GDC: tl.constexpr,
 ):
     """One (token, head) row's BLOCK_L columns: the splits' partials weighted by
-    exp(lse - max), CHUNK splits at a time (a [128, 512] fp32 tile in one go would spill:
-    small batches take up to `tuning.MAX_SPLITS` splits). Column blocks are programs of their
-    own so that a batch of few rows still spreads its partials' reads over many SMs."""
+    exp(lse - max), CHUNK splits at a time (`_merge` passes all of them: each chunk is a round
+    trip to L2 the next one waits for). Column blocks are programs of their own so that a
+    batch of few rows still spreads its partials' reads over many SMs."""
     launch_next(USE_GDC)
     wait_previous(USE_GDC)  # the partials come from the attention kernel just before
     row = tl.program_id(0).to(tl.int64)  # token * H + head
@@ -460,11 +460,7 @@ def _merge(
     if num_splits == 1:
         return
     t, h, lat = out.shape
-    # Column blocks up to about one program an SM, >= 64 wide: at batch 1 H16 the 16 rows
-    # alone leave most SMs idle, each reading splits x 2 KB one chunk after another (H100:
-    # 7.7 -> 5.3 us at 128 splits); at H128 more programs than SMs was slower (5.2 -> 8.5).
-    blocks = max(1, min(num_sms(out.device) // (t * h), lat // 64))
-    blocks = 1 << (blocks.bit_length() - 1)
+    blocks = merge_blocks(t * h, lat, num_splits, num_sms(out.device))
     _merge_kernel[(t * h, blocks)](
         part_out,
         part_lse,
@@ -477,10 +473,23 @@ def _merge(
         L=lat,
         BLOCK_L=lat // blocks,
         NUM_SPLITS=num_splits,
-        CHUNK=min(num_splits, 16),
+        CHUNK=num_splits,
         num_warps=4,
         **pdl_args(out.device),
     )
+
+
+def merge_blocks(rows: int, lat: int, num_splits: int, sms: int) -> int:
+    """Column blocks of the merge of `rows` output rows: about two programs an SM, and each
+    program's splits x columns tile (all splits in one chunk) <= 4096 fp32, 32 registers a
+    thread; a power of two, >= 16 columns. All splits in one chunk against 16 at a time: H16
+    B1 128 splits 12.3 -> 8.5 us, 64 splits 9.7 -> 7.6, 32 splits 7.2 -> 6.4; H128 B1 64
+    splits 16.3 -> 13.7-14.5 (graph replay with its launch, H100, `scripts/probe_merge.py`,
+    twenty-third session; the rule before, one program an SM and 16 splits a chunk, was
+    measured with the chunks)."""
+    want = max(2 * sms // max(rows, 1), lat * num_splits // 4096)
+    blocks = max(1, min(want, lat // 16))
+    return 1 << (blocks.bit_length() - 1)
 
 
 @dataclass
