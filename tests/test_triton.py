@@ -72,17 +72,18 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("sms", [1, 8, 64])  # column blocks: 1, 4 (2 x 8 // 3 rows), 16 (L / 16)
+@pytest.mark.parametrize("sms", [1, 8, 64])  # column blocks: 1, 2 (8 // 3 rows), 4 (L / 64)
 def test_interpreter_merge_over_column_blocks(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
     """The split merge with its columns spread over programs where rows are few: out and LSE
     equal log-sum-exp weighting of the partials, empty splits and an all-empty row included;
     and the column blocks' rule (`merge_blocks`)."""
     from mla_backends.kernels import mla_attention as ma
 
-    assert ma.merge_blocks(3, 256, 4, sms) == {1: 1, 8: 4, 64: 16}[sms]
-    assert ma.merge_blocks(16, 512, 128, 132) == 16  # H16 B1: 128 x 32 fp32 a program
-    assert ma.merge_blocks(128, 512, 32, 132) == 4  # H128 B1: 4096 fp32 a program
-    assert ma.merge_blocks(4096, 512, 2, 132) == 1
+    assert ma.merge_blocks(3, 256, 4, sms) == ({1: 1, 8: 2, 64: 4}[sms], 4)
+    assert ma.merge_blocks(16, 512, 128, 132) == (8, 128)  # H16 B1: 128 x 64 fp32 a program
+    assert ma.merge_blocks(128, 512, 64, 132) == (1, 16)  # H128 B1: 16 x 512 a chunk
+    assert ma.merge_blocks(64, 512, 64, 132) == (2, 32)
+    assert ma.merge_blocks(4096, 512, 2, 132) == (1, 2)
 
     monkeypatch.setattr(ma, "num_sms", lambda device: sms)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,8 +126,8 @@ def test_split_rows_bound_holds_for_every_grid(sms: int) -> None:
 def test_gpu_small_batch_long_context_many_splits(
     heads: int, kv: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batch 1-2 at 32k keys: 32-128 KV splits (eager) and their merge (all splits in one
-    chunk, 16-32 columns a program), out and LSE against the reference."""
+    """Batch 1-2 at 32k keys: 32-128 KV splits (eager) and their merge (H16: all splits in
+    one chunk; H128: 16 a chunk), out and LSE against the reference."""
     from mla_backends.kernels import mla_attention as ma
     from mla_backends.testing.cases import DTYPE_PAIRS
 

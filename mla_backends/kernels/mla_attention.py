@@ -225,9 +225,9 @@ def _merge_kernel(
     USE_GDC: tl.constexpr,
 ):
     """One (token, head) row's BLOCK_L columns: the splits' partials weighted by
-    exp(lse - max), CHUNK splits at a time (`_merge` passes all of them: each chunk is a round
-    trip to L2 the next one waits for). Column blocks are programs of their own so that a
-    batch of few rows still spreads its partials' reads over many SMs."""
+    exp(lse - max), CHUNK splits at a time (`merge_blocks`: each chunk is a round trip to L2
+    the next one waits for). Column blocks are programs of their own so that a batch of few
+    rows still spreads its partials' reads over many SMs."""
     launch_next(USE_GDC)
     wait_previous(USE_GDC)  # the partials come from the attention kernel just before
     row = tl.program_id(0).to(tl.int64)  # token * H + head
@@ -460,7 +460,7 @@ def _merge(
     if num_splits == 1:
         return
     t, h, lat = out.shape
-    blocks = merge_blocks(t * h, lat, num_splits, num_sms(out.device))
+    blocks, chunk = merge_blocks(t * h, lat, num_splits, num_sms(out.device))
     _merge_kernel[(t * h, blocks)](
         part_out,
         part_lse,
@@ -473,23 +473,27 @@ def _merge(
         L=lat,
         BLOCK_L=lat // blocks,
         NUM_SPLITS=num_splits,
-        CHUNK=num_splits,
+        CHUNK=chunk,
         num_warps=4,
         **pdl_args(out.device),
     )
 
 
-def merge_blocks(rows: int, lat: int, num_splits: int, sms: int) -> int:
-    """Column blocks of the merge of `rows` output rows: about two programs an SM, and each
-    program's splits x columns tile (all splits in one chunk) <= 4096 fp32, 32 registers a
-    thread; a power of two, >= 16 columns. All splits in one chunk against 16 at a time: H16
-    B1 128 splits 12.3 -> 8.5 us, 64 splits 9.7 -> 7.6, 32 splits 7.2 -> 6.4; H128 B1 64
-    splits 16.3 -> 13.7-14.5 (graph replay with its launch, H100, `scripts/probe_merge.py`,
-    twenty-third session; the rule before, one program an SM and 16 splits a chunk, was
-    measured with the chunks)."""
-    want = max(2 * sms // max(rows, 1), lat * num_splits // 4096)
-    blocks = max(1, min(want, lat // 16))
-    return 1 << (blocks.bit_length() - 1)
+def merge_blocks(rows: int, lat: int, num_splits: int, sms: int) -> tuple[int, int]:
+    """(column blocks, splits a chunk) of the merge of `rows` output rows. Blocks: up to about
+    one program an SM, >= 64 columns each (at batch 1 H16 the 16 rows alone leave most SMs
+    idle); chunk: as many splits as keep a program's chunk x columns tile <= 8192 fp32 (64
+    registers a thread), each chunk a round trip to L2 the next one waits for. Where rows
+    fill the SMs that is 16 splits a chunk, as before; at H16 batch 1 / 2 every split in one
+    chunk: the merge alone (graph replay with its launch) B1 12.3 -> 8.6 us at 128 splits,
+    9.7 -> 8.4 at 64, B2 12.2 -> 10.3 (H100, twenty-third session, `scripts/probe_merge.py`;
+    BENCHMARKS.md has the step graphs). More programs than SMs (2-8 column blocks at H128
+    batch 1) was faster alone and slower in the step's graph, where the merge's programs,
+    launched early, wait beside the attention kernel's."""
+    blocks = max(1, min(sms // max(rows, 1), lat // 64))
+    blocks = 1 << (blocks.bit_length() - 1)
+    chunk = min(num_splits, max(1, 8192 // (lat // blocks)))
+    return blocks, 1 << (chunk.bit_length() - 1)
 
 
 @dataclass
