@@ -241,8 +241,6 @@ def sparse_mla(
     r = q_rope.shape[2]
     if t == 0:
         return
-    grid = (cdiv(h, block_m), t, num_splits)
-    here = sync is not None and merges_here(grid, block_m, lat, num_splits, q_nope.device)
     if sync is not None and (
         sync.dtype != torch.int32 or sync.numel() < 2 or sync.device != q_nope.device
     ):
@@ -250,6 +248,8 @@ def sparse_mla(
             f"sparse_mla: sync must be 2 int32 on {q_nope.device}, got {sync.numel()} "
             f"{sync.dtype} on {sync.device}"
         )
+    grid = (cdiv(h, block_m), t, num_splits)
+    here = sync is not None and merges_here(grid, block_m, lat, num_splits, q_nope.device)
     part_out, part_lse = split_partials(out, lse, num_splits)
     if fmt is not None:
         if kv_scale != 1.0:
