@@ -25,6 +25,8 @@ runs; the sum of two separately timed graphs counts one graph launch more than d
 
     python scripts/bench_sparse.py --out $OUT/sparse          # about 6 minutes on an H100
     python scripts/bench_sparse.py --triton-configs --contexts 65536 --out $OUT/sweep
+    python scripts/bench_sparse.py --triton-configs 16x64x4x2,16x32x4x3x64 --heads 16 \
+        --batch 1 --contexts 16384 --backends triton --no-fp8-rows --out $OUT/h16
     python scripts/bench_sparse.py --contexts 32768 --batch 16 --heads 128 --out /tmp/s
 """
 
