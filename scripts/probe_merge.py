@@ -24,7 +24,7 @@ import torch
 
 from mla_backends.bench.timing import graph_us
 from mla_backends.kernels.common import num_sms
-from mla_backends.kernels.mla_attention import _merge_kernel
+from mla_backends.kernels.mla_attention import _merge_kernel, merge_blocks
 from mla_backends.kernels.pdl import pdl_args
 
 # (tokens, heads, splits): dense H16 B1 kv 16k, B1 kv 4k, B2 (narrow kernel), the DSA sparse
@@ -34,7 +34,9 @@ SHAPES = "1:16:128,1:16:64,2:16:64,1:16:32,16:16:8,4:128:16,1:128:32,1:128:64"
 
 
 def rule_blocks(t: int, h: int, lat: int, sms: int) -> int:
-    """`mla_attention._merge`'s column blocks."""
+    """`mla_attention._merge`'s column blocks before the twenty-third session, which read 16
+    splits a chunk: the baseline ("rule" in the output) every variant is checked against;
+    "now" marks the launch `mla_attention.merge_blocks` makes today."""
     blocks = max(1, min(sms // (t * h), lat // 64))
     return 1 << (blocks.bit_length() - 1)
 
@@ -88,7 +90,9 @@ def main() -> None:
                 )
             )
             row = {"t": t, "h": h, "splits": splits, "blocks": blocks, "chunk": chunk}
+            now = (blocks, chunk) == merge_blocks(t * h, lat, splits, sms) and warps == 4
             row |= {"warps": warps, "rule": (blocks, chunk, warps) == (base, min(splits, 16), 4)}
+            row |= {"now": now}
             print(json.dumps(row | {"us": round(us, 2), "GB/s": round(gbytes / us, 1)}), flush=True)
 
 

@@ -508,7 +508,8 @@ def test_gluon_sparse_failure_falls_back_to_tl_dot_once(
 def test_tl_dot_sparse_kernel_merges_here_only_where_every_program_fits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`sparse_mla(sync=)` merges the splits inside its launch only where its programs wait
     for each other safely and the merge tile fits (the GPU test runs it): never in the
-    interpreter or off a GPU, never past the SMs; a bad sync is refused, and the
+    interpreter or off a GPU, never past the SMs, never with MLA_SPARSE_MERGE_HERE=0; a bad
+    sync is refused, and the
     interpreter's calls with a sync equal those without (the merge kernel, sync untouched)."""
     from mla_backends.sparse import triton_kernel as sk
 
@@ -522,7 +523,9 @@ def test_tl_dot_sparse_kernel_merges_here_only_where_every_program_fits(monkeypa
     assert not sk.merges_here((1, 5, 32), 16, 512, 32, gpu)  # 160 programs on 132 SMs
     assert not sk.merges_here((2, 2, 32), 64, 512, 32, gpu)  # a 64 x 512 fp32 merge tile
     assert not sk.merges_here((1, 2, 1), 16, 512, 1, gpu)  # one split: nothing to merge
-    assert not sk.merges_here((1, 2, 1024), 16, 512, 1024, gpu)  # under one column a split
+    assert not sk.merges_here((1, 2, 64), 16, 32, 64, gpu)  # under one column a split
+    monkeypatch.setenv("MLA_SPARSE_MERGE_HERE", "0")  # a process with fewer SMs: off
+    assert not sk.merges_here((1, 4, 32), 16, 512, 32, gpu)
     monkeypatch.undo()
 
     gen = torch.Generator().manual_seed(3)

@@ -697,7 +697,9 @@ def test_gluon_sparse_kernel_matches_the_reference(splits: int) -> None:
 
 
 @pytest.mark.parametrize("tokens, splits", [(2, 32), (4, 32), (2, 64), (3, 8)])
-def test_tl_dot_sparse_kernel_merges_its_splits_in_its_launch(tokens: int, splits: int) -> None:
+def test_tl_dot_sparse_kernel_merges_its_splits_in_its_launch(
+    tokens: int, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The `tl.dot` sparse kernel at H16 merging its own splits (`sparse_mla(sync=)`, what the
     `triton` backend runs at batch 2-4) against the fp64 reference and against the same
     launch with the merge kernel: -1 entries mid-list and at the tail, a token with none (a
@@ -727,10 +729,17 @@ def test_tl_dot_sparse_kernel_merges_its_splits_in_its_launch(tokens: int, split
     kv, ix = pool.bfloat16().to(dev), idx.to(dev)
     sync = torch.zeros(2, dtype=torch.int32, device=dev)
 
+    merge = sk._merge
+
+    def no_merge_kernel(*args: object) -> None:
+        raise AssertionError("the merge kernel ran where the launch merges its own splits")
+
     def call(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, here: bool) -> None:
         qn, qr = q[..., :512], q[..., 512:]
+        monkeypatch.setattr(sk, "_merge", no_merge_kernel if here else merge)
         sk.sparse_mla(qn, qr, kv, ix, scale, 1.0, splits, out, lse, sync=sync if here else None,
                       **cfg)  # fmt: skip
+        monkeypatch.setattr(sk, "_merge", merge)
 
     def new_out() -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.full((tokens, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -757,6 +766,7 @@ def test_tl_dot_sparse_kernel_merges_its_splits_in_its_launch(tokens: int, split
     q_static = q.to(dev).clone()
     g_out, g_lse = new_out()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # q_static was written there
     with torch.cuda.stream(stream):
         call(q_static, g_out, g_lse, True)  # warm-up off the default stream
         graph = torch.cuda.CUDAGraph()

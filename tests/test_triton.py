@@ -88,20 +88,24 @@ def test_interpreter_merge_over_column_blocks(monkeypatch: pytest.MonkeyPatch, s
     monkeypatch.setattr(ma, "num_sms", lambda device: sms)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(sms)
-    t, h, lat, splits = 3, 1, 256, 4
-    part_out = torch.randn(t * h * splits, lat, generator=g)
-    part_lse = torch.randn(t * h * splits, generator=g) * 3
-    part_lse[1] = -torch.inf  # an empty split
-    part_lse[8:12] = -torch.inf  # token 2: every split empty
-    out = torch.empty(t, h, lat, device=dev)
-    lse = torch.empty(t, h, device=dev)
-    ma._merge(part_out.to(dev), part_lse.to(dev), out, lse, splits)
-    pl = part_lse.view(t * h, splits).double()
-    want_lse = torch.logsumexp(pl, dim=1)
-    w = torch.exp(pl - want_lse[:, None]).nan_to_num(0.0)
-    want = (w[:, :, None] * part_out.view(t * h, splits, lat).double()).sum(1)
-    torch.testing.assert_close(lse.cpu().double().view(-1), want_lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.cpu().double().view(t * h, lat), want, atol=1e-5, rtol=1e-5)
+    # 1024 columns, 16 splits: one program a row at sms 1 takes its splits in two chunks of 8
+    assert ma.merge_blocks(3, 1024, 16, 1) == (1, 8)
+    for lat, splits in ((256, 4), (1024, 16)):
+        t, h = 3, 1
+        part_out = torch.randn(t * h * splits, lat, generator=g)
+        part_lse = torch.randn(t * h * splits, generator=g) * 3
+        part_lse[1] = -torch.inf  # an empty split
+        part_lse[2 * splits : 3 * splits] = -torch.inf  # token 2: every split empty
+        out = torch.empty(t, h, lat, device=dev)
+        lse = torch.empty(t, h, device=dev)
+        ma._merge(part_out.to(dev), part_lse.to(dev), out, lse, splits)
+        pl = part_lse.view(t * h, splits).double()
+        want_lse = torch.logsumexp(pl, dim=1)
+        w = torch.exp(pl - want_lse[:, None]).nan_to_num(0.0)
+        want = (w[:, :, None] * part_out.view(t * h, splits, lat).double()).sum(1)
+        got_lse, got = lse.cpu().double().view(-1), out.cpu().double().view(t * h, lat)
+        torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("sms", [4, 78, 114, 132, 148])

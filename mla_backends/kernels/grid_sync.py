@@ -6,7 +6,8 @@ Hazards:
 - A spinning program waits for programs of its own launch, so every program must be resident
   at once: callers keep the grid within the device's SMs and each program small enough to
   fit an SM beside the others. A process given fewer SMs than the device has (MPS thread
-  limits, green contexts) must not take these paths.
+  limits, green contexts) must not take these paths: `Config.indexer_topk: launches` for the
+  top-k, MLA_SPARSE_MERGE_HERE=0 for the sparse merge.
 - The Triton interpreter runs programs one after another and would spin forever: callers
   never take these paths under it.
 """

@@ -40,10 +40,10 @@ def choose_splits(
 # Launch configurations from H100 timings (`scripts/bench_sparse.py --triton-configs`);
 # registers / spilled bytes a thread from SM90 offline compiles with the pointers and
 # strides aligned as at run time (`scripts/compile_sparse_sm90.py`, Triton 3.9):
-# H16 bf16 rows 16 x 64 keys, 4 warps, 2 stages (Triton 3.6: 205 regs, no spill): 0.8-1.3 us
-# faster than 16 x 32 x 3 stages at batch 1 (32 splits, half the partials to merge), 2-3 % at
-# batch 64, the same at 16 (H100, twenty-third session); H16 FP8 rows 16 x 32: 255 regs,
-# 8 B. H128: 64 heads x 64 keys, 8 warps (one wgmma row block; 255 regs, 312 B
+# H16 bf16 rows 16 x 64 keys, 4 warps, 2 stages (186 regs, no spill; 205 with Triton 3.6):
+# 0.8-1.3 us faster than 16 x 32 x 3 stages at batch 1 (32 splits, half the partials to
+# merge), 2-3 % at batch 64, the same at 16 (H100, twenty-third session); H16 FP8 rows 16 x
+# 32: 255 regs, 8 B. H128: 64 heads x 64 keys, 8 warps (one wgmma row block; 255 regs, 312 B
 # spilled) timed faster than 32 x 64 at batch 16 (74 against 96 us) and 64 (187-191
 # against 294), within 0.4 us at batch 1 (16k and 128k). FP8 rows at H128 spill in every
 # shape tried (in-register dequantisation): 64 x 16, 8 warps, 304 B. (The compiles behind
@@ -135,8 +135,9 @@ class TritonSparseBackend(SparseMLABackend):
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
         # the `tl.dot` kernel's merge inside its launch (`triton_kernel.merges_here`: batch
-        # 2-4 at H16); this backend's calls run on one stream (`sparse_mla`'s hazard).
-        # merge_here: off for benchmarks' A/B only
+        # 2-4 at H16, bf16 / fp16 rows); this backend's calls run on one stream
+        # (`sparse_mla`'s hazard). merge_here: off for benchmarks' A/B (MLA_SPARSE_MERGE_HERE=0
+        # turns it off for the process)
         self._sync = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.merge_here = True
 

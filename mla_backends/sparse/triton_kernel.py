@@ -8,11 +8,13 @@ entries (-1) are masked loads: their stand-in rows are never read. Two row forma
   multiplies scores and output);
 - the FP8 row format (`fp8_row`): e4m3 codes times their tile's fp32 scale, dequantised in
   registers to q's dtype (exact: a 4-bit significand times a power of two), rope in bf16.
-With NUM_SPLITS > 1, partial (out, lse) pairs are merged by `mla_attention._merge`.
+With NUM_SPLITS > 1, partial (out, lse) pairs are merged by `mla_attention._merge`, or at 2-4
+tokens over bf16 / fp16 rows inside the launch itself (`merges_here`, `_merge_here`).
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -143,7 +145,10 @@ def _sparse_mla_kernel(
         acc, m_i, l_i, p = _online_softmax(acc, m_i, l_i, s)
         acc = tl.dot(p.to(k.dtype), k, acc=acc, input_precision=PRECISION)
 
-    launch_next(USE_GDC)  # the merge, during this epilogue (not while the gathers run)
+    # the merge kernel (or, MERGE_HERE, whatever follows) during this epilogue, not while
+    # the gathers run; before the wait in `_merge_here` is safe: the next kernel is released
+    # only once every program of this one called this, so all of them are resident
+    launch_next(USE_GDC)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (out_scale / l_safe)[:, None]
@@ -208,7 +213,8 @@ def _merge_here(
         lse_out = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
         tl.store(Lse + t * stride_lse_t + heads, lse_out, mask=h_ok)
     tl.debug_barrier()  # every thread of this program read its partials
-    if tl.atomic_add(Sync + 1, 1, sem="relaxed", scope="gpu") == n - 1:
+    # acq_rel: every program's last spin read is ordered before the reset it may see
+    if tl.atomic_add(Sync + 1, 1, sem="acq_rel", scope="gpu") == n - 1:
         tl.store(Sync, 0)
         tl.store(Sync + 1, 0)
 
@@ -249,7 +255,14 @@ def sparse_mla(
             f"{sync.dtype} on {sync.device}"
         )
     grid = (cdiv(h, block_m), t, num_splits)
-    here = sync is not None and merges_here(grid, block_m, lat, num_splits, q_nope.device)
+    # bf16 / fp16 rows only: the measured and tested form (FP8 rows and e4m3 pools keep the
+    # merge kernel)
+    here = (
+        sync is not None
+        and fmt is None
+        and kv.dtype == q_nope.dtype
+        and merges_here(grid, block_m, lat, num_splits, q_nope.device)
+    )
     part_out, part_lse = split_partials(out, lse, num_splits)
     if fmt is not None:
         if kv_scale != 1.0:
@@ -317,6 +330,14 @@ def sparse_mla(
         _merge(part_out, part_lse, out, lse, num_splits)
 
 
+def merge_here_on() -> bool:
+    """MLA_SPARSE_MERGE_HERE=0 in the environment the process starts with keeps every sparse
+    call on the merge kernel: for processes given fewer SMs than the device has (MPS thread
+    limits, green contexts), where the in-launch merge's programs could wait forever
+    (`kernels.grid_sync`), and for A/B runs."""
+    return os.environ.get("MLA_SPARSE_MERGE_HERE", "1") != "0"
+
+
 def merges_here(
     grid: tuple[int, int, int], block_m: int, lat: int, num_splits: int, device: torch.device
 ) -> bool:
@@ -329,7 +350,8 @@ def merges_here(
     partials faster than the launch's own 32 (BENCHMARKS.md, twenty-third session)."""
     programs = grid[0] * grid[1] * grid[2]
     return (
-        grid[1] >= 2
+        merge_here_on()
+        and grid[1] >= 2
         and num_splits > 1
         and lat % num_splits == 0
         and block_m * lat <= 16 * 512
