@@ -253,9 +253,8 @@ def run_one(
                     )
                 # The layer's sparse step in one graph, as a decode graph runs it (indexer,
                 # then attention): indexer + attention timed apart pays one launch more.
-                steps[f"{name}_{fmt}"] = timed(
-                    lambda be=be: be.forward_sparse(0, q_nope, q_rope, select(), batch), graphs
-                )
+                step = lambda be=be: be.forward_sparse(0, q_nope, q_rope, select(), batch)  # noqa: E731
+                steps[f"{name}_{fmt}"] = timed(step, graphs)
                 if name == "triton" and sweep:  # launch alternatives, each timed alone
                     for cfg in sweep:
                         be.launch = dict(zip(LAUNCH_KEYS, cfg))
@@ -269,10 +268,7 @@ def run_one(
                     # 2-4 at H16 merge inside the launch: `triton_kernel.merges_here`)
                     be.merge_here = False
                     attn[f"triton_{fmt}[merge kernel]"] = timed(fn, graphs)
-                    steps[f"triton_{fmt}[merge kernel]"] = timed(
-                        lambda be=be: be.forward_sparse(0, q_nope, q_rope, select(), batch),
-                        graphs,
-                    )
+                    steps[f"triton_{fmt}[merge kernel]"] = timed(step, graphs)
                     be.merge_here = True
         if backends:  # --indexer-only: no attention rows, peers included
             attn.update(raw_flashmla(q_nope, q_rope, slots, bf16, fp8, dims, topk, graphs))
