@@ -187,7 +187,7 @@ def test_index_logits_count_the_topks_first_digits(wide: bool) -> None:
     assert _slot_sets(got) == _slot_sets(sel)
     with pytest.raises(ValueError, match="counts must be int32"):
         index_logits(*args, counts=torch.zeros(6, 2000, dtype=torch.int64))
-    with pytest.raises(ValueError, match="counts rows must be contiguous"):
+    with pytest.raises(ValueError, match="index_logits: counts must be int32"):
         index_logits(*args, counts=torch.zeros(6, 100, dtype=torch.int32))
     with pytest.raises(ValueError, match="counted needs the counters"):
         topk_slots(logits, k, r2t, rows, vis, counted=True)
@@ -508,24 +508,26 @@ def test_gluon_sparse_failure_falls_back_to_tl_dot_once(
 def test_tl_dot_sparse_kernel_merges_here_only_where_every_program_fits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`sparse_mla(sync=)` merges the splits inside its launch only where its programs wait
     for each other safely and the merge tile fits (the GPU test runs it): never in the
-    interpreter or off a GPU, never past the SMs, never with MLA_SPARSE_MERGE_HERE=0; a bad
+    interpreter or off a GPU, never past the SMs, never over FP8 rows or an e4m3 pool, never
+    with MLA_SPARSE_MERGE_HERE=0; a bad
     sync is refused, and the
     interpreter's calls with a sync equal those without (the merge kernel, sync untouched)."""
     from mla_backends.sparse import triton_kernel as sk
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert not sk.merges_here((1, 2, 32), 16, 512, 32, cpu)
+    assert not sk.merges_here((1, 2, 32), 16, 512, 32, cpu, True)
     monkeypatch.setattr(sk, "interpreting", lambda: False)
     monkeypatch.setattr(sk, "num_sms", lambda device: 132)
-    assert sk.merges_here((1, 4, 32), 16, 512, 32, gpu)
-    assert sk.merges_here((1, 2, 8), 16, 512, 8, gpu)
-    assert not sk.merges_here((1, 1, 32), 16, 512, 32, gpu)  # one token: the merge kernel
-    assert not sk.merges_here((1, 5, 32), 16, 512, 32, gpu)  # 160 programs on 132 SMs
-    assert not sk.merges_here((2, 2, 32), 64, 512, 32, gpu)  # a 64 x 512 fp32 merge tile
-    assert not sk.merges_here((1, 2, 1), 16, 512, 1, gpu)  # one split: nothing to merge
-    assert not sk.merges_here((1, 2, 64), 16, 32, 64, gpu)  # under one column a split
+    assert sk.merges_here((1, 4, 32), 16, 512, 32, gpu, True)
+    assert sk.merges_here((1, 2, 8), 16, 512, 8, gpu, True)
+    assert not sk.merges_here((1, 1, 32), 16, 512, 32, gpu, True)  # one token: the merge kernel
+    assert not sk.merges_here((1, 5, 32), 16, 512, 32, gpu, True)  # 160 programs on 132 SMs
+    assert not sk.merges_here((2, 2, 32), 64, 512, 32, gpu, True)  # a 64 x 512 fp32 merge tile
+    assert not sk.merges_here((1, 2, 1), 16, 512, 1, gpu, True)  # one split: nothing to merge
+    assert not sk.merges_here((1, 2, 64), 16, 32, 64, gpu, True)  # under one column a split
+    assert not sk.merges_here((1, 4, 32), 16, 512, 32, gpu, False)  # FP8 rows / an e4m3 pool
     monkeypatch.setenv("MLA_SPARSE_MERGE_HERE", "0")  # a process with fewer SMs: off
-    assert not sk.merges_here((1, 4, 32), 16, 512, 32, gpu)
+    assert not sk.merges_here((1, 4, 32), 16, 512, 32, gpu, True)
     monkeypatch.undo()
 
     gen = torch.Generator().manual_seed(3)
@@ -894,8 +896,11 @@ def test_topk_slots_checks_its_counters() -> None:
 
     r2t = torch.zeros(1, 8, dtype=torch.int32)
     rows = torch.zeros(2, dtype=torch.int64)
-    for bad in (torch.zeros(1, COUNTS, dtype=torch.int32), torch.zeros(2, COUNTS)):
-        with pytest.raises(ValueError, match="counts must be int32"):
+    # too few rows, not int32, and rows with a stride: every kernel indexes a row's
+    # counters from its start with unit stride
+    strided = torch.zeros(COUNTS, 2, dtype=torch.int32).t()
+    for bad in (torch.zeros(1, COUNTS, dtype=torch.int32), torch.zeros(2, COUNTS), strided):
+        with pytest.raises(ValueError, match="topk_slots: counts must be int32"):
             topk_slots(torch.zeros(2, 8), 4, r2t, rows, counts=bad)
 
 

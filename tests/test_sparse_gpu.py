@@ -712,7 +712,7 @@ def test_tl_dot_sparse_kernel_merges_its_splits_in_its_launch(
 
     dev = torch.device("cuda")
     h, slots, k, cfg = 16, 8192, TOPK, dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
-    if not sk.merges_here((1, tokens, splits), 16, 512, splits, dev):
+    if not sk.merges_here((1, tokens, splits), 16, 512, splits, dev, True):
         pytest.skip("fewer SMs than the launch's programs")
     gen = torch.Generator().manual_seed(tokens * 100 + splits)
     pool = torch.full((slots, 576), float("nan"))

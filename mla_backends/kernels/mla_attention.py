@@ -209,6 +209,21 @@ def _mla_attn_kernel(
 
 
 @triton.jit
+def _split_weights(lse, AXIS: tl.constexpr):
+    """The splits' partial LSEs (natural log) along AXIS -> (m, total, lse_out): their max
+    (0 where every split is empty, so exp(lse - m) stays 0 for empty splits rather than
+    NaN), the sum of exp(lse - m), and the merged LSE (-inf where every split is empty).
+    The weight of split s is exp(lse_s - m) / total (total 0 only where lse_out is -inf;
+    divide by `tl.where(total == 0.0, 1.0, total)`). One definition for the merge kernel
+    and the sparse kernel's merge inside its launch."""
+    m = tl.max(lse, AXIS)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse - tl.expand_dims(m, AXIS)), AXIS)
+    lse_out = tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total)))
+    return m, total, lse_out
+
+
+@triton.jit
 def _merge_kernel(
     PartOut,
     PartLse,
@@ -234,24 +249,19 @@ def _merge_kernel(
     t = row // H
     h = row % H
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    lse = tl.load(PartLse + row * NUM_SPLITS + tl.arange(0, NUM_SPLITS))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse - m_safe), 0)  # empty splits: exp(-inf) = 0
-    total_safe = tl.where(total == 0.0, 1.0, total)
+    m, total, lse_out = _split_weights(
+        tl.load(PartLse + row * NUM_SPLITS + tl.arange(0, NUM_SPLITS)), 0
+    )
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     for c in tl.static_range(0, NUM_SPLITS, CHUNK):
         offs_s = c + tl.arange(0, CHUNK)
-        w = tl.exp(tl.load(PartLse + row * NUM_SPLITS + offs_s) - m_safe)
+        w = tl.exp(tl.load(PartLse + row * NUM_SPLITS + offs_s) - m)
         parts = tl.load(PartOut + (row * NUM_SPLITS + offs_s)[:, None] * L + offs_l[None, :])
         acc += tl.sum(parts * w[:, None], 0)
-    out = acc / total_safe
+    out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + t * stride_o_t + h * stride_o_h + offs_l, out.to(Out.dtype.element_ty))
     if tl.program_id(1) == 0:
-        tl.store(
-            Lse + t * stride_lse_t + h,
-            tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)),
-        )
+        tl.store(Lse + t * stride_lse_t + h, lse_out)
 
 
 def smem_bytes(

@@ -16,7 +16,7 @@ from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
-from mla_backends.sparse.topk_kernel import COUNTS, _count_digit
+from mla_backends.sparse.topk_kernel import _count_digit, check_counts
 
 PAGE_C = tl.constexpr(PAGE)
 ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
@@ -552,16 +552,7 @@ def _count_args(
     int32 pointer (never read: the kernels count only when given counters)."""
     if counts is None:
         return dummy, 0
-    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[0] < t:
-        raise ValueError(
-            f"index_logits: counts must be int32 [>= {t}, >= {COUNTS}] (topk_kernel.new_counts), "
-            f"got {counts.dtype} {tuple(counts.shape)}"
-        )
-    if counts.shape[1] < COUNTS or counts.stride(1) != 1:
-        raise ValueError(
-            f"index_logits: counts rows must be contiguous and >= {COUNTS} wide, "
-            f"got {tuple(counts.shape)} strides {counts.stride()}"
-        )
+    check_counts(counts, t, "index_logits")
     return counts, counts.stride(0)
 
 

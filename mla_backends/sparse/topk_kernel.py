@@ -335,6 +335,24 @@ WIDE_COUNTS = COUNTS + WIDE_BINS
 WIDE_ROWS = 4
 
 
+def check_counts(counts: torch.Tensor, rows: int, caller: str) -> None:
+    """The one check of counters handed to the top-k or to the logits that count for it:
+    int32 [>= rows, >= COUNTS] (`new_counts`) with contiguous rows, as every kernel indexes
+    a row's counters from its start with unit stride."""
+    if (
+        counts.dtype != torch.int32
+        or counts.dim() != 2
+        or counts.shape[0] < rows
+        or counts.shape[1] < COUNTS
+        or counts.stride(1) != 1
+    ):
+        raise ValueError(
+            f"{caller}: counts must be int32 [>= {rows}, >= {COUNTS}] with contiguous rows "
+            f"(topk_kernel.new_counts), got {counts.dtype} {tuple(counts.shape)} "
+            f"strides {counts.stride()}"
+        )
+
+
 def new_counts(
     rows: int, device: torch.device, zeroed: bool = True, wide: bool | None = None
 ) -> torch.Tensor:
@@ -436,8 +454,8 @@ def topk_slots(
         if counted:
             raise ValueError("topk_slots: counted needs the counters the logits counted into")
         counts = new_counts(t, logits.device)
-    elif counts.dtype != torch.int32 or counts.shape[0] < t or counts.shape[1] < COUNTS:
-        raise ValueError(f"topk_slots: counts must be int32 [>= {t}, >= {COUNTS}] (new_counts)")
+    else:
+        check_counts(counts, t, "topk_slots")
     has_vis = visible is not None
     vis = visible if visible is not None else rows  # not read without HAS_VIS
     call = TopkCall(logits, k, req_to_token, rows, vis, has_vis, counts, counted)

@@ -28,6 +28,7 @@ from mla_backends.kernels.mla_attention import (
     LOG2E,
     _merge,
     _online_softmax,
+    _split_weights,
     gluon_failed,
     gluon_module,
     split_partials,
@@ -198,19 +199,15 @@ def _merge_here(
     cols = split * CW + tl.arange(0, CW)
     prow = (t * H + heads)[:, None] * NUM_SPLITS + tl.arange(0, NUM_SPLITS)[None, :]
     lse = tl.load(PartLse + prow, mask=h_ok[:, None], other=float("-inf"))
-    m = tl.max(lse, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe[:, None])  # empty splits: exp(-inf) = 0
-    total = tl.sum(w, 1)
-    total_safe = tl.where(total == 0.0, 1.0, total)
+    m, total, lse_out = _split_weights(lse, 1)
+    w = tl.exp(lse - m[:, None])
     parts = tl.load(
         PartOut + prow[:, :, None] * L + cols[None, None, :], mask=h_ok[:, None, None], other=0.0
     )
-    acc = tl.sum(parts * w[:, :, None], 1) / total_safe[:, None]
+    acc = tl.sum(parts * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
     o_ptr = Out + t * stride_o_t + heads[:, None] * stride_o_h + cols[None, :]
     tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=h_ok[:, None])
     if split == 0:
-        lse_out = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
         tl.store(Lse + t * stride_lse_t + heads, lse_out, mask=h_ok)
     tl.debug_barrier()  # every thread of this program read its partials
     # acq_rel: every program's last spin read is ordered before the reset it may see
@@ -255,13 +252,9 @@ def sparse_mla(
             f"{sync.dtype} on {sync.device}"
         )
     grid = (cdiv(h, block_m), t, num_splits)
-    # bf16 / fp16 rows only: the measured and tested form (FP8 rows and e4m3 pools keep the
-    # merge kernel)
-    here = (
-        sync is not None
-        and fmt is None
-        and kv.dtype == q_nope.dtype
-        and merges_here(grid, block_m, lat, num_splits, q_nope.device)
+    same_rows = fmt is None and kv.dtype == q_nope.dtype
+    here = sync is not None and merges_here(
+        grid, block_m, lat, num_splits, q_nope.device, same_rows
     )
     part_out, part_lse = split_partials(out, lse, num_splits)
     if fmt is not None:
@@ -339,18 +332,26 @@ def merge_here_on() -> bool:
 
 
 def merges_here(
-    grid: tuple[int, int, int], block_m: int, lat: int, num_splits: int, device: torch.device
+    grid: tuple[int, int, int],
+    block_m: int,
+    lat: int,
+    num_splits: int,
+    device: torch.device,
+    same_rows: bool,
 ) -> bool:
     """Whether a launch of `grid` merges its splits itself (`_merge_here`): two or more
     tokens, more than one split, each owning a whole share of the columns, every program
     resident at once (the grid within the SMs: `kernels.grid_sync`), a merge tile of
     <= 16 x 512 fp32 (64 registers a thread at 4 warps), on a GPU (the interpreter runs
-    programs one by one). At H16 on an H100 it took the sparse call 0.3-1.2 us off at 2-4
-    tokens and added 0.4 at one, where the merge kernel's 128 programs read the 1 MB of
-    partials faster than the launch's own 32 (BENCHMARKS.md, twenty-third session)."""
+    programs one by one), over pool rows in q's dtype (`same_rows`: bf16 / fp16, the measured
+    and tested form; FP8 rows and e4m3 pools keep the merge kernel). At H16 on an H100 it
+    took the sparse call 0.3-1.2 us off at 2-4 tokens and added 0.4 at one, where the merge
+    kernel's 128 programs read the 1 MB of partials faster than the launch's own 32
+    (BENCHMARKS.md, twenty-third session)."""
     programs = grid[0] * grid[1] * grid[2]
     return (
-        merge_here_on()
+        same_rows
+        and merge_here_on()
         and grid[1] >= 2
         and num_splits > 1
         and lat % num_splits == 0
