@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -50,8 +51,11 @@ def _check_int(owner: str, name: str, value: object, low: int) -> None:
 
 
 def _check_number(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{owner}{name} must be a number, got {value!r} ({type(value).__name__})")
+    # YAML reads .nan and .inf as floats: a NaN scale would pass every later check
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(
+            f"{owner}{name} must be a finite number, got {value!r} ({type(value).__name__})"
+        )
 
 
 def _check_str(name: str, value: object, allowed: object) -> None:
@@ -201,8 +205,10 @@ class Config:
         for name in ("num_layers", "num_pages", "max_requests", "max_context_len"):
             _check_int("", name, getattr(self, name), 1)
         sizes = self.cuda_graph_batch_sizes
-        if not isinstance(sizes, (tuple, list)) or not all(
-            isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 for bs in sizes
+        if (
+            not isinstance(sizes, (tuple, list))
+            or not sizes
+            or not all(isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 for bs in sizes)
         ):
             raise ConfigError(
                 f"cuda_graph_batch_sizes must be a list of positive integers, e.g. [1, 2, 4, 8], "
@@ -226,7 +232,9 @@ class Config:
                 f"indexer_topk={self.indexer_topk!r} is not one of {list(TOPK_PATHS)}"
             )
         _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(
+            r"cuda:\d+", self.device
+        ):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
     @property

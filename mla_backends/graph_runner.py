@@ -48,6 +48,8 @@ class CudaGraphRunner:
     ) -> None:
         if not backend.supports_graphs:
             raise ValueError(f"backend {backend.name!r} does not support CUDA graphs")
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"CudaGraphRunner: batch sizes must be >= 1, got {list(batch_sizes)}")
         self.backend, self.forward, self.q_len = backend, forward, q_len
         self.batch_sizes = sorted(set(batch_sizes))
         self.device = torch.device(device)

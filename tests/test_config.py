@@ -83,6 +83,11 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
         ("[1, 2]\n", r"c.yaml: top level must be a mapping"),
         ("page_size: [16\n", r"c.yaml: not valid YAML"),
         ("device: tpu\n", r"device='tpu' is not one of"),
+        ("device: 'cuda:-1'\n", r"device='cuda:-1' is not one of auto, cpu, cuda, cuda:N"),
+        ("device: 'cuda:x'\n", r"device='cuda:x' is not one of"),
+        ("model: {rope_scaling_factor: .nan}\n", r"model.rope_scaling_factor must be a finite"),
+        ("model: {mscale_all_dim: .inf}\n", r"model.mscale_all_dim must be a finite number"),
+        ("cuda_graph_batch_sizes: []\n", r"cuda_graph_batch_sizes must be a list of positive"),
         (
             "model: {base: deepseek-v4}\n",
             r"c.yaml: model.base='deepseek-v4' is not one of \['deepseek-v3', 'tiny', "
@@ -90,7 +95,7 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
         ),
         ("model: {num_heads: 4.5}\n", r"c.yaml: model.num_heads must be an integer >= 1, got 4.5"),
         ("model: {qk_rope_head_dim: -1}\n", r"c.yaml: model.qk_rope_head_dim must be .* >= 0"),
-        ("model: {mscale_all_dim: yes}\n", r"c.yaml: model.mscale_all_dim must be a number"),
+        ("model: {mscale_all_dim: yes}\n", r"c.yaml: model.mscale_all_dim must be a finite number"),
         ("num_pages: 1.5\n", r"c.yaml: num_pages must be an integer >= 1, got 1.5 \(float\)"),
         ("num_layers: true\n", r"c.yaml: num_layers must be an integer >= 1, got True \(bool\)"),
         ("page_size: 16.0\n", r"c.yaml: page_size must be an integer >= 1, got 16.0"),

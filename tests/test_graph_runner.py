@@ -123,6 +123,12 @@ def test_runner_refuses_oversized_and_mismatched_batches() -> None:
     batch, inputs = stream.step(3)
     with pytest.raises(ValueError, match="exceeds the largest captured size 2"):
         runner.replay(batch, inputs)
+    for sizes in ([], [0, 2]):  # no size at all, or one that captures nothing
+        with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+            CudaGraphRunner(
+                be, partial(absorbed_forward, be), _specs(case), sizes, device="cpu",
+                use_graphs=False,
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize("where, case", graph_params(gpu=True))
