@@ -3,6 +3,9 @@
 Layout (per layer): `(num_pages + 1) * page_size` rows of D = L + R values, each row
 `concat(k_nope_latent[L], k_rope[R])`. Slot s lives in page `s // page_size`. Page 0 is the
 dummy page: never handed out, the target of padded writes, what padded table rows point at.
+Every store sends a slot outside the pool (vLLM pads with -1) to slot 0 of that page, on the
+device and without a sync, so a bad slot never overwrites another request's row (nor wraps
+around to the last one, as a negative index would).
 V is the first L columns of the same rows; it is never stored twice.
 
 FP8 contract: one fp32 scale per layer, `stored = value / scale`, `value = stored * scale`,
@@ -19,6 +22,7 @@ which Python indexing would read as the last layer) raises `LayerIndexError`.
 
 from __future__ import annotations
 
+import math
 import operator
 import struct
 import warnings
@@ -72,6 +76,13 @@ def bf16_ceil(x: float) -> float:
     are therefore bf16 values, rounded up so calibrated rows never saturate."""
     bits = struct.unpack("<I", struct.pack("<f", x))[0]
     return struct.unpack("<f", struct.pack("<I", (bits + 0xFFFF) & 0xFFFF0000))[0]
+
+
+def slots_or_dummy(loc: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """int64 slots with every slot outside [0, num_slots) replaced by the dummy slot 0 (the
+    stores' rule, module docstring): on the device, no host sync."""
+    loc = loc.long()
+    return torch.where((loc >= 0) & (loc < num_slots), loc, torch.zeros_like(loc))
 
 
 class MLATokenToKVPool:
@@ -172,8 +183,8 @@ class MLATokenToKVPool:
     def set_scale(self, layer: int, scale: float) -> float:
         """Set the layer scale; returns the scale actually used (rounded up to bf16)."""
         layer = self.check_layer(layer)
-        if not scale > 0.0:
-            raise ValueError(f"layer {layer}: kv scale must be > 0, got {scale}")
+        if not (math.isfinite(scale) and scale > 0.0):  # inf would read every row back as NaN
+            raise ValueError(f"layer {layer}: kv scale must be finite and > 0, got {scale}")
         if not self.is_fp8 and scale != 1.0:
             raise ValueError(
                 f"layer {layer}: a non-unit kv scale needs an FP8 pool, got {self.dtype}"
@@ -209,7 +220,7 @@ class MLATokenToKVPool:
         check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
         check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
         row = torch.cat([k_nope, k_rope], dim=-1)
-        self.kv_buffer[layer][loc.long()] = self.quantize(layer, row)
+        self.kv_buffer[layer][slots_or_dummy(loc, self.num_slots)] = self.quantize(layer, row)
 
     def quantize(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Convert rows to the storage dtype under the layer scale."""

@@ -69,8 +69,9 @@ def test_scales_are_bf16_values_rounded_up(x: float) -> None:
 def test_non_unit_scale_requires_fp8_and_positive() -> None:
     with pytest.raises(ValueError, match="needs an FP8 pool"):
         _pool(torch.bfloat16).set_scale(0, 0.5)
-    with pytest.raises(ValueError, match="must be > 0"):
-        _pool(torch.float8_e4m3fn).set_scale(0, 0.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be finite and > 0"):
+            _pool(torch.float8_e4m3fn).set_scale(0, bad)
 
 
 def test_views_share_storage_and_have_kernel_shapes() -> None:

@@ -83,6 +83,10 @@ def test_fp8_row_format_is_656_bytes_and_round_trips_within_e4m3_precision() -> 
         pool.load_rows(0, torch.tensor([[40], [17]])).view(2, 576), vals[[1, 0]]
     )
     assert pool.load_rows(0, torch.tensor([18])).isnan().all()  # the poison reads as NaN
+    # slots outside the pool (-1, 64) write the dummy slot 0, never the last row (63)
+    pool.set_mla_kv_buffer(0, torch.tensor([-1, 64]), k_nope[2:4], k_rope[2:4])
+    assert pool.load_rows(0, torch.tensor([63])).isnan().all()
+    assert not pool.load_rows(0, torch.tensor([0])).isnan().any()
 
 
 # ----------------------------------------------------------------------------- indexer cache
@@ -109,6 +113,34 @@ def _indexer_inputs(dims: IndexerDims, t: int, seed: int) -> tuple[torch.Tensor,
     w = torch.randn(t, dims.n_heads, generator=g)
     ang = torch.rand(t, dims.rope_dim // 2, generator=g) * 6
     return k, q, w, ang.cos(), ang.sin()
+
+
+@pytest.mark.interp
+def test_index_k_stores_send_slots_outside_the_cache_to_the_dummy_slot() -> None:
+    """The fused store and the torch write take the latent pool's rule: -1 (vLLM's padding)
+    and slots past the cache write slot 0 and nothing else (a negative index would wrap to
+    the last block); a key of another head_dim than the cache's is a one-line error, not
+    bytes written over the next slots."""
+    from mla_backends.sparse.indexer_kernels import store_index_k
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    k, _, _, cos, sin = _indexer_inputs(dims, 4, 5)
+    caches = [IndexKCache(1, 200, 32, True, "cpu") for _ in range(2)]  # 4 blocks: 256 slots
+    for c in caches:
+        c.buffers[0].fill_(0xFF)
+    loc = torch.tensor([5, -1, 256, 7])
+    store_index_k(caches[0], 0, k, cos, sin, loc)
+    codes, scale = prepare_k(dims, k, cos, sin)
+    caches[1].write(0, loc, codes, scale)
+    slots = torch.arange(256)
+    for c in caches:
+        data, sc = c.read(0, slots)
+        changed = ((data.view(torch.uint8) != 0xFF).any(1) | (sc.view(torch.int32) != -1)).nonzero()
+        assert changed.flatten().tolist() == [0, 5, 7]
+    got, want = caches[0].read(0, loc[[0, 3]]), caches[1].read(0, loc[[0, 3]])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"store_index_k: k \[T, 32\] \(the cache's head_dim\)"):
+        store_index_k(caches[0], 0, torch.randn(4, 64), cos, sin, loc)
 
 
 @pytest.mark.interp

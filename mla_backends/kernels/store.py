@@ -28,12 +28,20 @@ def _round_e4m3(x):
 
 
 @triton.jit
+def _slot_or_dummy(slot, num_slots):
+    """The pool's rule for a slot outside [0, num_slots) (vLLM's -1 padding among them): the
+    dummy slot 0, never another request's row (`pool.slots_or_dummy`, its torch form)."""
+    return tl.where((slot >= 0) & (slot < num_slots), slot, 0)
+
+
+@triton.jit
 def _store_kernel(
     KNope,
     KRope,
     Loc,
     Buf,
     Scale,
+    num_slots,
     stride_kn,
     stride_kr,
     stride_buf,
@@ -45,7 +53,7 @@ def _store_kernel(
     EXACT_FP8_ROUND: tl.constexpr,
 ):
     t = tl.program_id(0)
-    slot = tl.load(Loc + t).to(tl.int64)
+    slot = _slot_or_dummy(tl.load(Loc + t).to(tl.int64), num_slots)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     kn = tl.load(KNope + t * stride_kn + offs_l, mask=offs_l < L).to(tl.float32)
@@ -71,7 +79,8 @@ def store_latent_rows(
     k_rope: torch.Tensor,
     is_fp8: bool,
 ) -> None:
-    """buf [slots, L + R]; scale [] fp32 (device); loc [T]; k_nope [T, L]; k_rope [T, R]."""
+    """buf [slots, L + R]; scale [] fp32 (device); loc [T] (slots outside the pool write the
+    dummy slot 0); k_nope [T, L]; k_rope [T, R]."""
     t, lat = k_nope.shape
     r = k_rope.shape[1]
     if t == 0:
@@ -84,6 +93,7 @@ def store_latent_rows(
         loc,
         buf,
         scale,
+        buf.shape[0],
         k_nope.stride(0),
         k_rope.stride(0),
         buf.stride(0),

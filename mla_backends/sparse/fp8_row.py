@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.checks import check_tensor
+from mla_backends.pool import slots_or_dummy
 from mla_backends.sparse.quant import block_quant
 
 TILE = 128
@@ -119,7 +120,8 @@ class Fp8RowPool:
         check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
         check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
         check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
-        self.kv_buffer[layer][loc.long()] = pack_rows(self.fmt, k_nope, k_rope)
+        rows = pack_rows(self.fmt, k_nope, k_rope)
+        self.kv_buffer[layer][slots_or_dummy(loc, self.num_slots)] = rows
 
     def load_rows(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
         """fp32 values [*loc.shape, L + R] of the rows at `loc`; reads only those rows."""

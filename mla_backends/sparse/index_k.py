@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.arith import cdiv
+from mla_backends.pool import slots_or_dummy
 from mla_backends.sparse.quant import block_quant, hadamard
 
 PAGE = 64  # slots per index-K block (SGLang's page-major layout)
@@ -80,7 +81,8 @@ class IndexKCache:
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, scale: torch.Tensor) -> None:
         """k [T, D] (codes or fp32 values), scale [T] at slots `loc` (torch path)."""
         buf = self.buffers[layer]
-        blk, off = torch.div(loc.long(), PAGE, rounding_mode="floor"), loc.long() % PAGE
+        loc = slots_or_dummy(loc, self.num_blocks * PAGE)  # the pool's rule for bad slots
+        blk, off = torch.div(loc, PAGE, rounding_mode="floor"), loc % PAGE
         self.data_view(buf)[blk, off] = k.to(self.dtype)
         self.scale_view(buf)[blk, off] = scale.float()
 

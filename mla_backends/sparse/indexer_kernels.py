@@ -14,7 +14,7 @@ import triton.language as tl
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
-from mla_backends.kernels.store import _round_e4m3
+from mla_backends.kernels.store import _round_e4m3, _slot_or_dummy
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
 from mla_backends.sparse.topk_kernel import _count_digit, check_counts
 
@@ -89,6 +89,7 @@ def _store_kernel(
     Data,
     Scale,
     n_tokens,
+    num_slots,
     stride_k,
     stride_cs,
     D: tl.constexpr,
@@ -105,7 +106,7 @@ def _store_kernel(
     t_ok = t < n_tokens
     t64 = t.to(tl.int64)
     y, zero = _rope_rows(K + t64 * stride_k, t_ok, t64 * stride_cs, Cos, Sin, D, HALF)
-    slot = tl.load(Loc + t, mask=t_ok, other=0).to(tl.int64)
+    slot = _slot_or_dummy(tl.load(Loc + t, mask=t_ok, other=0).to(tl.int64), num_slots)
     blk = slot // PAGE_C
     off = slot % PAGE_C
     scale = tl.full([BLOCK_T], 1.0, tl.float32)
@@ -263,8 +264,15 @@ def store_index_k(
     sin: torch.Tensor,
     loc: torch.Tensor,
 ) -> None:
-    """k [T, D] (k_norm(wk(x)), before RoPE), cos / sin [T, R / 2], loc [T] slots."""
+    """k [T, D] (k_norm(wk(x)), before RoPE), cos / sin [T, R / 2], loc [T] slots (outside
+    the cache: the dummy slot 0, as the latent pool's stores)."""
     t, d = k.shape
+    if d != cache.head_dim or cos.shape != sin.shape or cos.shape[0] != t or loc.shape != (t,):
+        raise ValueError(
+            f"store_index_k: k [T, {cache.head_dim}] (the cache's head_dim), cos / sin [T, R / 2] "
+            f"and loc [T], got k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin "
+            f"{tuple(sin.shape)}, loc {tuple(loc.shape)}"
+        )
     if t == 0:
         return
     k = k.contiguous()
@@ -280,6 +288,7 @@ def store_index_k(
         data,
         scale,
         t,
+        cache.num_blocks * PAGE,
         k.stride(0),
         cos.stride(0),
         D=d,
