@@ -923,6 +923,36 @@ def test_topk_slots_refuses_non_fp32_logits() -> None:
         topk_slots(torch.zeros(1, 8), 4, r2t, torch.zeros(1), path="one")
 
 
+def test_topk_and_logits_check_rows_and_table_shapes() -> None:
+    """Shapes a kernel would read past are one-line errors, no sync: a table narrower than the
+    logits (its row's next request's slots would be read), rows or visible counts not one a
+    token (past `rows`: an illegal address), k < 1, q of another head_dim than the cache."""
+    from mla_backends.sparse.indexer_kernels import index_logits
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    r2t = torch.arange(256, dtype=torch.int32).view(4, 64)
+    logits, rows = torch.randn(2, 40), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"topk_slots: req_to_token must be \[requests, >= 40\]"):
+        topk_slots(logits, 8, r2t[:, :16].contiguous(), rows)
+    with pytest.raises(ValueError, match=r"topk_slots: rows must be \[T\] = \[2\]"):
+        topk_slots(logits, 8, r2t, rows[:1])
+    with pytest.raises(ValueError, match=r"topk_slots: visible must be \[T\]"):
+        topk_slots(logits, 8, r2t, rows, torch.tensor([3], dtype=torch.int32))
+    for k in (0, -1):
+        with pytest.raises(ValueError, match="topk_slots: k must be an integer >= 1"):
+            topk_slots(logits, k, r2t, rows)
+    cache = IndexKCache(1, 256, 32, True, "cpu")
+    q, w, vis = torch.zeros(2, 4, 32), torch.zeros(2, 4), torch.tensor([5, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"index_logits: q \[T, Hi, 32\] \(the cache's head_dim\)"):
+        index_logits(cache, 0, torch.zeros(2, 4, 64), w, r2t, rows, vis, 40)
+    with pytest.raises(
+        ValueError, match=r"index_logits: req_to_token must be \[requests, >= 100\]"
+    ):
+        index_logits(cache, 0, q, w, r2t, rows, vis, 100)
+    with pytest.raises(ValueError, match=r"index_logits: rows must be \[T\] = \[2\]"):
+        index_logits(cache, 0, q, w, r2t, rows[:1], vis, 40)
+
+
 def test_topk_slots_checks_its_counters() -> None:
     from mla_backends.sparse.topk_kernel import COUNTS, topk_slots
 

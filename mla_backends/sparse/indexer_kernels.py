@@ -16,7 +16,7 @@ from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _round_e4m3, _slot_or_dummy
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
-from mla_backends.sparse.topk_kernel import _count_digit, check_counts
+from mla_backends.sparse.topk_kernel import _count_digit, check_counts, check_rows
 
 PAGE_C = tl.constexpr(PAGE)
 ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
@@ -495,6 +495,12 @@ def index_logits(
     indexer's q prep does it)."""
     if kernel not in ("auto", "triton", "gluon"):
         raise ValueError(f"index_logits: kernel must be auto, triton or gluon, got {kernel!r}")
+    if q.dim() != 3 or q.shape[2] != cache.head_dim or w.shape != q.shape[:2]:
+        raise ValueError(
+            f"index_logits: q [T, Hi, {cache.head_dim}] (the cache's head_dim) and w [T, Hi], "
+            f"got q {tuple(q.shape)}, w {tuple(w.shape)}"
+        )
+    check_rows("index_logits", q.shape[0], width, req_to_token, rows, visible)
     count, stride_c = _count_args(counts, q.shape[0], visible)
     if kernel == "gluon" and block_n is not None:
         raise ValueError("index_logits: block_n is the Triton kernel's; kernel='gluon' takes none")

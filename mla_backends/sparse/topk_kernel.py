@@ -335,6 +335,28 @@ WIDE_COUNTS = COUNTS + WIDE_BINS
 WIDE_ROWS = 4
 
 
+def check_rows(
+    caller: str,
+    t: int,
+    width: int,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    visible: torch.Tensor | None,
+) -> None:
+    """Shapes only (no sync): a request row and a visible count for each of the T tokens, and
+    a table as wide as the keys read, so no kernel reads past a request's table row (into the
+    next request's slots) or past `rows`."""
+    if rows.dim() != 1 or rows.shape[0] != t:
+        raise ValueError(f"{caller}: rows must be [T] = [{t}], got {tuple(rows.shape)}")
+    if visible is not None and (visible.dim() != 1 or visible.shape[0] != t):
+        raise ValueError(f"{caller}: visible must be [T] = [{t}], got {tuple(visible.shape)}")
+    if req_to_token.dim() != 2 or req_to_token.shape[1] < width:
+        raise ValueError(
+            f"{caller}: req_to_token must be [requests, >= {width}] (the keys read), "
+            f"got {tuple(req_to_token.shape)}"
+        )
+
+
 def check_counts(counts: torch.Tensor, rows: int, caller: str) -> None:
     """The one check of counters handed to the top-k or to the logits that count for it:
     int32 [>= rows, >= COUNTS] (`new_counts`) with contiguous rows, as every kernel indexes
@@ -445,7 +467,10 @@ def topk_slots(
         )
     if path not in ("auto", "launches", "fused"):
         raise ValueError(f"topk_slots: path must be auto, launches or fused, got {path!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"topk_slots: k must be an integer >= 1, got {k!r}")
     t, width = logits.shape
+    check_rows("topk_slots", t, width, req_to_token, rows, visible)
     if t == 0 or width == 0:
         return torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
     if logits.stride(1) != 1:
