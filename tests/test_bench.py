@@ -163,6 +163,42 @@ def test_prefill_suite_on_cpu_checks_every_path_against_sdpa(tmp_path: Path) -> 
     assert sum("causal" in ln for ln in out.splitlines()) == len(paths)
 
 
+def test_bench_out_and_prefill_memory_fail_before_any_timing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --out that cannot be a folder is refused before the suite runs (it was found only
+    when the results were written, and they were lost); a prefill out of memory is one line
+    naming --prefill-tokens; on a CPU the prefill default is CPU-sized (8192 tokens at 128
+    heads would need a 34 GB score matrix)."""
+    import contextlib
+    import io
+
+    from mla_backends.bench import prefill
+    from mla_backends.cli import main
+
+    cfg, afile = _tiny_args(tmp_path)[2], tmp_path / "afile"
+    afile.write_text("")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["bench", "--config", cfg, "--batch", "1", "--kv-len", "16", "--out", str(afile)])
+    one_line = r"mla-backends bench: error: --out .*afile: cannot make this folder \(.*\)\n"
+    assert rc == 2 and re.fullmatch(one_line, err.getvalue()), err.getvalue()
+
+    def no_memory(x: object) -> object:
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 34 GB"
+        )
+
+    monkeypatch.setattr(prefill, "sdpa_prefill", no_memory)
+    rc, out, err_text = _bench(
+        tmp_path, "--suite", "prefill", "--backends", "torch", "--heads", "2"
+    )
+    assert rc == 2 and out == "" and len(err_text.strip().splitlines()) == 1, err_text
+    assert f"--prefill-tokens {prefill.CPU_TOKENS}: out of memory on cpu" in err_text
+    assert prefill.default_tokens(torch.device("cpu"), 8192) == prefill.CPU_TOKENS
+    assert prefill.default_tokens(torch.device("cuda"), 8192) == 8192
+
+
 def test_stack_suite_on_cpu_eager_half_with_the_recorded_keys(tmp_path: Path) -> None:
     rc, out, err = _bench(
         tmp_path, "--suite", "stack", "--backends", "torch", "--stack-size", "tiny",

@@ -14,7 +14,7 @@ from mla_backends.bench.fixtures import decode_setup, require_runs, setup_config
 from mla_backends.bench.options import Options, Shape, pick
 from mla_backends.bench.ours import time_backend
 from mla_backends.bench.peers import DECODE_PEERS, RAW_PEER
-from mla_backends.bench.prefill import check_prefill_backends, prefill_table
+from mla_backends.bench.prefill import check_prefill_backends, default_tokens, prefill_table
 from mla_backends.bench.report import format_result, write
 from mla_backends.bench.timing import ceilings
 from mla_backends.config import Config
@@ -75,7 +75,7 @@ def run(opts: Options, config: Config) -> None:
     default_peers = [RAW_PEER[b] for b in backends if b in RAW_PEER and dev.type == "cuda"]
     peers = pick(opts.peers, list(dict.fromkeys(default_peers)))
     shapes = opts.shapes or (QUICK_SHAPES if opts.quick else ANCHOR_SHAPES)
-    tokens = pick(opts.prefill_tokens, 2048 if opts.quick else 8192)
+    tokens = pick(opts.prefill_tokens, default_tokens(dev, 2048 if opts.quick else 8192))
     for h, _, b, kv in shapes:  # every backend runs every shape, or nothing is timed
         for name in backends:
             require_runs(name, setup_config(name, h, b, kv, device=str(dev)), cap)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from mla_backends.bench import anchors, fi_plan, grid, hopper, linear, metadata, prefill, stack
 from mla_backends.bench.options import SUITES, Options, backend_list, peer_list, shape_list
+from mla_backends.bench.report import check_out
 from mla_backends.cli import add_config_argument, int_at_least, int_list
 from mla_backends.config import Config, load_config
 
@@ -75,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-tokens",
         type=int_at_least(0),
         help="also time one causal MHA-mode prefill of this many tokens (grid default 0 = "
-        "none; anchors: 8192, 2048 with --quick, 0 = none; prefill: 8192)",
+        "none; anchors: 8192, 2048 with --quick, 0 = none; prefill: 8192; on a CPU both "
+        f"{prefill.CPU_TOKENS})",
     )
     p.add_argument(
         "--peers",
@@ -121,5 +124,6 @@ def run(args: argparse.Namespace) -> int:
     opts = Options.from_args(args)
     opts.check_applies()
     config = load_config(opts.config)
+    check_out(Path(opts.out))
     RUN[opts.suite](opts, config)
     return 0

@@ -5,7 +5,8 @@ with its largest |difference| to SDPA."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ from mla_backends.cli import UsageError
 from mla_backends.config import Config
 from mla_backends.runtime import Runtime
 
+# The default prefill on a CPU: 8192 tokens at 128 heads would need a 34 GB score matrix.
+CPU_TOKENS = 512
+
+
+def default_tokens(device: torch.device, gpu_tokens: int) -> int:
+    return gpu_tokens if device.type == "cuda" else CPU_TOKENS
+
 
 def _triton_kernel(
     x: PrefillInputs, layout: RaggedLayout, out: torch.Tensor, lse: torch.Tensor
@@ -48,6 +56,20 @@ def _out_of(forward_mha: Callable[..., tuple[torch.Tensor, torch.Tensor]], *args
     return forward_mha(*args, return_lse=True)[0]
 
 
+@contextmanager
+def _too_many_tokens(tokens: int, heads: int, device: torch.device) -> Iterator[None]:
+    """The inputs and SDPA's reference out of memory: a one-line UsageError naming the option,
+    not a traceback after the decode rows were timed."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # the CPU allocator raises RuntimeError
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        raise UsageError(
+            f"--prefill-tokens {tokens}: out of memory on {device} at {heads} heads; give fewer"
+        ) from e
+
+
 def check_prefill_backends(backends: list[str], heads: int, device: torch.device) -> None:
     """ConfigError unless every backend runs MHA-mode prefill here, before any timing."""
     cap = Capability.detect(device)
@@ -64,12 +86,14 @@ def prefill_table(
     """Times and |differences| to SDPA, keyed `<path>_us`, `<path>_tflops`,
     `<path>_max_abs_diff_vs_sdpa`; a path that cannot run here leaves `<path>_error`."""
     dev = torch.device("cuda") if device is None else device
-    x = PrefillInputs.random(tokens, heads, dev)
+    with _too_many_tokens(tokens, heads, dev):
+        x = PrefillInputs.random(tokens, heads, dev)
+        sdpa = sdpa_prefill(x)
+        ref = sdpa().float()
     layout = RaggedLayout.from_lens([tokens], [tokens], dev)
     out = torch.empty(tokens, heads, 128, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(tokens, heads, device=dev, dtype=torch.float32)
     res: dict = {"tokens": tokens, "heads": heads, "flops": x.flops}
-    sdpa = sdpa_prefill(x)
     fns: dict[str, Callable[[], object]] = {"sdpa": sdpa}
     if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         fns["triton_kernel_lse"] = _triton_kernel(x, layout, out, lse)
@@ -81,7 +105,6 @@ def prefill_table(
         be = Runtime.build(prefill_config(name, x.dims, dev)).backend
         fns[f"{name}_backend"] = partial(be.forward_mha, x.q, x.k, x.v, layout)
         fns[f"{name}_backend_lse"] = partial(_out_of, be.forward_mha, x.q, x.k, x.v, layout)
-    ref = sdpa().float()
     for name, fn in fns.items():
         try:
             o = fn()
@@ -98,7 +121,7 @@ def run(opts: Options, config: Config) -> None:
     dev = config.torch_device
     backends = opts.backends or [config.prefill_backend]
     heads = opts.one_heads(128)
-    tokens = pick(opts.prefill_tokens, 8192)
+    tokens = pick(opts.prefill_tokens, default_tokens(dev, 8192))
     if tokens == 0:
         raise UsageError("--prefill-tokens 0 leaves --suite prefill nothing to time")
     check_prefill_backends(backends, heads, dev)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -32,6 +33,19 @@ def progress(total: int) -> Callable[[str], None]:
             print(f"[{done[0]}/{total}] {label}", flush=True)
 
     return step
+
+
+def check_out(out: Path) -> None:
+    """UsageError unless `out` is, or can be made, a folder this process may write: checked
+    before any timing, so that a long run's results are never lost at its end."""
+    from mla_backends.cli import UsageError
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot make this folder ({e.strerror})") from e
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: this folder is not writable")
 
 
 def write(out: Path, files: Mapping[str, object]) -> list[Path]:
