@@ -74,6 +74,16 @@ BAD_INPUTS = [
         r"bench: error: argument --backends: unknown backend 'bogus'; known: .*torch",
     ),
     (
+        "bench-empty-backends",
+        lambda t: ["bench", "--backends", ","],
+        r"bench: error: argument --backends: ',': expected backend names; known: .*torch",
+    ),
+    (
+        "bench-empty-peers",
+        lambda t: ["bench", "--suite", "anchors", "--peers", " , "],
+        r"bench: error: argument --peers: ' , ': expected peer names, or none",
+    ),
+    (
         "bench-kv-len-not-int",
         lambda t: ["bench", "--kv-len", "abc"],
         r"bench: error: argument --kv-len: 'abc': 'abc' is not an integer; expected a comma list "

@@ -116,6 +116,8 @@ def test_req_to_token_rows() -> None:
     assert sorted(rows) == [1, 2, 3]  # row 0 reserved
     with pytest.raises(MemoryError, match="requested 1 request rows, 0 free"):
         rp.alloc()
+    with pytest.raises(ValueError, match="rows to allocate must be >= 0, got -1"):
+        rp.alloc(-1)
     rp.free(2)
     with pytest.raises(ValueError, match="not an allocated"):
         rp.free(2)

@@ -92,6 +92,10 @@ def backend_list(text: str) -> list[str]:
     against the config, at run time)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     known = available_backends()
+    if not names:  # `--backends ,` would fall back to the config's backend unnoticed
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected backend names; known: {', '.join(known)}"
+        )
     for n in names:
         if n not in known:
             raise argparse.ArgumentTypeError(f"unknown backend {n!r}; known: {', '.join(known)}")
@@ -103,6 +107,8 @@ def peer_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["none"]:
         return []
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected peer names, or none")
     for n in names:
         if n not in DECODE_PEERS:
             raise argparse.ArgumentTypeError(
