@@ -221,7 +221,7 @@ def test_topk_slots_auto_takes_one_launch_where_it_fits() -> None:
     assert topk_fused.block_for(16, 65536, dev, topk_fused.AUTO_LARGEST) is None
     from mla_backends.sparse.topk_kernel import topk_slots
 
-    r2t = torch.zeros(1, 8, dtype=torch.int32, device=dev)
+    r2t = torch.zeros(1, 8192 * 2, dtype=torch.int32, device=dev)
     logits = torch.randn(sms + 1, 8192 * 2, device=dev)
     rows = torch.zeros(sms + 1, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="do not fit one launch"):
