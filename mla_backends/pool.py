@@ -80,7 +80,12 @@ def bf16_ceil(x: float) -> float:
 
 def slots_or_dummy(loc: torch.Tensor, num_slots: int) -> torch.Tensor:
     """int64 slots with every slot outside [0, num_slots) replaced by the dummy slot 0 (the
-    stores' rule, module docstring): on the device, no host sync."""
+    stores' rule, module docstring): on the device, no host sync; one Triton launch on a GPU
+    (`kernels.store.safe_slots`), torch elsewhere."""
+    if loc.is_cuda and loc.dim() == 1:
+        from mla_backends.kernels.store import safe_slots
+
+        return safe_slots(loc, num_slots)
     loc = loc.long()
     return torch.where((loc >= 0) & (loc < num_slots), loc, torch.zeros_like(loc))
 
@@ -219,8 +224,15 @@ class MLATokenToKVPool:
         check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
         check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
         check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
+        buf = self.kv_buffer[layer]
+        if buf.is_cuda and buf.stride(1) == 1:
+            # one kernel (concat, quantise, the slot rule, scatter) where torch takes seven
+            from mla_backends.kernels.store import store_latent_rows
+
+            store_latent_rows(buf, self.scales[layer], loc, k_nope, k_rope, self.is_fp8)
+            return
         row = torch.cat([k_nope, k_rope], dim=-1)
-        self.kv_buffer[layer][slots_or_dummy(loc, self.num_slots)] = self.quantize(layer, row)
+        buf[slots_or_dummy(loc, self.num_slots)] = self.quantize(layer, row)
 
     def quantize(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Convert rows to the storage dtype under the layer scale."""

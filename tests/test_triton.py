@@ -207,6 +207,36 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
         assert (rows[1:16] == 0).all() and (rows[64:] == 0).all() and rows[0].any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_pool_store_equals_the_torch_store(dtype: torch.dtype) -> None:
+    """On a GPU the pool's own store is the fused Triton kernel (one launch; every backend
+    without a store of its own takes it) and the FP8 rows' slot rule one launch: the same
+    bytes as the torch store on a CPU, -1 and past-the-pool slots on the dummy slot 0."""
+    from mla_backends.sparse.fp8_row import Fp8RowPool
+
+    pools = [MLATokenToKVPool(2, 4, 16, 512, 64, dtype, device=d) for d in ("cpu", "cuda")]
+    for p in pools:
+        if p.is_fp8:
+            p.set_scale(1, 0.05)
+    loc = torch.tensor([17, 63, -1, 20, 16, 80])
+    k_nope, k_rope = torch.randn(6, 512) * 3, torch.randn(6, 64) * 30
+    for p in pools:
+        dev = p.device
+        p.set_mla_kv_buffer(1, loc.to(dev), k_nope.to(dev), k_rope.to(dev))
+    cpu, gpu = (p.kv_buffer[1].view(torch.uint8).cpu() for p in pools)
+    assert torch.equal(cpu[1:], gpu[1:]) and (gpu[1:16] == 0).all() and (gpu[64:] == 0).all()
+    assert gpu[0].any() and not pools[1].kv_buffer[0].view(torch.uint8).any()  # layer 0 untouched
+    rows = [Fp8RowPool(1, 3, 16, 512, 64, "cuda") for _ in range(2)]  # 64 slots
+    dummy = torch.tensor([17, 63, 0, 20, 16, 0])  # what the rule makes of loc
+    for r, at in zip(rows, (loc, dummy)):
+        r.set_mla_kv_buffer(0, at.cuda(), k_nope.cuda(), k_rope.cuda())
+    a, b = (r.kv_buffer[0].cpu() for r in rows)
+    written = torch.zeros(64, dtype=torch.bool)
+    written[[0, 16, 17, 20, 63]] = True
+    assert torch.equal(a[1:], b[1:]) and a[written].any(1).all() and not a[~written].any()
+
+
 # ------------------------------------------------- offline SM90 compiles (no GPU needed)
 def _compile_sm90(*args: str) -> list[dict]:  # type: ignore[type-arg]
     return compile_usage("compile_triton_sm90.py", *args, timeout=900)
