@@ -82,6 +82,8 @@ RULES: list[Rule] = [
         seconds=8.0,
         cpu=True,
     ),
+    # tests-2: the pool's store on the GPU (a few small kernels; tests-1 has no room left)
+    Rule("tests-2", "test_triton.py", ("test_gpu_pool_store_equals_the_torch_store",)),
     # tests-1
     Rule("tests-1", "test_zero_key_rows.py", seconds=3.0),
     Rule("tests-1", "test_triton.py", seconds=6.0),
