@@ -50,9 +50,16 @@ def _check_int(owner: str, name: str, value: object, low: int) -> None:
         raise ConfigError(f"{owner}{name} must be an integer >= {low}, got {value}")
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past any float (YAML reads 1e400 as inf, 10**400 as an int)
+        return False
+
+
 def _check_number(owner: str, name: str, value: object) -> None:
     # YAML reads .nan and .inf as floats: a NaN scale would pass every later check
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise ConfigError(
             f"{owner}{name} must be a finite number, got {value!r} ({type(value).__name__})"
         )

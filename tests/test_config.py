@@ -87,6 +87,7 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
         ("device: 'cuda:x'\n", r"device='cuda:x' is not one of"),
         ("model: {rope_scaling_factor: .nan}\n", r"model.rope_scaling_factor must be a finite"),
         ("model: {mscale_all_dim: .inf}\n", r"model.mscale_all_dim must be a finite number"),
+        ("model: {mscale_all_dim: 1" + "0" * 400 + "}\n", r"model.mscale_all_dim must be a finite"),
         ("cuda_graph_batch_sizes: []\n", r"cuda_graph_batch_sizes must be a list of positive"),
         (
             "model: {base: deepseek-v4}\n",

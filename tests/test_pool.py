@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,7 @@ def test_req_to_token_rows() -> None:
         rp.alloc()
     with pytest.raises(ValueError, match="rows to allocate must be >= 0, got -1"):
         rp.alloc(-1)
+    assert rp.alloc(torch.tensor(0)) == [] and rp.alloc(np.int64(0)) == []  # any integer
     rp.free(2)
     with pytest.raises(ValueError, match="not an allocated"):
         rp.free(2)

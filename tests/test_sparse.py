@@ -141,6 +141,9 @@ def test_index_k_stores_send_slots_outside_the_cache_to_the_dummy_slot() -> None
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     with pytest.raises(ValueError, match=r"store_index_k: k \[T, 32\] \(the cache's head_dim\)"):
         store_index_k(caches[0], 0, torch.randn(4, 64), cos, sin, loc)
+    wide = torch.ones(4, 17)  # rope over 34 of 32 dims: past each key row
+    with pytest.raises(ValueError, match="store_index_k: "):
+        store_index_k(caches[0], 0, k, wide, wide, loc)
 
 
 @pytest.mark.interp
@@ -938,9 +941,9 @@ def test_topk_and_logits_check_rows_and_table_shapes() -> None:
         topk_slots(logits, 8, r2t, rows[:1])
     with pytest.raises(ValueError, match=r"topk_slots: visible must be \[T\]"):
         topk_slots(logits, 8, r2t, rows, torch.tensor([3], dtype=torch.int32))
-    for k in (0, -1):
+    for k in (0, -1, 2.0):
         with pytest.raises(ValueError, match="topk_slots: k must be an integer >= 1"):
-            topk_slots(logits, k, r2t, rows)
+            topk_slots(logits, k, r2t, rows)  # type: ignore[arg-type]
     cache = IndexKCache(1, 256, 32, True, "cpu")
     q, w, vis = torch.zeros(2, 4, 32), torch.zeros(2, 4), torch.tensor([5, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"index_logits: q \[T, Hi, 32\] \(the cache's head_dim\)"):

@@ -267,7 +267,8 @@ def store_index_k(
     """k [T, D] (k_norm(wk(x)), before RoPE), cos / sin [T, R / 2], loc [T] slots (outside
     the cache: the dummy slot 0, as the latent pool's stores)."""
     t, d = k.shape
-    if d != cache.head_dim or cos.shape != sin.shape or cos.shape[0] != t or loc.shape != (t,):
+    bad_rope = cos.dim() != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > d
+    if d != cache.head_dim or bad_rope or cos.shape[0] != t or loc.shape != (t,):
         raise ValueError(
             f"store_index_k: k [T, {cache.head_dim}] (the cache's head_dim), cos / sin [T, R / 2] "
             f"and loc [T], got k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin "

@@ -36,6 +36,7 @@ NaN counts as not visible.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -467,8 +468,9 @@ def topk_slots(
         )
     if path not in ("auto", "launches", "fused"):
         raise ValueError(f"topk_slots: path must be auto, launches or fused, got {path!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not hasattr(k, "__index__") or operator.index(k) < 1:
         raise ValueError(f"topk_slots: k must be an integer >= 1, got {k!r}")
+    k = operator.index(k)
     t, width = logits.shape
     check_rows("topk_slots", t, width, req_to_token, rows, visible)
     if t == 0 or width == 0:
