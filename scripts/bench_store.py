@@ -4,7 +4,7 @@ captured in one CUDA graph and replayed (`do_bench` median, us), for the latent 
 and FP8 and for the 656-byte FP8 rows (FlashMLA sparse). Random rows and shuffled slots, and
 one -1 slot a batch (the dummy-slot rule) where `--pad` is given.
 
-    python3 scripts/bench_store.py [--layers 61] [--batch 1,8,64] [--pad] [--out FILE.json]
+    python3 scripts/bench_store.py [--layers 61] [--batch 1,8,64] [--pools P,..] [--pad] [--out F]
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--batch", default="1,8,64")
     p.add_argument("--pad", action="store_true")
+    p.add_argument("--pools", default="bfloat16,float8_e4m3fn,fp8_rows")
     p.add_argument("--out")
     args = p.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for kind in ("bfloat16", "float8_e4m3fn", "fp8_rows"):
+    for kind in args.pools.split(","):
         for b in (int(x) for x in args.batch.split(",")):
             us = step_us(kind, args.layers, b, args.pad, dev)
             rows.append({"pool": kind, "batch": b, "layers": args.layers, "step_us": us})
