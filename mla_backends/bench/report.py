@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from mla_backends.bench.peers import RAW_PEER
+from mla_backends.cli import UsageError
 
 
 def progress(total: int) -> Callable[[str], None]:
@@ -38,8 +39,6 @@ def progress(total: int) -> Callable[[str], None]:
 def check_out(out: Path) -> None:
     """UsageError unless `out` is, or can be made, a folder this process may write: checked
     before any timing, so that a long run's results are never lost at its end."""
-    from mla_backends.cli import UsageError
-
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
