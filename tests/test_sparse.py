@@ -89,6 +89,36 @@ def test_fp8_row_format_is_656_bytes_and_round_trips_within_e4m3_precision() -> 
     assert not pool.load_rows(0, torch.tensor([0])).isnan().any()
 
 
+@pytest.mark.interp
+def test_fp8_row_store_kernel_writes_pack_rows_bytes() -> None:
+    """The fused FP8-row store (what `Fp8RowPool` runs on a GPU) writes the bytes of
+    `pack_rows` and the torch scatter: tiles whose amax is an exact power of two times 448
+    (the scale is then y itself), all-zero tiles (amax clamped at 1e-4), values at e4m3
+    rounding ties, huge and tiny values, -0.0; -1 and past-the-pool slots on the dummy slot."""
+    from mla_backends.kernels.store import store_fp8_rows
+    from mla_backends.pool import slots_or_dummy
+
+    fmt = Fp8RowFormat()
+    g = torch.Generator().manual_seed(11)
+    k_nope = torch.randn(6, 512, generator=g) * torch.logspace(-6, 4, 6)[:, None]
+    k_nope[0, :128] = 0.0  # an all-zero tile
+    k_nope[1, :128] = torch.linspace(-448.0 * 4, 448.0 * 4, 128)  # amax 4 * 448: scale 4
+    k_nope[2, 128:256] = 448.0 * torch.tensor([1.0, 1.0625, 0.5, -0.0]).repeat(32) / 8
+    k_nope[3, 256:384] = (torch.arange(128) - 64) * 2.0**-9 * 9  # many e4m3 ties
+    # rope arrives in bf16 here: the interpreter truncates fp32 -> bf16 (a GPU rounds, as
+    # torch does; tests/test_triton.py checks that case on the GPU)
+    k_rope = (torch.randn(6, 64, generator=g) * 50).bfloat16()
+    loc = torch.tensor([5, -1, 40, 63, 64, 9])
+    want = torch.full((64, fmt.row_bytes), 0xAB, dtype=torch.uint8)
+    got = want.clone()
+    want[slots_or_dummy(loc, 64)] = pack_rows(fmt, k_nope, k_rope)
+    store_fp8_rows(got, loc, k_nope, k_rope, fmt)
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[0] = False  # two rows race for the dummy slot
+    assert torch.equal(got[keep], want[keep])
+    assert (got[[1, 2, 3, 4, 6, 7, 8]] == 0xAB).all()
+
+
 # ----------------------------------------------------------------------------- indexer cache
 def test_index_k_cache_is_sglang_page_major() -> None:
     """Block b = slots [64 b, 64 b + 64): 64 x 128 e4m3 bytes, then 64 fp32 scales."""

@@ -210,9 +210,9 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_gpu_pool_store_equals_the_torch_store(dtype: torch.dtype) -> None:
-    """On a GPU the pool's own store is the fused Triton kernel (one launch; every backend
-    without a store of its own takes it) and the FP8 rows' slot rule one launch: the same
-    bytes as the torch store on a CPU, -1 and past-the-pool slots on the dummy slot 0."""
+    """On a GPU the pools' own stores are fused Triton kernels (one launch; every backend
+    without a store of its own takes them), latent rows and FP8 rows: the same bytes as the
+    torch stores on a CPU, -1 and past-the-pool slots on the dummy slot 0."""
     from mla_backends.sparse.fp8_row import Fp8RowPool
 
     pools = [MLATokenToKVPool(2, 4, 16, 512, 64, dtype, device=d) for d in ("cpu", "cuda")]
@@ -227,14 +227,17 @@ def test_gpu_pool_store_equals_the_torch_store(dtype: torch.dtype) -> None:
     cpu, gpu = (p.kv_buffer[1].view(torch.uint8).cpu() for p in pools)
     assert torch.equal(cpu[1:], gpu[1:]) and (gpu[1:16] == 0).all() and (gpu[64:] == 0).all()
     assert gpu[0].any() and not pools[1].kv_buffer[0].view(torch.uint8).any()  # layer 0 untouched
-    rows = [Fp8RowPool(1, 3, 16, 512, 64, "cuda") for _ in range(2)]  # 64 slots
-    dummy = torch.tensor([17, 63, 0, 20, 16, 0])  # what the rule makes of loc
-    for r, at in zip(rows, (loc, dummy)):
-        r.set_mla_kv_buffer(0, at.cuda(), k_nope.cuda(), k_rope.cuda())
+    # the FP8 rows: the fused store on the GPU against pack_rows and the scatter on a CPU
+    # (fp32 inputs: e4m3 and bf16 rounding, ue8m0 scales from the bits against frexp)
+    k_nope[0, :128] = 0.0  # an all-zero tile: amax clamped at 1e-4
+    k_nope[1, :128] = torch.linspace(-448.0 * 4, 448.0 * 4, 128)  # amax 4 * 448: scale 4
+    rows = [Fp8RowPool(1, 3, 16, 512, 64, d) for d in ("cpu", "cuda")]  # 64 slots
+    for r in rows:
+        r.set_mla_kv_buffer(0, loc.to(r.device), k_nope.to(r.device), k_rope.to(r.device))
     a, b = (r.kv_buffer[0].cpu() for r in rows)
     written = torch.zeros(64, dtype=torch.bool)
     written[[0, 16, 17, 20, 63]] = True
-    assert torch.equal(a[1:], b[1:]) and a[written].any(1).all() and not a[~written].any()
+    assert torch.equal(a[1:], b[1:]) and b[written].any(1).all() and not b[~written].any()
 
 
 # ------------------------------------------------- offline SM90 compiles (no GPU needed)

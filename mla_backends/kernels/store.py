@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
 from mla_backends.kernels.common import interpreting
+
+if TYPE_CHECKING:
+    from mla_backends.sparse.fp8_row import Fp8RowFormat
 
 
 @triton.jit
@@ -122,3 +127,88 @@ def safe_slots(loc: torch.Tensor, num_slots: int) -> torch.Tensor:
         block = 1024
         _safe_slots_kernel[(cdiv(loc.shape[0], block),)](loc, out, loc.shape[0], num_slots, block)
     return out
+
+
+@triton.jit
+def _fp8_row_store_kernel(
+    KNope,
+    KRope,
+    Loc,
+    Codes,
+    Scales,
+    Rope,
+    num_slots,
+    stride_kn,
+    stride_kr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    TILE: tl.constexpr,
+    ROW_E8: tl.constexpr,
+    ROW_S: tl.constexpr,
+    S_OFF: tl.constexpr,
+    ROW_B: tl.constexpr,
+    R_OFF: tl.constexpr,
+    EXACT_FP8_ROUND: tl.constexpr,
+):
+    """One token's FP8 row (`sparse.fp8_row`): per 128-wide tile the ue8m0 scale (the
+    smallest power of two >= max(amax, 1e-4) / 448, from the fp32 bits: `quant.ue8m0_scale`),
+    the e4m3 codes of x / scale (exact division), then the rope in bf16; Codes / Scales / Rope
+    are the same rows viewed as e4m3 / fp32 / bf16."""
+    t = tl.program_id(0)
+    slot = _slot_or_dummy(tl.load(Loc + t).to(tl.int64), num_slots)
+    tiles = tl.arange(0, L // TILE)
+    x = tl.load(KNope + t * stride_kn + tiles[:, None] * TILE + tl.arange(0, TILE)[None, :])
+    x = x.to(tl.float32)
+    y = tl.maximum(tl.max(tl.abs(x), 1), 1e-4) / 448.0
+    bits = y.to(tl.int32, bitcast=True)  # y is a normal fp32 (>= 2.2e-7): exponent, mantissa
+    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23
+    scale = up.to(tl.float32, bitcast=True)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    if EXACT_FP8_ROUND:
+        q = _round_e4m3(q)
+    row = slot * ROW_E8
+    cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    tl.store(Codes + row + cols, q.to(Codes.dtype.element_ty))
+    tl.store(Scales + slot * ROW_S + S_OFF + tiles, scale)
+    offs_r = tl.arange(0, R)
+    rope = tl.load(KRope + t * stride_kr + offs_r).to(tl.float32)
+    tl.store(Rope + slot * ROW_B + R_OFF + offs_r, rope.to(Rope.dtype.element_ty))
+
+
+def store_fp8_rows(
+    buf: torch.Tensor,
+    loc: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    fmt: Fp8RowFormat,
+) -> None:
+    """buf [slots, fmt.row_bytes] uint8; loc [T] (slots outside the pool write the dummy slot
+    0); k_nope [T, L]; k_rope [T, R]: `sparse.fp8_row.pack_rows` and the scatter in one launch,
+    the same bytes."""
+    t = k_nope.shape[0]
+    if t == 0:
+        return
+    if k_nope.stride(1) != 1 or k_rope.stride(1) != 1:
+        k_nope, k_rope = k_nope.contiguous(), k_rope.contiguous()
+    rb = fmt.row_bytes
+    _fp8_row_store_kernel[(t,)](
+        k_nope,
+        k_rope,
+        loc,
+        buf.view(torch.float8_e4m3fn),
+        buf.view(torch.float32),
+        buf.view(torch.bfloat16),
+        buf.shape[0],
+        k_nope.stride(0),
+        k_rope.stride(0),
+        L=fmt.kv_lora_rank,
+        R=fmt.rope_dim,
+        TILE=128,
+        ROW_E8=rb,
+        ROW_S=rb // 4,
+        S_OFF=fmt.scale_offset // 4,
+        ROW_B=rb // 2,
+        R_OFF=fmt.rope_offset // 2,
+        EXACT_FP8_ROUND=interpreting(),
+        num_warps=4,
+    )

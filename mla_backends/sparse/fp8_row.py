@@ -120,8 +120,13 @@ class Fp8RowPool:
         check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
         check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
         check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
-        rows = pack_rows(self.fmt, k_nope, k_rope)
-        self.kv_buffer[layer][slots_or_dummy(loc, self.num_slots)] = rows
+        buf = self.kv_buffer[layer]
+        if buf.is_cuda:  # one launch, the same bytes (pack_rows is ~30 torch kernels a layer)
+            from mla_backends.kernels.store import store_fp8_rows
+
+            store_fp8_rows(buf, loc, k_nope, k_rope, self.fmt)
+            return
+        buf[slots_or_dummy(loc, self.num_slots)] = pack_rows(self.fmt, k_nope, k_rope)
 
     def load_rows(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
         """fp32 values [*loc.shape, L + R] of the rows at `loc`; reads only those rows."""
