@@ -42,6 +42,7 @@ from sglang.test.kits.attention_unittest.attention_methods import mla_attention 
 import mla_backends.integrations.sglang as plugin  # noqa: E402
 from mla_backends.backends.base import Capability  # noqa: E402
 from mla_backends.integrations.sglang import binding  # noqa: E402
+from mla_backends.integrations.sglang.batches import BatchError  # noqa: E402
 from mla_backends.integrations.sglang.binding import SettingsError  # noqa: E402
 from mla_backends.reference import absorbed, mha  # noqa: E402
 from mla_backends.testing import TOLERANCES  # noqa: E402
@@ -530,14 +531,16 @@ def _absorbed_reference(
 
 
 @pytest.mark.parametrize(("backend", "device", "page", "dims"), SHAPE_SETUPS)
-@pytest.mark.parametrize("shape", ["split", "joined"])
+@pytest.mark.parametrize("shape", ["split", "joined", "split-q-whole-k"])
 def test_absorbed_call_shapes_store_and_attend(
     backend: str, device: str, page: int, dims: tuple[int, ...], shape: str
 ) -> None:
     """DeepSeek's two absorbed call shapes with the new rows given (save_kv_cache=True): our
     store writes them into SGLang's buffer at out_cache_loc, and the output matches the fp64
     absorbed reference over SGLang's pool. `split` (our names are in FORWARD_ABSORB): q_nope
-    is a transposed bmm result (strided), q_rope / k_rope come as keyword arguments."""
+    is a transposed bmm result (strided), q_rope / k_rope come as keyword arguments;
+    `split-q-whole-k`: q split, k the whole L + R rows and no k_rope (SGLang's own MLA
+    backends store such a k whole; ours once skipped the store)."""
     adapter, runner = _adapter(backend, page=page, dims=dims, max_ctx=4 * page, device=device)
     d = adapter.dims
     fb = _extend_batch(runner, page, (0, 7, page), (5, 1, 2), seed=3)
@@ -560,6 +563,9 @@ def test_absorbed_call_shapes_store_and_attend(
         adapter.init_forward_metadata(fb)
         if shape == "split":
             out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope)
+        elif shape == "split-q-whole-k":
+            k_whole = torch.cat([k_nope, k_rope], -1)
+            out = layer(q_nope, k_whole, k_nope, fb, save_kv_cache=True, q_rope=q_rope)
         else:
             q = torch.cat([q_nope, q_rope], -1)
             out = layer(q, torch.cat([k_nope, k_rope], -1), k_nope, fb, save_kv_cache=True)
@@ -569,6 +575,104 @@ def test_absorbed_call_shapes_store_and_attend(
     atol, rtol, _ = TOLERANCES["bfloat16"]
     got = out.view(t, d.num_heads, -1).double().cpu()
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def test_absorbed_call_refuses_to_drop_new_rows() -> None:
+    """save_kv_cache with k of only the latent columns and no k_rope (a direct backend call:
+    RadixAttention itself refuses that k): the rows cannot be stored, so the call is refused
+    (it once attended over whatever the slots held)."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (3,), (2,))
+    q_nope = torch.randn(2, d.num_heads, d.kv_lora_rank).bfloat16()
+    q_rope = torch.randn(2, d.num_heads, d.qk_rope_head_dim).bfloat16()
+    k_nope = torch.randn(2, 1, d.kv_lora_rank).bfloat16()
+    with forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        with pytest.raises(BatchError, match=r"k of 32 columns and no k_rope"):
+            adapter.forward(q_nope, k_nope, k_nope, _mqa_layer(adapter), fb, True, q_rope=q_rope)
+
+
+def _hybrid(runner: Any, layer_ids: list[int], inner: Any = None) -> Any:
+    """SGLang's Kimi-Linear pool: a HybridLinearKVPool(use_mla=True) whose full-attention
+    layers (ids `layer_ids`) are the runner's MLATokenToKVPool (or `inner`)."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    pool = runner.token_to_kv_pool
+    return HybridLinearKVPool(
+        size=pool.size,
+        dtype=pool.dtype,
+        page_size=pool.page_size,
+        head_num=1,
+        head_dim=pool.kv_lora_rank + pool.qk_rope_head_dim,
+        full_attention_layer_ids=layer_ids,
+        device=str(pool.device),
+        mamba_pool=None,
+        use_mla=True,
+        kv_lora_rank=pool.kv_lora_rank,
+        qk_rope_head_dim=pool.qk_rope_head_dim,
+        full_kv_pool=pool if inner is None else inner,
+    )
+
+
+def test_hybrid_linear_model_pool_maps_layer_ids() -> None:
+    """Kimi-Linear in SGLang: the MLA layers' rows live in a HybridLinearKVPool's inner
+    MLATokenToKVPool, indexed by the layer's place among the full-attention layers, not by
+    its id. Our backend wraps the inner pool (views) and a layer with id 5 (the pool's only
+    full-attention layer) stores into and reads that pool's layer 0, the same as a plain
+    pool's layer 0, called through SGLang's HybridLinearAttnBackend; an id that is not a
+    full-attention layer is refused."""
+    plain, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    n_layers = len(runner.token_to_kv_pool.kv_buffer)
+    ids = [5 + 4 * i for i in range(n_layers)]  # e.g. every fourth layer full attention
+    sgl_pool = runner.token_to_kv_pool
+    runner.token_to_kv_pool = _hybrid(runner, ids)
+    hybrid = ATTENTION_BACKENDS["mlab_torch"](runner)
+    ours = hybrid.binding.kv_pool
+    assert ours.kv_buffer[0].data_ptr() == sgl_pool.kv_buffer[0].data_ptr()
+    d = hybrid.dims
+    fb = _extend_batch(runner, 16, (0, 7), (5, 2), seed=5)
+    t = sum(fb.extend_seq_lens_cpu)
+    gen = torch.Generator().manual_seed(6)
+    q_nope, q_rope = (torch.randn(t, d.num_heads, w, generator=gen).bfloat16() for w in (32, 16))
+    k_nope, k_rope = (torch.randn(t, 1, w, generator=gen).bfloat16() for w in (32, 16))
+    # SGLang's own wrapper for hybrid models: full-attention layers to our backend
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    linear = SimpleNamespace(needs_cpu_seq_lens=False, init_forward_metadata=lambda fb: None)
+    wrapper = HybridLinearAttnBackend(hybrid, linear, ids)  # type: ignore[arg-type]
+    outs = []
+    for adapter, lid in ((wrapper, ids[0]), (plain, 0)):
+        sgl_pool.kv_buffer[0].fill_(float("nan"))
+        sgl_pool.kv_buffer[0][runner.req_to_token_pool.req_to_token[1, :7].long()] = 0.5
+        layer = _mqa_layer(hybrid)
+        layer.layer_id = lid
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+            adapter.init_forward_metadata(fb)
+            outs.append(layer(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope))
+        stored = sgl_pool.kv_buffer[0][fb.out_cache_loc, 0]
+        assert torch.equal(stored, torch.cat([k_nope, k_rope], -1)[:, 0])
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    layer = _mqa_layer(hybrid)
+    layer.layer_id = 6  # a linear-attention layer: no rows in this pool
+    with forward_context(ForwardContext(attn_backend=hybrid)):
+        hybrid.init_forward_metadata(fb)
+        with pytest.raises(BatchError, match="layer 6 is outside this rank's KV pool layers"):
+            layer(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope)
+
+
+def test_hybrid_pool_other_than_plain_mla_is_refused() -> None:
+    """A hybrid model whose full-attention rows are not a plain MLATokenToKVPool (the unified
+    memory pool's) is refused at the factory, naming the pool."""
+
+    class UnifiedMLATokenToKVPool:  # stands in for SGLang's (built over a shared buffer)
+        def get_kv_size_bytes(self) -> int:
+            return 0
+
+    _, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    runner.token_to_kv_pool = _hybrid(runner, [0], inner=UnifiedMLATokenToKVPool())
+    with pytest.raises(SettingsError, match="are in UnifiedMLATokenToKVPool"):
+        ATTENTION_BACKENDS["mlab_torch"](runner)
 
 
 @pytest.mark.parametrize(("backend", "device", "page", "dims"), SHAPE_SETUPS)

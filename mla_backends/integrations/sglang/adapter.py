@@ -76,7 +76,8 @@ class MLABackendAdapter(AttentionBackend):
         self.req_to_token_pool = runner.req_to_token_pool
         self.data_type = runner.kv_cache_dtype
         self.kv_cache_dtype = runner.kv_cache_dtype
-        self._source = list(self.token_to_kv_pool.kv_buffer)
+        # the tensors our pool views (a hybrid model's: its full-attention pool's)
+        self._source = list(self.binding.sgl_pool.kv_buffer)
         self._graph: GraphBuffers | None = None
         # captured batch size -> our metadata over the static buffers (replay re-points to it)
         self._captured: dict[int, AdapterMetadata] = {}
@@ -87,7 +88,7 @@ class MLABackendAdapter(AttentionBackend):
     def _check_buffers(self) -> None:
         # Hazard: our pool holds views of SGLang's tensors; if SGLang re-created them
         # (e.g. releasing and re-allocating the KV cache) the views would read freed memory.
-        bufs = self.token_to_kv_pool.kv_buffer
+        bufs = self.binding.sgl_pool.kv_buffer
         if len(bufs) != len(self._source) or any(a is not b for a, b in zip(bufs, self._source)):
             raise RuntimeError(
                 f"{self.binding.sgl_name}: SGLang re-created its KV buffers after the backend "
@@ -216,8 +217,8 @@ class MLABackendAdapter(AttentionBackend):
         if key not in self._checked:
             check_layer(layer, self.dims)
             self._checked.add(key)
-        idx = key[0] - self.binding.start_layer
-        if not 0 <= idx < self.binding.kv_pool.num_layers:
+        idx = self.binding.layer_index(key[0])
+        if idx is None:
             raise BatchError(f"layer {key[0]} is outside this rank's KV pool layers")
         pool = self.token_to_kv_pool
         if getattr(pool, "layer_transfer_counter", None) is not None:
@@ -235,7 +236,12 @@ class MLABackendAdapter(AttentionBackend):
     ) -> torch.Tensor:
         """Absorbed attention over the pool; both call shapes (`layers.split_absorbed`)."""
         q_nope, q_rope, k_nope, k_rope = split_absorbed(q, k, kwargs, self.dims)
-        if not save_kv_cache or k_nope is None or k_rope is None:
+        if save_kv_cache and k_nope is not None and k_rope is None:
+            raise BatchError(
+                f"save_kv_cache with k of {k_nope.shape[-1]} columns and no k_rope: the new "
+                f"rows ({self.dims.kv_dim} wide) cannot be stored; pass k_rope or whole rows"
+            )
+        if not save_kv_cache or k_nope is None:
             k_nope = k_rope = None  # the rows are in the pool already
         out = self.backend.forward_absorbed(idx, q_nope, q_rope, k_nope, k_rope, md.batch)
         assert isinstance(out, torch.Tensor)

@@ -54,8 +54,28 @@ def detect_capability(device: torch.device) -> Capability:
     return Capability.detect(device)
 
 
-def runner_config(runner: Any, dims: MLADims, backend: str, device: torch.device) -> Config:
+def mla_pool(runner: Any) -> tuple[Any, dict[int, int] | None]:
+    """SGLang's MLA pool behind the runner's `token_to_kv_pool`, and how a layer id finds its
+    layer there: None for a plain `MLATokenToKVPool` (layer id - start_layer); for a hybrid
+    linear-attention model (Kimi-Linear: `HybridLinearKVPool(use_mla=True)`, an
+    `MLATokenToKVPool` over the full-attention layers only) its layer-id map. Hazard: the
+    hybrid pool's layer ids are the model's, sparse (layer 3, 7, ...); subtracting start_layer
+    would read another layer's rows or fall outside the pool."""
     pool = runner.token_to_kv_pool
+    if type(pool).__name__ != "HybridLinearKVPool" or not getattr(pool, "use_mla", False):
+        return pool, None
+    inner = pool.full_kv_pool
+    if type(inner).__name__ != "MLATokenToKVPool":
+        raise SettingsError(
+            f"mla-backends reads SGLang's plain MLATokenToKVPool; this hybrid model's "
+            f"full-attention layers are in {type(inner).__name__} (the unified memory pool is "
+            "not supported)"
+        )
+    return inner, {int(k): int(v) for k, v in pool.full_attention_layer_id_mapping.items()}
+
+
+def runner_config(runner: Any, dims: MLADims, backend: str, device: torch.device) -> Config:
+    pool, _ = mla_pool(runner)
     r2t = runner.req_to_token_pool.req_to_token
     ps = int(runner.page_size)
     return settings_config(
@@ -108,7 +128,7 @@ def check_kv_scales(layers: Iterable[Any]) -> None:
 
 
 def _check_pool(runner: Any) -> None:
-    pool = runner.token_to_kv_pool
+    pool, _ = mla_pool(runner)
     if type(pool).__name__ != "MLATokenToKVPool":
         raise SettingsError(
             f"mla-backends reads SGLang's plain MLATokenToKVPool; this server built "
@@ -135,7 +155,7 @@ def wrap_pools(runner: Any, config: Config) -> tuple[MLATokenToKVPool, ReqToToke
     need not be a multiple of the page size; SGLang's allocator hands out pages
     1..size // page_size, so the leading (size // page_size + 1) * page_size rows hold every
     slot it can give out and the view stops there."""
-    pool, ps = runner.token_to_kv_pool, config.page_size
+    pool, ps = mla_pool(runner)[0], config.page_size
     d = config.model
     rows = (int(pool.size) // ps + 1) * ps
     views = []
@@ -186,6 +206,16 @@ class Binding:
     backend: AttentionBackend
     start_layer: int
     capability: Capability
+    # SGLang's MLA pool (inside a hybrid model's pool) and its layer-id map (`mla_pool`)
+    sgl_pool: Any = None
+    layer_map: dict[int, int] | None = None
+
+    def layer_index(self, layer_id: int) -> int | None:
+        """Our pool's layer for SGLang's layer id, None if this rank's pool has no such layer."""
+        if self.layer_map is not None:
+            return self.layer_map.get(layer_id)
+        idx = layer_id - self.start_layer
+        return idx if 0 <= idx < self.kv_pool.num_layers else None
 
 
 def bind(
@@ -203,7 +233,8 @@ def bind(
             f"Kimi-Linear); this model's attention is {getattr(mc, 'attention_arch', '?')}"
         )
     _check_pool(runner)
-    device = runner.token_to_kv_pool.kv_buffer[0].device
+    sgl_pool, layer_map = mla_pool(runner)
+    device = sgl_pool.kv_buffer[0].device
     cap = (capability or detect_capability)(device)
     dims = model_dims(mc, num_heads)
     config = choose_roles(sgl_name, decode, runner_config(runner, dims, decode, device), cap)
@@ -216,4 +247,4 @@ def bind(
     except ImportError as e:  # the kit would turn an ImportError into a skip: fail instead
         raise RuntimeError(f"--attention-backend {sgl_name}: {e}") from e
     start = int(getattr(runner.token_to_kv_pool, "start_layer", 0) or 0)
-    return Binding(sgl_name, config, kv, req, backend, start, cap)
+    return Binding(sgl_name, config, kv, req, backend, start, cap, sgl_pool, layer_map)

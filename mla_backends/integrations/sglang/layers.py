@@ -36,21 +36,27 @@ def check_layer(layer: Any, d: MLADims) -> None:
 def split_absorbed(
     q: torch.Tensor, k: TensorOrNone, kwargs: dict[str, Any], d: MLADims
 ) -> tuple[torch.Tensor, torch.Tensor, TensorOrNone, TensorOrNone]:
-    """(q_nope, q_rope, k_nope, k_rope) of an absorbed call. Two shapes: split (our names are
-    in DeepSeek's FORWARD_ABSORB list: q_nope [T, H, L] strided, k [T, 1, L], q_rope / k_rope
-    in kwargs) and joined (q [T, H*(L+R)] or [T, H, L+R], k [T, 1, L+R] or None when the
-    caller stored the rows already). Views only."""
+    """(q_nope, q_rope, k_nope, k_rope) of an absorbed call. Two shapes of q: split (our names
+    are in DeepSeek's FORWARD_ABSORB list: q_nope [T, H, L] strided, q_rope in kwargs) and
+    joined (q [T, H*(L+R)] or [T, H, L+R]). k: [T, 1, L] with k_rope in kwargs, [T, 1, L+R]
+    (whole rows, also beside a split q, as SGLang's own MLA backends take it), or None when
+    the caller stored the rows already. A k of L columns without k_rope gives k_nope and no
+    k_rope (the caller refuses to store it). Views only."""
     h, lat, r = d.num_heads, d.kv_lora_rank, d.qk_rope_head_dim
     q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
     if q_rope is not None:
-        k_nope = None if k is None else kv_rows(k)
-        k_rope = None if k_rope is None else kv_rows(k_rope)
-        return q.view(-1, h, lat), q_rope.view(-1, h, r), k_nope, k_rope
-    q3 = q.view(-1, h, lat + r)
-    k2 = None if k is None else kv_rows(k)
-    k_nope = None if k2 is None else k2[:, :lat]
-    k_rope = None if k2 is None else k2[:, lat:]
-    return q3[..., :lat], q3[..., lat:], k_nope, k_rope
+        q_nope, q_rope = q.view(-1, h, lat), q_rope.view(-1, h, r)
+    else:
+        q3 = q.view(-1, h, lat + r)
+        q_nope, q_rope = q3[..., :lat], q3[..., lat:]
+    if k is None:
+        return q_nope, q_rope, None, None
+    k2 = kv_rows(k)
+    if k_rope is not None:
+        return q_nope, q_rope, k2, kv_rows(k_rope)
+    if k2.shape[-1] == lat + r:
+        return q_nope, q_rope, k2[:, :lat], k2[:, lat:]
+    return q_nope, q_rope, k2, None
 
 
 def flat_heads(out: torch.Tensor) -> torch.Tensor:
