@@ -239,6 +239,39 @@ def test_start_up_check_refuses_with_our_reason(
         sa.check_server_args()
 
 
+SERVER_REFUSALS = {
+    "dcp": ({"dcp_size": 2, "tp_size": 2}, r"decode context parallelism \(--dcp-size > 1\)"),
+    "eagle-tree": (
+        {
+            "speculative_algorithm": "EAGLE",
+            "speculative_eagle_topk": 4,
+            "speculative_num_steps": 3,
+            "speculative_num_draft_tokens": 8,
+            "page_size": 1,  # SGLang itself refuses tree drafts on pages for other backends
+        },
+        r"--speculative-eagle-topk 4: our kernels verify chain.*use --speculative-eagle-topk 1",
+    ),
+    "ngram-tree": (
+        {"speculative_algorithm": "NGRAM", "page_size": 1},
+        r"--speculative-ngram-max-bfs-breadth 10: .*use --speculative-ngram-max-bfs-breadth 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SERVER_REFUSALS), ids=list(SERVER_REFUSALS))
+def test_start_up_check_refuses_dcp_and_tree_drafts(
+    case: str, tiny_model: Path, on_h100: Capability
+) -> None:
+    """What the factory refuses from the server flags alone is refused at launch too (not in
+    each worker after the weights loaded); NGRAM's tree is named by NGRAM's own flag."""
+    kw, pattern = SERVER_REFUSALS[case]
+    if kw.get("speculative_algorithm") == "EAGLE":
+        kw = {**kw, "speculative_draft_model_path": str(tiny_model)}
+    sa = _server_args(tiny_model, **{"attention_backend": "mlab_torch", "page_size": 16, **kw})
+    with pytest.raises(SettingsError, match=pattern):
+        sa.check_server_args()
+
+
 def test_start_up_check_refuses_a_model_without_mla(tmp_path: Path, on_h100: Capability) -> None:
     llama = {
         "architectures": ["LlamaForCausalLM"],

@@ -35,7 +35,7 @@ from mla_backends.integrations.sglang.batches import (
 )
 from mla_backends.integrations.sglang.binding import bind
 from mla_backends.integrations.sglang.layers import check_layer, flat_heads, split_absorbed
-from mla_backends.integrations.sglang.settings import SettingsError
+from mla_backends.integrations.sglang.settings import SettingsError, server_refusal
 
 # Keyword arguments DeepSeek passes only to other backends (TRT-LLM fused rope, DSA top-k,
 # attention sinks); refused rather than silently ignored.
@@ -58,15 +58,10 @@ class MLABackendAdapter(AttentionBackend):
         from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
-        if getattr(par, "dcp_enabled", False):
-            raise SettingsError(f"{sgl_name}: decode context parallelism is not supported")
         sa = getattr(runner, "server_args", None)
-        topk = getattr(sa, "speculative_eagle_topk", None) or 1
-        if topk > 1:
-            raise SettingsError(
-                f"{sgl_name}: --speculative-eagle-topk {topk}: our kernels verify chain drafts "
-                "(causal, no tree mask); use --speculative-eagle-topk 1"
-            )
+        msg = server_refusal(sgl_name, sa, bool(getattr(par, "dcp_enabled", False)))
+        if msg is not None:
+            raise SettingsError(msg)
         heads = int(runner.model_config.num_attention_heads) // int(par.attn_tp_size)
         self.binding = bind(runner, sgl_name, decode, heads)
         self.backend = self.binding.backend

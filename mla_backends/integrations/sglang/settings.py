@@ -143,3 +143,25 @@ def refusal(sgl_name: str, name: str, config: Config, cap: Capability, role: str
         + f" [settings: --page-size {config.page_size}, {KV_FLAGS[config.kv_dtype]}, "
         + (f"--dtype {config.dtype}, device {cap.describe()}]")
     )
+
+
+def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
+    """What no backend of ours serves, from SGLang's server flags alone (the launching
+    process's check and the factory ask the same): decode context parallelism (`dcp`, SGLang's
+    --dcp-size > 1) and tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
+    --speculative-ngram-max-bfs-breadth into that top-k, so the message names NGRAM's flag)."""
+    if dcp:
+        return (
+            f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
+            "SGLang; start without --dcp-size"
+        )
+    topk = int(getattr(server_args, "speculative_eagle_topk", None) or 1)
+    if topk <= 1:
+        return None
+    flag = "--speculative-eagle-topk"
+    if str(getattr(server_args, "speculative_algorithm", "") or "").upper() == "NGRAM":
+        flag = "--speculative-ngram-max-bfs-breadth"
+    return (
+        f"{sgl_name}: {flag} {topk}: our kernels verify chain drafts (causal, no tree mask); "
+        f"use {flag} 1"
+    )
