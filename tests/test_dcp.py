@@ -94,6 +94,43 @@ def test_allocator_gives_each_rank_its_tokens_and_fails_on_all_ranks_alike() -> 
         allocs[1].alloc_extend([1], [192])
 
 
+def _context_limit_worker(rank: int, group: dist.ProcessGroup) -> list[str]:
+    from mla_backends.config import Config
+    from mla_backends.dcp import build_dcp_runtime
+    from mla_backends.dcp.parity import SMALL
+
+    cfg = Config(
+        model=SMALL,
+        prefill_backend="torch",
+        decode_backend="torch",
+        device="cpu",
+        kv_dtype="float32",
+        dtype="float32",
+        page_size=16,
+        max_context_len=9,
+        dcp_size=2,
+    )
+    rt = build_dcp_runtime(cfg, group)
+    rows = rt.req_pool.alloc(1)
+    out = []
+    for n in (10, 9):
+        try:
+            rt.allocator.alloc_extend(rows, [n])
+            out.append(f"{n}: {rt.allocator.seq_len(rows[0])}")
+        except ValueError as e:
+            out.append(f"{n}: {e}")
+    return out
+
+
+def test_dcp_runtime_keeps_the_configs_context_limit() -> None:
+    """max_context_len is the group's per-request limit, as in one process: at M = 9 over two
+    ranks each rank's table holds ceil(9 / 2) = 5 tokens (10 in all), and a 10-token request
+    is refused on every rank; 9 tokens fit."""
+    for got in spawn(_context_limit_worker, 2, "gloo"):
+        assert got[0].startswith("10: row 1: length 10 exceeds the group's context limit 9")
+        assert got[1] == "9: 9"
+
+
 def test_merge_partials_takes_a_lone_share_exactly_and_ignores_garbage() -> None:
     """Rows where one rank saw keys equal that rank's partial bit for bit; rows no rank saw
     are exactly 0 / -inf; whatever invalid partials hold (NaN, junk) never leaks in; rows

@@ -64,15 +64,21 @@ class DCPTokenAllocator:
     the local slot if this rank owns the token's position and slot 0 (the dummy page, where
     padded writes go) otherwise, so `store_kv` runs unchanged on every rank."""
 
-    def __init__(self, layout: DCPLayout, local: PagedTokenAllocator) -> None:
+    def __init__(
+        self, layout: DCPLayout, local: PagedTokenAllocator, max_context_len: int | None = None
+    ) -> None:
+        """`max_context_len`: the group's per-request limit (the config's); None: what the
+        ranks' tables hold. Hazard: each rank's table is ceil(M / N) wide, so N of them hold up
+        to N - 1 tokens more than M; the config's M is the limit, as in one process."""
         self.layout, self.local = layout, local
         self.page_size = local.page_size
         self.num_pages = local.num_pages
         self.req_to_token = local.req_to_token
         if local.available_pages != local.num_pages:
             raise ValueError("DCPTokenAllocator needs a fresh local allocator (no pages in use)")
-        # Rank 0 holds the most tokens of every request: its limit is the group's.
-        self.max_context_len = layout.size * local.req_to_token.max_context_len
+        # Rank 0 holds the most tokens of every request: its table bounds the group's.
+        held = layout.size * local.req_to_token.max_context_len
+        self.max_context_len = held if max_context_len is None else min(max_context_len, held)
         self._lens: dict[int, int] = {}
         self._used = [0] * layout.size  # pages in use on every rank of the group
 
@@ -108,8 +114,8 @@ class DCPTokenAllocator:
             if self.seq_len(row) + n > self.max_context_len:
                 raise ValueError(
                     f"row {row}: length {self.seq_len(row) + n} exceeds the group's context "
-                    f"limit {self.max_context_len} ({lay.size} ranks x "
-                    f"{self.req_to_token.max_context_len})"
+                    f"limit {self.max_context_len} (max_context_len; {lay.size} ranks x "
+                    f"{self.req_to_token.max_context_len} table columns)"
                 )
             for k, d in enumerate(self._page_delta(self.seq_len(row), self.seq_len(row) + n)):
                 need[k] += d

@@ -71,5 +71,5 @@ def build_dcp_runtime(
     if not isinstance(inner, (MLABackend, DispatchBackend)):  # Runtime.build makes one
         raise TypeError(f"DCP wraps a suite backend, not {type(inner).__name__}")
     backend = DCPBackend(inner, comm, heads, mha)
-    allocator = DCPTokenAllocator(backend.layout, rt.allocator)
+    allocator = DCPTokenAllocator(backend.layout, rt.allocator, config.max_context_len)
     return DCPRuntime(config, rt.kv_pool, rt.req_pool, allocator, backend, comm)
