@@ -48,6 +48,7 @@ class PagedTokenAllocator:
         self._free: list[int] = order[::-1]  # pop() from the end hands out order[0] first
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        req_to_token.add_holder(self.holds)  # the table refuses to free a row we hold
 
     @property
     def available_pages(self) -> int:

@@ -26,7 +26,7 @@ import math
 import operator
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -310,6 +310,12 @@ class ReqToTokenPool:
         self.allocated[0] = True
         self.filled = np.zeros(max_requests + 1, dtype=np.int64)
         self.filled[0] = max_context_len
+        # Who holds KV for a row (the allocators over this table: `PagedTokenAllocator.holds`)
+        self._holders: list[Callable[[int], bool]] = []
+
+    def add_holder(self, holds: Callable[[int], bool]) -> None:
+        """Register an allocator's `holds(row)`: a row it still holds KV for cannot be freed."""
+        self._holders.append(holds)
 
     @property
     def available(self) -> int:
@@ -331,8 +337,16 @@ class ReqToTokenPool:
         return rows
 
     def free(self, row: int) -> None:
+        """Return a request row. Hazard: a row whose KV pages an allocator still holds is
+        refused: handed out again it would keep the old request's length and slots, and the
+        new request would attend over the old one's KV (free its KV first: `allocator.free`)."""
         if row not in self._used_rows:
             raise ValueError(f"ReqToTokenPool: row {row} is not an allocated request row")
+        if any(holds(row) for holds in self._holders):
+            raise ValueError(
+                f"ReqToTokenPool: row {row} still holds KV pages; free them first "
+                "(allocator.free(row)), or the row's next request would read them"
+            )
         self._used_rows.remove(row)
         self._free_rows.append(row)
         self.allocated[row] = False

@@ -121,3 +121,23 @@ def test_dummy_page_never_handed_out_even_when_exhausted() -> None:
     assert slots.min() >= 64 and torch.unique(slots).numel() == 320
     with pytest.raises(OutOfPagesError):
         alloc.alloc_decode([1])
+
+
+def test_a_row_holding_kv_is_not_freed_nor_handed_out_again() -> None:
+    """Freeing a request row whose KV pages the allocator still holds is refused (handed out
+    again, the row kept the old request's length and slots: the new request's prompt was
+    appended after them and attended over the old request's KV). KV first, then the row: the
+    next request on that row starts empty."""
+    rp = ReqToTokenPool(2, 64, "cpu")
+    alloc = PagedTokenAllocator(8, 16, rp)
+    (row,) = rp.alloc(1)
+    alloc.alloc_extend([row], [20])
+    with pytest.raises(ValueError, match=rf"row {row} still holds KV pages; free them first"):
+        rp.free(row)
+    assert rp.allocated[row] and alloc.seq_len(row) == 20  # nothing changed
+    alloc.free(row)
+    rp.free(row)
+    (again,) = rp.alloc(1)
+    slots = alloc.alloc_extend([again], [5])
+    assert again == row and alloc.seq_len(again) == 5
+    assert torch.equal(rp.req_to_token[again, :5].long(), slots)

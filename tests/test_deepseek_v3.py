@@ -180,6 +180,52 @@ def test_engine_decode_through_the_graph_runner_equals_eager(hf_checkpoint) -> N
         assert _rel(got, want) <= 1e-5, f"step {step}: {_rel(got, want)}"
 
 
+def test_engine_step_checks_ids_and_rolls_back_a_failed_step(hf_checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A token id past the vocabulary is refused before any slot is allocated (on a GPU it
+    would be a device-side assert); a step that raises inside the model leaves every row at
+    its length before it, so the retry's logits equal a fresh engine's (they once attended
+    over the failed step's unwritten slots)."""
+    model = load_model(hf_checkpoint[0])
+    eng, fresh = _engine(model), _engine(model)
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2], [3]])
+    vocab = model.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"token ids \[{vocab}\] are outside the vocabulary"):
+        eng.extend(rows, [[4, vocab], [5]])
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [2, 1]
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(eng.backend, "init_forward_metadata", broken)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        eng.extend(rows, [[4, 6], [5]])
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [2, 1]
+    monkeypatch.undo()
+    got = eng.extend(rows, [[4, 6], [5]])
+    rows2 = fresh.new_requests(2)
+    fresh.extend(rows2, [[1, 2], [3]])
+    assert torch.equal(got, fresh.extend(rows2, [[4, 6], [5]]))
+
+
+def test_engine_accept_takes_the_verify_steps_rows(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """accept() names the verify step's rows in its order with one count each; anything else
+    is refused before a row is truncated (a short list once left a request with its
+    rejected drafts' KV)."""
+    model = load_model(hf_checkpoint[0])
+    eng = _engine(model)
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2, 3], [4, 5, 6, 7]])
+    eng.verify(rows, [[8, 9, 10], [11, 12, 13]])
+    with pytest.raises(ValueError, match=r"1 accepted counts for 2 rows"):
+        eng.accept(rows, [1])
+    with pytest.raises(ValueError, match=r"the rows of the verify step, in its order"):
+        eng.accept(rows[::-1], [1, 2])
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [6, 7]
+    eng.accept(rows, [1, 2])
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [4, 6]
+
+
 def test_dense_moe_equals_routed_moe(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The capture-safe MoE (every expert, zero weight where not routed) equals the routed."""
     moe = load_model(hf_checkpoint[0]).model.layers[1].mlp

@@ -193,6 +193,9 @@ def test_request_rows_never_allocated_are_refused(backend: str) -> None:
         rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, bad)
     with pytest.raises(RequestRowError, match=r"were never allocated"):
         rt.allocator.alloc_extend([stranger], [3])
+    with pytest.raises(ValueError, match=rf"row {rows[1]} still holds KV pages; free them"):
+        rt.req_pool.free(rows[1])  # its KV first: a reused row would read it
+    rt.allocator.free(rows[1])
     rt.req_pool.free(rows[1])  # freed rows are refused too
     with pytest.raises(
         RequestRowError, match=rf"\[{rows[1]}\] were never allocated \(or were freed\)"

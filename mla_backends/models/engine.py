@@ -3,7 +3,9 @@ prefix, decode, verify. Used by the model tests and the `run` command."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -24,6 +26,7 @@ class Engine:
         self.device = runtime.kv_pool.device
         self.runner: CudaGraphRunner | None = None
         self._drafts: int | None = None  # draft tokens per request of the last verify step
+        self._verified: list[int] = []  # its rows, in order
 
     def enable_graphs(
         self, batch_sizes: Sequence[int] | None = None, use_graphs: bool = True
@@ -56,19 +59,42 @@ class Engine:
     def step(
         self, mode: ForwardMode, rows: Sequence[int], tokens: Sequence[Sequence[int]]
     ) -> torch.Tensor:
-        """Append `tokens[i]` to request `rows[i]` and run them: logits [sum len, vocab]."""
+        """Append `tokens[i]` to request `rows[i]` and run them: logits [sum len, vocab].
+        Token ids are checked before anything is allocated (on a GPU an id past the vocabulary
+        is a device-side assert, fatal to the process); if the step raises, every row is
+        truncated back to its length before it, so a retry does not attend over slots that
+        were allocated but never written. (A hybrid model's recurrent states advance layer by
+        layer and are not rolled back: after a step that raised inside the model, free its
+        requests.)"""
+        if len(rows) != len(tokens):
+            raise ValueError(f"rows ({len(rows)}) and tokens ({len(tokens)}) differ")
+        vocab: int = cast(Any, self.model).cfg.vocab_size  # every model here keeps a cfg
+        flat = [t for ts in tokens for t in ts]
+        bad = [t for t in flat if isinstance(t, bool) or not 0 <= operator.index(t) < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
         lens = [len(t) for t in tokens]
-        self._drafts = lens[0] if mode is ForwardMode.TARGET_VERIFY else None
+        self._drafts = None
         prefix = [self.rt.allocator.seq_len(r) for r in rows]
         loc = self.rt.allocator.alloc_extend(rows, lens)
-        batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
-        r = self.runner
-        if r is not None and r.mode is mode and len(rows) <= r.batch_sizes[-1]:
-            # The static output is overwritten by the next replay: hand out a copy.
-            return r.replay(batch, {"ids": ids}).clone()
-        self.backend.init_forward_metadata(batch)  # once for every layer
-        return self.model(ids, batch, self.backend)
+        try:
+            batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
+            ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+            r = self.runner
+            if r is not None and r.mode is mode and len(rows) <= r.batch_sizes[-1]:
+                # The static output is overwritten by the next replay: hand out a copy.
+                out = r.replay(batch, {"ids": ids}).clone()
+            else:
+                self.backend.init_forward_metadata(batch)  # once for every layer
+                out = self.model(ids, batch, self.backend)
+        except BaseException:
+            for row, p in zip(rows, prefix):
+                self.rt.allocator.truncate(row, p)
+            raise
+        if mode is ForwardMode.TARGET_VERIFY:
+            self._drafts = lens[0]
+            self._verified = list(rows)
+        return out
 
     def extend(self, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         return self.step(ForwardMode.EXTEND, rows, tokens)
@@ -86,6 +112,13 @@ class Engine:
         drafts = self._drafts
         if drafts is None:
             raise RuntimeError("accept() follows a verify() step")
+        if list(rows) != self._verified:
+            raise ValueError(
+                f"accept() takes the rows of the verify step, in its order: {self._verified}, "
+                f"got {list(rows)}"
+            )
+        if len(accepted) != len(rows):
+            raise ValueError(f"{len(accepted)} accepted counts for {len(rows)} rows")
         if any(not 0 <= a <= drafts for a in accepted):
             raise ValueError(f"accepted counts must be in 0..{drafts}, got {list(accepted)}")
         self._drafts = None
