@@ -369,6 +369,64 @@ def test_fp8_block_scaled_weights_dequantize_on_load(hf_checkpoint, tmp_path: Pa
         load_model(fp8)
 
 
+def test_fp8_e5m2_weights_dequantize_and_stray_scales_are_refused(
+    hf_checkpoint, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """An e5m2 weight is scaled like an e4m3 one (it once loaded unscaled); a _scale_inv
+    beside a weight that is not float8 is refused (nothing would apply it)."""
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "e5m2"
+    _copy(hf_checkpoint[0], ck)
+    tensors = load_file(str(ck / "model.safetensors"))
+    name = "model.layers.2.self_attn.q_b_proj.weight"
+    w = tensors[name]
+    scale = torch.tensor([[w.abs().max() / 57344.0]])
+    tensors[name] = (w / scale).to(torch.float8_e5m2)
+    tensors[name + "_scale_inv"] = scale
+    save_file(tensors, str(ck / "model.safetensors"))
+    got = load_model(ck).state_dict()[name]
+    torch.testing.assert_close(got, tensors[name].float() * scale, rtol=0, atol=0)
+    tensors[name] = w
+    save_file(tensors, str(ck / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name}: torch.float32 weight with a {name}_sc"):
+        load_model(ck)
+
+
+@pytest.mark.parametrize("case", ["duplicate", "index-picks", "no-shard", "bad-index", "torn"])
+def test_shards_are_read_as_the_index_says(hf_checkpoint, tmp_path: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+    """Without an index a tensor in two files is refused (a stale copy once won by file
+    order); with one, each tensor comes from the shard its weight_map names; a missing or
+    unreadable shard and a malformed index are one-line CheckpointErrors naming the file."""
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    _copy(hf_checkpoint[0], ck)
+    tensors = load_file(str(ck / "model.safetensors"))
+    stale = {"model.norm.weight": torch.full_like(tensors["model.norm.weight"], 7.0)}
+    save_file(stale, str(ck / "model_old.safetensors"))
+    wmap = {k: "model.safetensors" for k in tensors}
+    index = ck / "model.safetensors.index.json"
+    if case == "duplicate":
+        pattern = r"'model.norm.weight' is in both model.safetensors and model_old.safetensors"
+    elif case == "index-picks":
+        index.write_text(json.dumps({"weight_map": wmap}))
+        got = load_model(ck).state_dict()["model.norm.weight"]
+        assert torch.equal(got, tensors["model.norm.weight"])
+        return
+    elif case == "no-shard":
+        index.write_text(json.dumps({"weight_map": {**wmap, "model.norm.weight": "gone.st"}}))
+        pattern = r"gone.st: shard named by the index is missing"
+    elif case == "bad-index":
+        index.write_text(json.dumps({"metadata": {}}))
+        pattern = r"index.json: needs a 'weight_map' object"
+    else:
+        (ck / "model_old.safetensors").write_bytes(b"\x08\x00\x00\x00\x00")
+        pattern = r"model_old.safetensors: cannot read it as safetensors"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(ck)
+
+
 def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
     raw = {k: v for k, v in TINY_HF.items() if k != "rope_scaling"}
     old = DeepseekV3Config.from_hf(

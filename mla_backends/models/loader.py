@@ -1,8 +1,8 @@
 """Load HF-layout safetensors (one file or shards with an index) into our DeepSeek-V3.
 
-DeepSeek's block-scaled FP8 weights (`W` float8_e4m3fn with `W_scale_inv` per 128 x 128
-block) are dequantized on load. Every tensor the model needs must be present with the right
-shape and a floating dtype; errors name the tensor. Extra tensors (the MTP layer, say) are
+DeepSeek's block-scaled FP8 weights (`W` float8, e4m3 or e5m2, with `W_scale_inv` per
+128 x 128 block) are dequantized on load. Every tensor the model needs must be present with
+the right shape and a floating dtype; errors name the tensor. Extra tensors (the MTP layer, say) are
 left out and counted.
 """
 
@@ -18,6 +18,7 @@ from mla_backends.arith import cdiv
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 BLOCK = 128
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 class CheckpointError(ValueError):
@@ -40,19 +41,63 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _index_shards(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file); CheckpointError naming the file."""
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: cannot read it as JSON: {e}") from None
+    wmap = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wmap, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+    ):
+        raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> file")
+    return wmap
+
+
+def _load_shard(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    if not path.is_file():
+        raise CheckpointError(f"{path}: shard named by the index is missing")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot read it as safetensors: {e}") from None
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name. With an index, each tensor comes from the
+    shard its weight_map names (other files, a stale copy say, are not read for it); without
+    one, a name found in two files is refused (which one is meant is not knowable)."""
     index = path / "model.safetensors.index.json"
+    out: dict[str, torch.Tensor] = {}
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = sorted(p.name for p in path.glob("*.safetensors"))
+        wmap = _index_shards(index)
+        for shard in sorted(set(wmap.values())):
+            for name, t in _load_shard(path / shard).items():
+                if wmap.get(name) == shard:
+                    out[name] = t
+        missing = sorted(set(wmap) - set(out))
+        if missing:
+            raise CheckpointError(
+                f"{index}: {len(missing)} tensor(s) not in the shards it names, e.g. "
+                f"{missing[0]!r} (in {wmap[missing[0]]!r})"
+            )
+        return out
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{path}: no *.safetensors files")
-    out: dict[str, torch.Tensor] = {}
+    seen: dict[str, str] = {}
     for shard in shards:
-        out.update(load_file(str(path / shard)))
+        for name, t in _load_shard(path / shard).items():
+            if name in seen:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is in both {seen[name]} and {shard} (no "
+                    "model.safetensors.index.json says which): remove the stale file"
+                )
+            seen[name] = shard
+            out[name] = t
     return out
 
 
@@ -77,11 +122,16 @@ def fetch_tensor(
     if name not in tensors:
         raise CheckpointError(f"checkpoint lacks tensor {name!r} {list(shape)}")
     t = tensors[name]
-    if t.dtype == torch.float8_e4m3fn:
-        scale = tensors.get(name + "_scale_inv")
+    scale = tensors.get(name + "_scale_inv")
+    if t.dtype in FLOAT8:
         if scale is None:
             raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
         t = dequant_fp8_blocks(t, scale, name)
+    elif scale is not None:  # a scale nobody applies would leave the weight off by it
+        raise CheckpointError(
+            f"{name}: {t.dtype} weight with a {name}_scale_inv (only float8 weights are "
+            "block-scaled)"
+        )
     if not t.is_floating_point():
         raise CheckpointError(f"{name}: dtype {t.dtype}, expected a floating dtype")
     return t
