@@ -427,6 +427,41 @@ def test_shards_are_read_as_the_index_says(hf_checkpoint, tmp_path: Path, case: 
         load_model(ck)
 
 
+BAD_CONFIGS = {
+    "heads<0": (
+        {"num_attention_heads": -4},
+        r"num_attention_heads must be an integer >= 1, got -4",
+    ),
+    "layers-str": ({"num_hidden_layers": "3"}, r"num_hidden_layers must be an integer >= 1"),
+    "lora-null": ({"kv_lora_rank": None}, r"kv_lora_rank must be an integer >= 1, got None"),
+    "groups": ({"n_group": 3}, r"n_routed_experts \(8\) must split into n_group \(3\) groups"),
+    "experts-k": ({"num_experts_per_tok": 20}, r"num_experts_per_tok \(20\) must fit"),
+    "eps-nan": ({"rms_norm_eps": float("nan")}, r"rms_norm_eps must be a finite number > 0"),
+    "rope-odd": ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim must be even"),
+    "yarn-factor": (
+        {"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64}},
+        r"rope_scaling \(yarn\) lacks 'factor'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
+def test_bad_config_values_fail_at_load_naming_the_field(
+    hf_checkpoint, tmp_path: Path, case: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A config.json value no model can run (wrong type, out of range, MoE groups that do
+    not split, yarn without its factor) is a CheckpointError naming the field when the
+    model is built, not a TypeError / RuntimeError inside a layer later."""
+    change, pattern = BAD_CONFIGS[case]
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    raw = json.loads((hf_checkpoint[0] / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    (ck / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(ck)
+
+
 def test_config_from_hf_reads_rope_scaling_both_spellings() -> None:
     raw = {k: v for k, v in TINY_HF.items() if k != "rope_scaling"}
     old = DeepseekV3Config.from_hf(

@@ -309,3 +309,19 @@ def test_missing_indexer_tensor_is_named(hf_checkpoint, tmp_path: Path) -> None:
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"checkpoint lacks tensor '{name}' \[32, 64\]"):
         load_model(bad)
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        ({"index_topk": 0}, r"index_topk must be an integer >= 1, got 0"),
+        ({"index_n_heads": "64"}, r"index_n_heads must be an integer >= 1"),
+        ({"indexer_rope_interleave": True}, r"indexer_rope_interleave=True \(GLM-5\)"),
+    ],
+    ids=["topk0", "heads-str", "interleave"],
+)
+def test_bad_indexer_config_fails_when_the_config_is_read(change: dict, pattern: str) -> None:
+    """The indexer's fields are checked with the rest of config.json (a ValueError naming
+    the field; `load_model` makes it a one-line CheckpointError), not when a layer runs."""
+    with pytest.raises(ValueError, match=pattern):
+        DeepseekV32Config.from_hf(dict(TINY_HF, **change))

@@ -71,6 +71,48 @@ class DeepseekV3Config:
             raise ValueError(f"config.json lacks {missing}")
         return cls(**{k: v for k, v in raw.items() if k in names})
 
+    def __post_init__(self) -> None:
+        """Every field a usable value (ValueError naming it: `load_model` makes that one line
+        naming config.json), so a bad config fails here, not inside a layer."""
+        positive = [
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+            "n_group", "topk_group",
+        ]  # fmt: skip
+        for name in positive:
+            _int_field(name, getattr(self, name), 1)
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            _int_field(name, getattr(self, name), 0)
+        if self.q_lora_rank is not None:
+            _int_field("q_lora_rank", self.q_lora_rank, 1)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
+            _positive_number(name, getattr(self, name))
+        e, g = self.n_routed_experts, self.n_group
+        if self.first_k_dense_replace < self.num_hidden_layers:  # MoE layers exist
+            if e % g or e // g < 2:  # the gate scores a group by its top two experts
+                raise ValueError(
+                    f"n_routed_experts ({e}) must split into n_group ({g}) groups of >= 2"
+                )
+            if self.topk_group > g or self.num_experts_per_tok > self.topk_group * (e // g):
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must fit in topk_group "
+                    f"({self.topk_group}) of n_group ({g}) groups of {e // g} experts"
+                )
+        if self.rope_scaling:  # yarn
+            rs = self.rope_scaling
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in rs:
+                    raise ValueError(f"rope_scaling (yarn) lacks {key!r}")
+            _positive_number("rope_scaling.factor", rs["factor"])
+            _int_field(
+                "rope_scaling.original_max_position_embeddings",
+                rs["original_max_position_embeddings"],
+                1,
+            )
+
     @property
     def attention_dims(self) -> MLADims:
         rs = self.rope_scaling
@@ -83,6 +125,17 @@ class DeepseekV3Config:
             rope_scaling_factor=float(rs.get("factor", 1.0)),
             mscale_all_dim=float(rs.get("mscale_all_dim", 0.0) or 0.0),
         )
+
+
+def _int_field(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _positive_number(name: str, value: Any) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def f_default_missing(cls: type, name: str) -> bool:

@@ -37,6 +37,14 @@ class DeepseekV32Config(DeepseekV3Config):
     index_topk: int = 2048
     indexer_rope_interleave: bool = False  # GLM-5 sets True; V3.2 has no key (NeoX RoPE)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.indexer_dims()  # the indexer's own refusals, at load
+
     def indexer_dims(self, quantized: bool = True) -> IndexerDims:
         if self.indexer_rope_interleave:
             raise ValueError("indexer_rope_interleave=True (GLM-5) is not implemented")
