@@ -284,8 +284,9 @@ def _model_from_yaml(value: Any, where: str) -> MLADims:
     raise ConfigError(f"{where}: model must be a name {sorted(NAMED_DIMS)} or a mapping of dims")
 
 
-def config_from_dict(raw: dict[str, Any], where: str = "<dict>") -> Config:
-    """Build and validate a Config; resolves "auto" backends for the machine this runs on."""
+def config_from_dict(raw: dict[str, Any], where: str = "<dict>", resolve: bool = True) -> Config:
+    """Build and validate a Config; resolves "auto" backends for the machine this runs on
+    (`resolve`; a caller that changes the model dims first resolves after that itself)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: top level must be a mapping, got {type(raw).__name__}")
     allowed = {f.name for f in dataclasses.fields(Config)}
@@ -301,6 +302,8 @@ def config_from_dict(raw: dict[str, Any], where: str = "<dict>") -> Config:
         raise ConfigError(f"{where}: {e}") from None
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from None
+    if not resolve:
+        return cfg
     from mla_backends.backends.registry import resolve_backends
 
     return resolve_backends(cfg, where)
@@ -331,8 +334,9 @@ def config_source(path: str | Path | None) -> Path | Traversable:
     )
 
 
-def load_config(path: str | Path | None = None) -> Config:
-    """Read, validate and resolve a YAML config (None: the shipped default)."""
+def load_config(path: str | Path | None = None, resolve: bool = True) -> Config:
+    """Read, validate and resolve a YAML config (None: the shipped default); `resolve`:
+    as `config_from_dict`'s."""
     src = config_source(path)
     try:
         text = src.read_text()
@@ -342,4 +346,4 @@ def load_config(path: str | Path | None = None) -> Config:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{src}: not valid YAML: {e}") from None
-    return config_from_dict({} if raw is None else raw, str(src))
+    return config_from_dict({} if raw is None else raw, str(src), resolve)

@@ -202,9 +202,18 @@ def _serve(
 
 
 def run(args: argparse.Namespace) -> int:
-    base = load_config(args.config)
+    # Backends are resolved (and refused) once the checkpoint's dims replace the config's.
+    base = load_config(args.config, resolve=False)
     base = dataclasses.replace(base, max_context_len=max(base.max_context_len, 64 + args.max_new))
     allowed = max_requests(base, args.max_new)
+    if allowed == 0:
+        src = args.config or "the shipped default"
+        first = prompt_lengths(1)[0]
+        raise UsageError(
+            f"--max-new {args.max_new} does not fit this config ({src}: {base.num_pages} "
+            f"pages of {base.page_size} tokens): one request of {first} prompt tokens plus "
+            f"--max-new needs {cdiv(first + args.max_new - 1, base.page_size)} pages"
+        )
     if args.requests > allowed:
         raise UsageError(
             f"--requests {args.requests} is out of range: 1..{allowed} with this config "
