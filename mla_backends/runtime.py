@@ -10,7 +10,7 @@ from mla_backends.allocator import PagedTokenAllocator
 from mla_backends.backends.base import BackendContext, MLABackend
 from mla_backends.backends.dispatch import DispatchBackend
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.backends.registry import get_backend_class
+from mla_backends.backends.registry import get_backend_class, resolve_backends
 from mla_backends.config import Config, ConfigError
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 
@@ -42,6 +42,10 @@ class Runtime:
                 "mla_backends.dcp.build_dcp_runtime(config, group) inside a torch.distributed "
                 "process group of that size"
             )
+        # "auto" resolved and each choice checked here too: a Config built in Python never
+        # went through load_config, and an impossible backend must be a ConfigError now, not
+        # a crash inside a kernel (resolved names stay as they are)
+        config = resolve_backends(config, "Runtime.build")
         dev, dims = config.torch_device, config.model
         pool = MLATokenToKVPool(
             config.num_layers,
