@@ -30,18 +30,23 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= {low}")
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {span}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer >= {low}" if high is None else f"integer in {low}..{high}"
     return parse
+
+
+# torch.manual_seed takes a 64-bit seed; a larger one was an OverflowError traceback
+SEED = int_at_least(0, 2**63 - 1)
 
 
 def int_list(low: int = 1) -> Callable[[str], list[int]]:
@@ -122,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MHA prefill, against the fp64 MHA-expanded reference.",
     )
     add_config_argument(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.set_defaults(func=_verify)
     b = sub.add_parser(
         "bench",

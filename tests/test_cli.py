@@ -101,6 +101,23 @@ BAD_INPUTS = [
         r"default: max_requests 64, 256 pages of 16 tokens",
     ),
     (
+        "run-seed-past-64-bits",
+        lambda t: ["run", "--seed", "99999999999999999999999"],
+        r"run: error: argument --seed: 99999999999999999999999 is out of range: must be in "
+        r"0\.\.9223372036854775807",
+    ),
+    (
+        "verify-negative-seed",
+        lambda t: ["verify", "--seed", "-1"],
+        r"verify: error: argument --seed: -1 is out of range: must be in 0\.\.",
+    ),
+    (
+        "run-max-new-fits-no-request",
+        lambda t: ["run", "--max-new", "100000"],
+        r"run: error: --max-new 100000 does not fit this config \(the shipped default: 256 "
+        r"pages of 16 tokens\): one request of 3 prompt tokens plus --max-new needs 6251 pages",
+    ),
+    (
         "run-missing-model-folder",
         lambda t: ["run", "--model", str(t / "no-such-checkpoint")],
         r"run: error: argument --model: .*no-such-checkpoint does not exist; expected a "

@@ -403,3 +403,17 @@ def test_hf_safetensors_errors_name_the_tensor(tmp_path) -> None:  # type: ignor
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"full_attn_layers = \[1, 5\].*gives \[4, 8\]"):
         load_kimi_linear(tmp_path)
+
+
+def test_state_pool_smaller_than_the_request_table_is_refused() -> None:
+    """A request's state slot is its request row: a state pool with fewer slots than the
+    table has rows is refused when the backend is built (it was an IndexError at the first
+    new request beyond it, with that request's rows left taken)."""
+    eng = _engine(_model())
+    cfg = eng.model.cfg
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    small = LinearStatePool(
+        cfg.kinds.count("linear"), 2, h, d, d, 3 * h * d, cfg.conv_kernel, "cpu"
+    )
+    with pytest.raises(ValueError, match=r"state pool has 3 slots, the request table 7 rows"):
+        HybridBackend(eng.rt.backend, LinearAttentionBackend(small), cfg.kinds)

@@ -72,6 +72,14 @@ class HybridBackend:
             raise ValueError(f"MLA pool has {full.pool.num_layers} layers, the map {n_full} full")
         if linear.pool.num_layers != n_lin:
             raise ValueError(f"state pool has {linear.pool.num_layers} layers, map {n_lin} linear")
+        # a request's state slot is its request row (linear.state_pool): one slot a row
+        slots, rows = linear.pool.recurrent.shape[1], full.ctx.req_to_token_pool.size + 1
+        if slots < rows:
+            raise ValueError(
+                f"state pool has {slots} slots, the request table {rows} rows (max_requests "
+                f"{rows - 1} + the dummy row): build LinearStatePool with max_requests >= "
+                f"{rows - 1}"
+            )
 
     @property
     def name(self) -> str:

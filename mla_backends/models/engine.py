@@ -48,7 +48,12 @@ class Engine:
 
     def new_requests(self, n: int) -> list[int]:
         rows = self.rt.req_pool.alloc(n)
-        self.backend.reset_requests(rows)  # recurrent state starts from zero (hybrid models)
+        try:
+            self.backend.reset_requests(rows)  # recurrent state starts from zero (hybrid)
+        except BaseException:
+            for row in rows:
+                self.rt.req_pool.free(row)
+            raise
         return rows
 
     def free(self, row: int) -> None:

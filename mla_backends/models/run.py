@@ -20,7 +20,7 @@ from mla_backends.backends.base import BackendContext
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.backends.reference_backend import ReferenceBackend
 from mla_backends.backends.registry import resolve_backends
-from mla_backends.cli import UsageError, add_config_argument, existing_dir, int_at_least
+from mla_backends.cli import SEED, UsageError, add_config_argument, existing_dir, int_at_least
 from mla_backends.config import Config, load_config
 from mla_backends.models.choices import Selections
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests in the batch; at most what the config's pool holds (the error says)",
     )
     p.add_argument("--max-new", type=int_at_least(1), default=8, help="tokens generated each")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
 
 
 def prompt_lengths(n: int) -> list[int]:
