@@ -42,10 +42,9 @@ class Runtime:
                 "mla_backends.dcp.build_dcp_runtime(config, group) inside a torch.distributed "
                 "process group of that size"
             )
-        # "auto" resolved and each choice checked here too: a Config built in Python never
-        # went through load_config, and an impossible backend must be a ConfigError now, not
-        # a crash inside a kernel (resolved names stay as they are)
-        config = resolve_backends(config, "Runtime.build")
+        # "auto" resolved here too (a Config built in Python never went through load_config
+        # and kept it: a KeyError); named backends are the caller's (load_config checks them)
+        config = resolve_backends(config, "Runtime.build", check=False)
         dev, dims = config.torch_device, config.model
         pool = MLATokenToKVPool(
             config.num_layers,

@@ -195,3 +195,20 @@ def test_dcp_keys_are_checked_and_a_single_process_runtime_refuses_dcp(tmp_path:
     cfg = load_config(_write(tmp_path, "dcp_size: 2\ndevice: cpu\n"))
     with pytest.raises(ConfigError, match=r"dcp_size=2: build each rank with .*build_dcp_runtime"):
         Runtime.build(cfg)
+
+
+def test_runtime_build_resolves_auto_and_a_triton_cpu_runtime_fails_when_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Config built in Python keeps "auto" (only load_config resolved it): Runtime.build
+    resolves it (it was a KeyError); the triton backend on a CPU outside the interpreter is a
+    ConfigError when built (it was Triton's "0 active drivers" at the first launch)."""
+    from mla_backends import TINY, Config, Runtime
+
+    rt = Runtime.build(Config(model=TINY, prefill_backend="auto", decode_backend="auto"))
+    assert "auto" not in (rt.config.prefill_backend, rt.config.decode_backend)
+    assert rt.backend is not None
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = Config(model=TINY, prefill_backend="torch", decode_backend="triton", device="cpu")
+    with pytest.raises(ConfigError, match=r"triton backend on a CPU: .*TRITON_INTERPRET=1"):
+        Runtime.build(cfg)

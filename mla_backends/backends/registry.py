@@ -83,8 +83,11 @@ def why_not(name: str, config: Config, cap: Capability, role: str) -> str | None
     return cls.supports(config, cap, role)
 
 
-def resolve_backends(config: Config, where: str = "<config>") -> Config:
-    """Resolve "auto" and check both choices against this machine, once, at config load."""
+def resolve_backends(config: Config, where: str = "<config>", check: bool = True) -> Config:
+    """Resolve "auto" and check both choices against this machine, once, at config load.
+    `check=False` (`Runtime.build`): "auto" resolved, unknown names refused, but a named
+    backend is taken as the caller's choice (a decode-only runtime naming a decode backend
+    for both roles, a kernel swapped for its emulation in the SM100 contract tests)."""
     import dataclasses
 
     from mla_backends.backends.base import Capability
@@ -112,7 +115,7 @@ def resolve_backends(config: Config, where: str = "<config>") -> Config:
         if name not in _MODULES and name not in _REGISTRY:
             allowed = ["auto", *_MODULES]
             raise ConfigError(f"{where}: {key}={name!r} is unknown; allowed: {allowed}")
-        reason = why_not(name, config, cap, role)
+        reason = why_not(name, config, cap, role) if check else None
         if reason is not None:
             ok = [n for n in available_backends() if why_not(n, config, cap, role) is None]
             raise ConfigError(

@@ -18,7 +18,7 @@ from mla_backends.backends.base import BackendCaps, BackendContext, Capability, 
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.checks import check_tensor
-from mla_backends.config import Config
+from mla_backends.config import Config, ConfigError
 from mla_backends.indices import build_page_table, page_table_width
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,14 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         from mla_backends.kernels import common, mha_prefill, mla_attention, store, tuning
+
+        if self.device.type == "cpu" and not common.interpreting():
+            # Hazard: built anyway (Runtime.build takes named backends as given), every launch
+            # would fail inside Triton ("0 active drivers")
+            raise ConfigError(
+                "triton backend on a CPU: its kernels run there only in Triton's interpreter "
+                "(TRITON_INTERPRET=1, tests); use the torch backend"
+            )
 
         self._k_attn, self._k_mha, self._k_store = mla_attention, mha_prefill, store
         self._tune = tuning
