@@ -346,8 +346,15 @@ def test_bad_checkpoints_fail_naming_the_tensor(
         load_model(bad)
 
 
-def test_fp8_block_scaled_weights_dequantize_on_load(hf_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """DeepSeek's checkpoint format: float8 weights with per-128x128-block `_scale_inv`."""
+@pytest.mark.parametrize(
+    "dtype, fmax, rel", [(torch.float8_e4m3fn, 448.0, 2**-4), (torch.float8_e5m2, 57344.0, 2**-3)]
+)
+def test_fp8_block_scaled_weights_dequantize_on_load(
+    hf_checkpoint, tmp_path: Path, dtype: torch.dtype, fmax: float, rel: float
+) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek's checkpoint format: float8 weights (e4m3; e5m2 once loaded unscaled) with
+    per-128x128-block `_scale_inv`, dequantized on load; a float8 weight without its scale,
+    and a scale beside a weight that is not float8 (nothing would apply it), are refused."""
     from safetensors.torch import load_file, save_file
 
     fp8 = tmp_path / "fp8"
@@ -355,42 +362,21 @@ def test_fp8_block_scaled_weights_dequantize_on_load(hf_checkpoint, tmp_path: Pa
     tensors = load_file(str(fp8 / "model.safetensors"))
     name = "model.layers.2.self_attn.q_b_proj.weight"
     w = tensors[name]
-    scale = torch.tensor([[w.abs().max() / 448.0]])
-    tensors[name] = (w / scale).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[w.abs().max() / fmax]])
+    tensors[name] = (w / scale).to(dtype)
     tensors[name + "_scale_inv"] = scale
     save_file(tensors, str(fp8 / "model.safetensors"))
-    model = load_model(fp8)
-    got = model.state_dict()[name]
+    got = load_model(fp8).state_dict()[name]
     torch.testing.assert_close(got, tensors[name].float() * scale, rtol=0, atol=0)
-    assert (got - w).abs().max() <= w.abs().max() * 2**-4
+    assert (got - w).abs().max() <= w.abs().max() * rel
     del tensors[name + "_scale_inv"]
     save_file(tensors, str(fp8 / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"{name}: float8 weight without"):
         load_model(fp8)
-
-
-def test_fp8_e5m2_weights_dequantize_and_stray_scales_are_refused(
-    hf_checkpoint, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
-    """An e5m2 weight is scaled like an e4m3 one (it once loaded unscaled); a _scale_inv
-    beside a weight that is not float8 is refused (nothing would apply it)."""
-    from safetensors.torch import load_file, save_file
-
-    ck = tmp_path / "e5m2"
-    _copy(hf_checkpoint[0], ck)
-    tensors = load_file(str(ck / "model.safetensors"))
-    name = "model.layers.2.self_attn.q_b_proj.weight"
-    w = tensors[name]
-    scale = torch.tensor([[w.abs().max() / 57344.0]])
-    tensors[name] = (w / scale).to(torch.float8_e5m2)
-    tensors[name + "_scale_inv"] = scale
-    save_file(tensors, str(ck / "model.safetensors"))
-    got = load_model(ck).state_dict()[name]
-    torch.testing.assert_close(got, tensors[name].float() * scale, rtol=0, atol=0)
-    tensors[name] = w
-    save_file(tensors, str(ck / "model.safetensors"))
+    tensors[name], tensors[name + "_scale_inv"] = w, scale
+    save_file(tensors, str(fp8 / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"{name}: torch.float32 weight with a {name}_sc"):
-        load_model(ck)
+        load_model(fp8)
 
 
 @pytest.mark.parametrize("case", ["duplicate", "index-picks", "no-shard", "bad-index", "torn"])
