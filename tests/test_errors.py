@@ -38,6 +38,7 @@ def test_absorbed_rejects_bad_q(setup, q, pattern) -> None:  # type: ignore[no-u
 
 def test_absorbed_rejects_mixed_q_dtypes_and_half_given_rows(setup) -> None:  # type: ignore[no-untyped-def]
     rt, batch = setup
+    rt.backend.init_forward_metadata(batch)
     qn, qr = _q()
     with pytest.raises(ShapeError, match=r"q_rope: expected dtype in \['torch.bfloat16'\]"):
         rt.backend.forward_absorbed(0, qn, qr.float(), None, None, batch)
@@ -71,6 +72,29 @@ def test_metadata_must_be_built_first(setup) -> None:  # type: ignore[no-untyped
     rt, batch = setup
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
         rt.backend.forward_absorbed(0, *_q(), None, None, batch)
+
+
+def test_metadata_of_another_batch_is_refused(setup) -> None:  # type: ignore[no-untyped-def]
+    """Metadata built for batch A, attention called with batch B (the engine skipped B's
+    init): refused before anything is stored (it attended over A's rows and lengths, a wrong
+    answer without an error)."""
+    rt, batch = setup
+    rt.backend.init_forward_metadata(batch)
+    other = ForwardBatch.build(
+        ForwardMode.DECODE,
+        batch.req_pool_indices_cpu.tolist(),
+        batch.extend_prefix_lens_cpu.tolist(),
+        [1, 1],
+        batch.out_cache_loc,
+        "cpu",
+    )
+    before = rt.kv_pool.kv_buffer[0].clone()
+    k = torch.randn(2, 512).bfloat16(), torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"not called for this batch \(the metadata is another"):
+        rt.backend.forward_absorbed(0, *_q(), *k, other)
+    after = rt.kv_pool.kv_buffer[0]
+    torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)  # nothing stored
+    rt.backend.forward_absorbed(0, *_q(), None, None, batch)  # its own batch runs
 
 
 # ---------------------------------------------------------------- API misuse: named errors

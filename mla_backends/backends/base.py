@@ -59,6 +59,7 @@ class MLABackend(ABC, Generic[M]):
         self.scale = ctx.dims.softmax_scale
         self.metadata: M | None = None
         self._checked_batch: ForwardBatch | None = None
+        self._metadata_for: ForwardBatch | None = None  # the batch `metadata` was built for
 
     # ------------------------------------------------------------------ capability
     @classmethod
@@ -88,6 +89,7 @@ class MLABackend(ABC, Generic[M]):
         calls of this batch need, once (`_build_metadata`)."""
         self.check_batch(batch)
         self.metadata = self._build_metadata(batch)
+        self._metadata_for = batch
 
     @abstractmethod
     def _build_metadata(self, batch: ForwardBatch) -> M | None:
@@ -126,6 +128,14 @@ class MLABackend(ABC, Generic[M]):
         layer = self.pool.check_layer(layer)
         self.pool.warn_if_uncalibrated(layer)
         self.check_batch(batch)
+        if batch is not self._metadata_for:
+            # Hazard: metadata of another batch attends over its rows, lengths and slots:
+            # a wrong result, or a shape error after the new rows were stored
+            raise RuntimeError(
+                f"{self.name}: init_forward_metadata was not called for this batch"
+                + ("" if self._metadata_for is None else " (the metadata is another batch's)")
+                + "; call it once per batch, before the batch's attention calls"
+            )
         d, t = self.dims, batch.num_tokens
         check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), ACT_DTYPES, self.device)
         check_tensor(
@@ -233,6 +243,7 @@ class GraphHooks(ABC, Generic[M, S]):
 
     name: ClassVar[str]
     metadata: M | None
+    _metadata_for: ForwardBatch | None
     _graph: S | None
     # The error when a graph hook runs before `init_cuda_graph_state` ({name}: the backend's).
     _no_graph_state: ClassVar[str] = (
@@ -259,9 +270,11 @@ class GraphHooks(ABC, Generic[M, S]):
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self.metadata = self._bind_graph(batch, self.graph_state, capture=True)
+        self._metadata_for = batch
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.metadata = self._bind_graph(batch, self.graph_state, capture=False)
+        self._metadata_for = batch
 
 
 class GraphCapable(GraphHooks[M, S], MLABackend[M]):

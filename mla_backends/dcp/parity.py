@@ -98,9 +98,11 @@ class UndefinedEmptyRows(MLABackend):
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata_capture(batch)
+        self._metadata_for = batch
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.inner.init_forward_metadata_replay(batch)
+        self._metadata_for = batch
 
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
