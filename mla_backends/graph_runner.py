@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.checks import check_tensor
 
 Forward = Callable[[ForwardBatch, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -43,15 +45,20 @@ class CudaGraphRunner:
         inputs: dict[str, InputSpec],
         batch_sizes: Sequence[int],
         q_len: int = 1,
-        device: torch.device | str = "cuda",
+        device: torch.device | str | None = None,
         use_graphs: bool = True,
     ) -> None:
+        """`device`: the static buffers' (default: the backend's, else "cuda")."""
         if not backend.supports_graphs:
             raise ValueError(f"backend {backend.name!r} does not support CUDA graphs")
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"CudaGraphRunner: batch sizes must be >= 1, got {list(batch_sizes)}")
+        if isinstance(q_len, bool) or operator.index(q_len) < 1:
+            raise ValueError(f"CudaGraphRunner: q_len must be >= 1, got {q_len!r}")
         self.backend, self.forward, self.q_len = backend, forward, q_len
         self.batch_sizes = sorted(set(batch_sizes))
+        if device is None:
+            device = getattr(backend, "device", None) or "cuda"
         self.device = torch.device(device)
         self.use_graphs = use_graphs
         self.mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
@@ -112,8 +119,18 @@ class CudaGraphRunner:
         self._pos[:t].copy_(batch.positions)
         self._pos[t : bs * self.q_len].zero_()
         for k, buf in self._inputs.items():
-            buf[:t].copy_(inputs[k])
+            buf[:t].copy_(inputs[k])  # shapes checked by `_check_inputs`: copy_ broadcasts
             buf[t : bs * self.q_len].zero_()
+
+    def _check_inputs(self, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> None:
+        """Every captured input given, [tokens, *shape] of its dtype on the runner's device
+        (host checks: a replay copies them into static buffers, where a wrong shape would
+        broadcast or cast silently)."""
+        missing = sorted(set(self._inputs) - set(inputs))
+        if missing:
+            raise ValueError(f"replay inputs lack {missing} (captured: {sorted(self._inputs)})")
+        for k, buf in self._inputs.items():
+            check_tensor(k, inputs[k], (batch.num_tokens, *buf.shape[1:]), buf.dtype, self.device)
 
     # ------------------------------------------------------------------ capture / replay
     def capture(self) -> None:
@@ -165,6 +182,7 @@ class CudaGraphRunner:
         if not self._graphs:
             raise RuntimeError("capture() first")
         self.backend.check_batch(batch)  # rows and lengths, on the host: replay checks nothing
+        self._check_inputs(batch, inputs)
         bs = self.padded_size(batch.batch_size)
         self._load(batch, inputs, bs)
         static = self._static_batch(bs, batch)
@@ -176,7 +194,10 @@ class CudaGraphRunner:
             out = self._outputs[bs]
         else:
             out = self.forward(static, {k: v[: bs * self.q_len] for k, v in self._inputs.items()})
-        return out[: batch.num_tokens]
+        t = batch.num_tokens
+        if isinstance(out, tuple):  # (out, lse): each sliced, never the tuple itself
+            return tuple(o[:t] for o in out)
+        return out[:t]
 
 
 def _collect(path: str, obj: object, snap: dict[str, int]) -> None:

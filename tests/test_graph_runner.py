@@ -16,6 +16,7 @@ import pytest
 import torch
 from parity import graph_params
 
+from mla_backends.checks import ShapeError
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward
 
@@ -129,6 +130,66 @@ def test_runner_refuses_oversized_and_mismatched_batches() -> None:
                 be, partial(absorbed_forward, be), _specs(case), sizes, device="cpu",
                 use_graphs=False,
             )  # fmt: skip
+
+
+def _cpu_runner(q_len: int = 1, sizes=(4,), forward=absorbed_forward):  # type: ignore[no-untyped-def]
+    case = Case("torch", page_size=16, num_heads=16, kv_dtype="float32", dtype="float32")
+    stream = DecodeStream(case, "cpu", num_requests=12)
+    be = stream.rt.backend
+    runner = CudaGraphRunner(
+        be, partial(forward, be), _specs(case), sizes, q_len=q_len, use_graphs=False
+    )
+    return stream, runner
+
+
+def test_replay_checks_its_inputs_and_slices_every_output() -> None:
+    """Replay copies inputs into static buffers, where a wrong token count broadcast and a
+    wrong dtype cast silently: now each input is checked like an eager call's, a missing one
+    named; an (out, lse) forward has both sliced to the real tokens (the tuple itself was
+    sliced: LSE dropped, padded rows returned). The device defaults to the backend's."""
+
+    def with_lse(be, batch, inputs):  # type: ignore[no-untyped-def]
+        return be.forward_absorbed(
+            0, inputs["q_nope"], inputs["q_rope"], inputs["k_nope"], inputs["k_rope"], batch,
+            return_lse=True,
+        )  # fmt: skip
+
+    stream, runner = _cpu_runner(forward=with_lse)
+    assert runner.device == torch.device("cpu")
+    runner.capture()
+    batch, inputs = stream.step(3)
+    with pytest.raises(ValueError, match=r"replay inputs lack \['k_rope'\]"):
+        runner.replay(batch, {k: v for k, v in inputs.items() if k != "k_rope"})
+    with pytest.raises(ShapeError, match=r"q_nope: expected shape \[3, 16, 512\], got \[1, 16"):
+        runner.replay(batch, dict(inputs, q_nope=inputs["q_nope"][:1]))
+    with pytest.raises(ShapeError, match=r"k_nope: expected dtype"):
+        runner.replay(batch, dict(inputs, k_nope=inputs["k_nope"].double()))
+    out, lse = runner.replay(batch, inputs)
+    assert out.shape == (3, 16, 512) and lse.shape == (3, 16)
+    with pytest.raises(ValueError, match="q_len must be >= 1, got 0"):
+        _cpu_runner(q_len=0)
+
+
+def test_a_second_runner_keeps_the_first_runners_graph_state() -> None:
+    """Decode and verify runners on one backend: state is allocated for the largest before
+    capture and kept after (a second runner once replaced the buffers a captured graph
+    reads); one that needs more after a capture is refused."""
+    stream, dec = _cpu_runner(q_len=1, sizes=(2, 4))
+    be = dec.backend
+    ver = CudaGraphRunner(
+        be, partial(absorbed_forward, be), _specs(stream.case), [4], q_len=2, use_graphs=False
+    )  # 8 tokens: the state grows before any capture
+    dec.capture()
+    ver.capture()
+    state = be.graph_state
+    CudaGraphRunner(be, partial(absorbed_forward, be), _specs(stream.case), [2], use_graphs=False)
+    assert be.graph_state is state  # a smaller runner keeps it
+    batch, inputs = stream.step(3)
+    dec.replay(batch, inputs, check_pointers=True)  # the captured buffers are still the ones
+    with pytest.raises(RuntimeError, match=r"already captured; 16 / 16 would replace"):
+        CudaGraphRunner(
+            be, partial(absorbed_forward, be), _specs(stream.case), [16], use_graphs=False
+        )
 
 
 @pytest.mark.parametrize("where, case", graph_params(gpu=True))

@@ -245,6 +245,8 @@ class GraphHooks(ABC, Generic[M, S]):
     metadata: M | None
     _metadata_for: ForwardBatch | None
     _graph: S | None
+    _graph_sizes: tuple[int, int] | None = None  # (max_bs, max_num_tokens) of `_graph`
+    _graph_captured: bool = False  # a graph was captured over `_graph`'s buffers
     # The error when a graph hook runs before `init_cuda_graph_state` ({name}: the backend's).
     _no_graph_state: ClassVar[str] = (
         "{name}: CUDA-graph state not allocated; call init_cuda_graph_state first"
@@ -260,7 +262,22 @@ class GraphHooks(ABC, Generic[M, S]):
         at capture, the views the graph will read; at replay, the same views refilled."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """One static state a backend, sized for its largest runner. Hazard: a second runner
+        (verify beside decode) must not replace buffers a captured graph reads: a state that
+        covers the sizes is kept; a larger one is allocated only before any capture."""
+        have = self._graph_sizes
+        if self._graph is not None and have is not None:
+            if max_bs <= have[0] and max_num_tokens <= have[1]:
+                return
+            if self._graph_captured:
+                raise RuntimeError(
+                    f"{self.name}: CUDA-graph state for {have[0]} requests / {have[1]} tokens "
+                    f"is already captured; {max_bs} / {max_num_tokens} would replace its "
+                    "buffers under the captured graphs: build every runner before capturing"
+                )
+            max_bs, max_num_tokens = max(max_bs, have[0]), max(max_num_tokens, have[1])
         self._graph = self._new_graph_state(max_bs, max_num_tokens)
+        self._graph_sizes = (max_bs, max_num_tokens)
 
     @property
     def graph_state(self) -> S:
@@ -271,6 +288,7 @@ class GraphHooks(ABC, Generic[M, S]):
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self.metadata = self._bind_graph(batch, self.graph_state, capture=True)
         self._metadata_for = batch
+        self._graph_captured = True
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.metadata = self._bind_graph(batch, self.graph_state, capture=False)
