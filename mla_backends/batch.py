@@ -111,6 +111,9 @@ class ForwardBatch:
         """Assemble a batch from host-side lists (the scheduler's view)."""
         if not len(rows) == len(prefix_lens) == len(extend_lens):
             raise ValueError("rows, prefix_lens and extend_lens must have the same length")
+        bad = [(p, n) for p, n in zip(prefix_lens, extend_lens) if p < 0 or n < 0]
+        if bad:  # a negative prefix attended nothing (out 0, LSE -inf), silently
+            raise ValueError(f"prefix and extend lengths must be >= 0, got (prefix, extend) {bad}")
         if mode is ForwardMode.DECODE and any(n != 1 for n in extend_lens):
             raise ValueError(f"DECODE needs one new token per request, got {list(extend_lens)}")
         draft = 0

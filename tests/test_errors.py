@@ -269,3 +269,15 @@ def test_uncalibrated_fp8_pool_warns_once_per_layer(backend: str) -> None:
     assert len(seen) == 1, [str(w.message) for w in seen]
     msg = str(seen[0].message)
     assert "layer 0" in msg and "calibrate_scale" in msg and "set_scale" in msg
+
+
+def test_batch_build_refuses_negative_lengths() -> None:
+    """A negative prefix gave a batch that attended nothing (out 0, LSE -inf) without an
+    error, and a negative extend a cryptic torch.arange error."""
+    loc = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(
+        ValueError, match=r"lengths must be >= 0, got \(prefix, extend\) \[\(-1, 1\)\]"
+    ):
+        ForwardBatch.build(ForwardMode.DECODE, [1], [-1], [1], loc, "cpu")
+    with pytest.raises(ValueError, match=r"\[\(3, -1\)\]"):
+        ForwardBatch.build(ForwardMode.EXTEND, [1, 2], [0, 3], [1, -1], loc, "cpu")

@@ -84,3 +84,14 @@ def test_merge_states_equals_full_attention_and_ignores_empty_side() -> None:
     torch.testing.assert_close(o, full_o, rtol=0, atol=0)
     o, lse = merge_states(e_o, e_l, e_o, e_l)
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+
+
+def test_merge_states_refuses_mismatched_shapes() -> None:
+    """An lse of [n, h, 1] once broadcast into a 4-D output; now every shape is checked."""
+    from mla_backends.checks import ShapeError
+
+    o, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
+    with pytest.raises(ShapeError, match=r"lse1: expected shape \[2, 3\], got \[2, 3, 1\]"):
+        merge_states(o, lse[..., None], o, lse)
+    with pytest.raises(ShapeError, match=r"o2: expected shape \[2, 3, 4\], got \[2, 3, 5\]"):
+        merge_states(o, lse, torch.randn(2, 3, 5), lse)
