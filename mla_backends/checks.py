@@ -45,3 +45,11 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     ia = a.index if a.index is not None else torch.cuda.current_device()
     ib = b.index if b.index is not None else torch.cuda.current_device()
     return ia == ib
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if its last dimension is contiguous, else a contiguous copy. Hazard: our
+    kernels take a tensor's leading strides and assume the last one is 1; a view with
+    another last stride (a transpose) was read at the wrong addresses, a wrong answer
+    without an error. Host check only; the copy is device work (graph-capturable)."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()

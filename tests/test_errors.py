@@ -281,3 +281,56 @@ def test_batch_build_refuses_negative_lengths() -> None:
         ForwardBatch.build(ForwardMode.DECODE, [1], [-1], [1], loc, "cpu")
     with pytest.raises(ValueError, match=r"\[\(3, -1\)\]"):
         ForwardBatch.build(ForwardMode.EXTEND, [1, 2], [0, 3], [1, -1], loc, "cpu")
+
+
+def _last_dim_strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values with a last stride != 1 (a transposed layout)."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_views_whose_last_dim_is_strided_give_the_contiguous_answer(backend: str) -> None:
+    """The Triton kernels take leading strides and assume the last is 1: a transposed q (or
+    index rows) was read at the wrong addresses, a wrong answer without an error (out off by
+    ~1e37 in the dense verify path). Every backend call now equals its contiguous twin:
+    absorbed verify, MHA prefill and sparse attention."""
+    from mla_backends import Config, Runtime
+    from mla_backends.config import TINY_KERNEL as D
+    from mla_backends.sparse.base import SparseContext, create_sparse_backend
+
+    cfg = Config(
+        model=D, prefill_backend=backend, decode_backend=backend, device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, num_pages=8, max_requests=2,
+        max_context_len=64, num_layers=1,
+    )  # fmt: skip
+    rt = Runtime.build(cfg)
+    g = torch.Generator().manual_seed(0)
+    rt.kv_pool.kv_buffer[0].copy_(torch.randn(rt.kv_pool.kv_buffer[0].shape, generator=g))
+    rows = rt.req_pool.alloc(1)
+    rt.allocator.alloc_extend(rows, [30])
+    loc = rt.allocator.alloc_extend(rows, [3])
+    batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, rows, [30], [3], loc, "cpu")
+    t, h, lat, r = 3, D.num_heads, D.kv_lora_rank, D.qk_rope_head_dim
+    qn, qr = torch.randn(t, h, lat, generator=g), torch.randn(t, h, r, generator=g)
+    rt.backend.init_forward_metadata(batch)
+    want = rt.backend.forward_absorbed(0, qn, qr, None, None, batch, return_lse=True)
+    got = rt.backend.forward_absorbed(0, _last_dim_strided(qn), qr, None, None, batch, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    layout = RaggedLayout.from_lens([3], [3], "cpu")
+    q, k = (torch.randn(3, h, D.qk_head_dim, generator=g) for _ in range(2))
+    v = torch.randn(3, h, D.v_head_dim, generator=g)
+    want = rt.backend.forward_mha(q, k, v, layout, return_lse=True)
+    got = rt.backend.forward_mha(_last_dim_strided(q), k, _last_dim_strided(v), layout, True, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    sparse = create_sparse_backend(
+        backend, SparseContext(D, rt.kv_pool, rt.req_pool, 16, torch.float32)
+    )
+    sparse.init_forward_metadata(batch)
+    slots = rt.req_pool.req_to_token[rows[0], :33].long()
+    idx = torch.stack([slots[torch.randperm(30 + i, generator=g)[:16]] for i in range(t)]).int()
+    want = sparse.forward_sparse(0, qn, qr, idx, batch, return_lse=True)
+    got = sparse.forward_sparse(0, _last_dim_strided(qn), qr, idx.t().contiguous().t(), batch, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

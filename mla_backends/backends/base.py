@@ -33,7 +33,7 @@ from mla_backends.backends.context import (  # re-exported: backends import them
     Capability,
 )
 from mla_backends.batch import ForwardBatch, RaggedLayout
-from mla_backends.checks import check_tensor
+from mla_backends.checks import check_tensor, unit_stride
 from mla_backends.config import Config
 
 M = TypeVar("M")  # a backend's metadata dataclass
@@ -145,8 +145,9 @@ class MLABackend(ABC, Generic[M]):
             raise NotImplementedError(f"backend {self.name!r} returns no LSE")
         if (k_nope is None) != (k_rope is None):
             raise ValueError("k_nope and k_rope must both be given or both be None")
+        q_nope, q_rope = unit_stride(q_nope), unit_stride(q_rope)
         if k_nope is not None and k_rope is not None:
-            self.store_kv(layer, batch.out_cache_loc, k_nope, k_rope)
+            self.store_kv(layer, batch.out_cache_loc, unit_stride(k_nope), unit_stride(k_rope))
         out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch, return_lse)
         return (out, lse) if return_lse else out
 
@@ -174,6 +175,7 @@ class MLABackend(ABC, Generic[M]):
         check_tensor("q", q, (layout.num_q, h, dqk), ACT_DTYPES, self.device)
         check_tensor("k", k, (layout.num_kv, h, dqk), q.dtype, self.device)
         check_tensor("v", v, (layout.num_kv, h, d.v_head_dim), q.dtype, self.device)
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
         out, lse = self._attend_mha(q, k, v, layout, causal, return_lse)
         if not return_lse:
             return out

@@ -40,7 +40,7 @@ import torch
 from mla_backends.backends.base import Capability, GraphHooks
 from mla_backends.backends.registry import lookup_class, registrar
 from mla_backends.batch import ForwardBatch
-from mla_backends.checks import check_tensor
+from mla_backends.checks import check_tensor, unit_stride
 from mla_backends.config import MLADims
 from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
 from mla_backends.sparse.fp8_row import Fp8RowPool
@@ -198,6 +198,7 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
             "q_rope", q_rope, (t, d.num_heads, d.qk_rope_head_dim), q_nope.dtype, self.device
         )
         check_tensor("indices", indices, (t, self.topk), torch.int32, self.device)
+        q_nope, q_rope, indices = unit_stride(q_nope), unit_stride(q_rope), unit_stride(indices)
         out, lse = self._attend(layer, q_nope, q_rope, indices)  # LSE is always computed
         return (out, lse) if return_lse else out
 
