@@ -90,6 +90,26 @@ BAD_INPUTS = [
         r"of integers >= 1",
     ),
     (
+        "bench-metadata-on-a-cpu",
+        lambda t: ["bench", "--suite", "metadata", "--backends", "torch", "--out", str(t / "o")],
+        r"bench: config error: --suite metadata: needs a CUDA GPU",
+    ),
+    (
+        "bench-layers-without-graphs",
+        lambda t: ["bench", "--layers", "3", "--out", str(t / "o")],
+        r"bench: error: --layers: the grid times whole steps of --layers calls only with --graphs",
+    ),
+    (
+        "bench-one-token-prompts",
+        lambda t: ["bench", "--suite", "stack", "--stack-size", "tiny", "--prompt", "1"],
+        r"bench: error: argument --prompt: 1 is out of range: must be >= 2",
+    ),
+    (
+        "bench-stack-of-v32",
+        lambda t: ["bench", "--suite", "stack", "--stack-size", "tiny-v32"],
+        r"bench: error: argument --stack-size: invalid choice: 'tiny-v32'",
+    ),
+    (
         "run-zero-requests",
         lambda t: ["run", "--requests", "0"],
         r"run: error: argument --requests: 0 is out of range: must be >= 1",

@@ -530,3 +530,18 @@ def test_seesaw_only_for_h128_and_up(
     tuning.seesaw_on.cache_clear()  # read once a process: read again here and after the test
     request.addfinalizer(tuning.seesaw_on.cache_clear)
     assert not tuning.seesaw_pays(128)
+
+
+def test_mla_attention_refuses_splits_and_blocks_that_are_not_powers_of_two() -> None:
+    """A direct caller's num_splits of 3 was an InterpreterError deep in tl.arange, 0 a
+    negative shift; now one line before any launch (no tensor is read)."""
+    from mla_backends.kernels.mla_attention import mla_attention
+
+    t = torch.zeros(1)
+    for kw, bad in (
+        ({"num_splits": 3}, 3),
+        ({"num_splits": 0}, 0),
+        ({"num_splits": 1, "block_n": 48}, 48),
+    ):
+        with pytest.raises(ValueError, match=rf"must be a power of two >= 1, got {bad}"):
+            mla_attention(t, t, t, t, t, t, 16, 1.0, 1.0, 1, out=t, lse=t, **kw)  # type: ignore[arg-type]

@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="anchors: the first 3 shapes and a 2048-token prefill",
     )
-    p.add_argument("--prompt", type=int_at_least(1), help="stack: mean prompt length (1024)")
+    p.add_argument("--prompt", type=int_at_least(2), help="stack: mean prompt length (1024)")
     p.add_argument("--steps", type=int_at_least(2), help="stack: timed decode steps (20)")
     p.add_argument(
         "--stack-size",

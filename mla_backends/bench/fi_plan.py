@@ -16,7 +16,7 @@ from mla_backends.bench.fixtures import DecodeSetup, decode_setup, require_runs,
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import host_us
-from mla_backends.config import Config
+from mla_backends.config import Config, ConfigError
 
 HEADS, KV_LEN = 16, 1024
 
@@ -71,6 +71,8 @@ def run(opts: Options, config: Config) -> None:
     import triton.testing
 
     dev = config.torch_device
+    if dev.type != "cuda":  # host time of a GPU batch's metadata: CUDA events, a GPU
+        raise ConfigError("--suite fi-plan: needs a CUDA GPU (it times a GPU batch's metadata)")
     batches = pick(opts.batch, [256])
     cap = Capability.detect(dev)
     for batch in batches:  # before any timing: one line if flashinfer_mla cannot run here

@@ -46,6 +46,10 @@ def measure(opts: Options, config: Config) -> dict:
     raws = [r for r in DECODE_PEERS if opts.raw and dev.type == "cuda"]
     if dev.type != "cuda" and (opts.graphs or opts.raw):
         print(f"--graphs / --raw not run: they need a CUDA GPU (this run is on {dev})")
+    if opts.layers is not None and not opts.graphs:
+        raise UsageError(
+            "--layers: the grid times whole steps of --layers calls only with --graphs"
+        )
     result: dict = {
         "device": cap.describe(),
         "torch": torch.__version__,

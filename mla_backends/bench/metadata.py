@@ -18,7 +18,7 @@ from mla_backends.bench.fixtures import decode_setup, require_runs, setup_config
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import host_us
-from mla_backends.config import Config
+from mla_backends.config import Config, ConfigError
 
 HEADS, KV_LEN = 16, 1024
 TARGET_US = 100.0
@@ -27,6 +27,8 @@ BACKENDS = ["flashinfer_mla", "flashmla"]
 
 def run(opts: Options, config: Config) -> None:
     dev = config.torch_device
+    if dev.type != "cuda":  # host time of a GPU batch's metadata: CUDA events, a GPU
+        raise ConfigError("--suite metadata: needs a CUDA GPU (it times a GPU batch's metadata)")
     names, batches = pick(opts.backends, BACKENDS), pick(opts.batch, [256])
     cap = Capability.detect(dev)
     for name in names:  # before any timing: one line if a backend cannot run here

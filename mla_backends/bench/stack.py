@@ -56,7 +56,9 @@ STACK = dict(
         "mscale_all_dim": 1.0,
     },
 )
-SIZES = {"real": STACK, **RANDOM_SIZES}
+# DeepSeek-V3 layer stacks only: a V3.2 model needs the DSA backend `run` builds, not one
+# dense backend (`tiny-v32` here was an AttributeError in its first layer)
+SIZES = {"real": STACK, **{k: v for k, v in RANDOM_SIZES.items() if k != "tiny-v32"}}
 PREFILL_FOR = {"flashmla": "flashinfer_mla"}  # FlashMLA has no prefill path
 
 

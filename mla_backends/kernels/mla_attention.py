@@ -325,6 +325,9 @@ def mla_attention(
     with `block_m` 16 / 32 the narrow kernel (`mla_attention_narrow`); block_n / warps /
     stages then apply only to the fallback, which also takes the call (and every later one)
     if the Gluon kernel fails to build here (`gluon_error`)."""
+    for name, v in (("num_splits", num_splits), ("block_m", block_m), ("block_n", block_n)):
+        if v < 1 or v & (v - 1):  # tl.arange and the merge's split axis need powers of two
+            raise ValueError(f"mla_attention: {name} must be a power of two >= 1, got {v}")
     t, h, lat = q_nope.shape
     r = q_rope.shape[2]
     b = seq_lens.numel()
