@@ -90,6 +90,11 @@ BAD_INPUTS = [
         r"of integers >= 1",
     ),
     (
+        "bench-empty-out",
+        lambda t: ["bench", "--out", ""],
+        r"bench: error: argument --out: expected a folder name, got an empty string",
+    ),
+    (
         "bench-metadata-on-a-cpu",
         lambda t: ["bench", "--suite", "metadata", "--backends", "torch", "--out", str(t / "o")],
         r"bench: config error: --suite metadata: needs a CUDA GPU",

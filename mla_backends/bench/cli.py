@@ -117,7 +117,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(hopper.PARTS),
         help="hopper: which table (default small; see mla_backends/bench/hopper.py)",
     )
-    p.add_argument("--out", default="bench-out", help="folder for the JSON, tables and plot")
+    p.add_argument(
+        "--out", type=_out_folder, default="bench-out", help="folder for the JSON, tables and plot"
+    )
+
+
+def _out_folder(text: str) -> str:
+    """A non-empty folder name (an empty one wrote into the working directory, silently)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder name, got an empty string")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
