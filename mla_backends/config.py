@@ -40,7 +40,8 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the file, key and allowed values."""
 
 
-def _check_int(owner: str, name: str, value: object, low: int) -> None:
+def check_int(owner: str, name: str, value: object, low: int) -> None:
+    """ConfigError (a ValueError) unless `value` is an int >= low; `owner` prefixes the name."""
     # bool is an int subclass and YAML reads `1.0` as a float: both are refused, not coerced.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(
@@ -91,8 +92,8 @@ class MLADims:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            _check_int("model.", name, getattr(self, name), 1)
-        _check_int("model.", "qk_rope_head_dim", self.qk_rope_head_dim, 0)
+            check_int("model.", name, getattr(self, name), 1)
+        check_int("model.", "qk_rope_head_dim", self.qk_rope_head_dim, 0)
         for name in ("rope_scaling_factor", "mscale_all_dim"):
             _check_number("model.", name, getattr(self, name))
         if self.rope_scaling_factor < 1.0:
@@ -200,7 +201,7 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.model, MLADims):
             raise ConfigError(f"model must be an MLADims, got {type(self.model).__name__}")
-        _check_int("", "page_size", self.page_size, 1)
+        check_int("", "page_size", self.page_size, 1)
         if self.page_size not in PAGE_SIZES:
             raise ConfigError(f"page_size={self.page_size} is not one of {PAGE_SIZES}")
         _check_str("kv_dtype", self.kv_dtype, sorted(KV_DTYPES))
@@ -210,7 +211,7 @@ class Config:
         if self.dtype not in ACT_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(ACT_DTYPES)}")
         for name in ("num_layers", "num_pages", "max_requests", "max_context_len"):
-            _check_int("", name, getattr(self, name), 1)
+            check_int("", name, getattr(self, name), 1)
         sizes = self.cuda_graph_batch_sizes
         if (
             not isinstance(sizes, (tuple, list))
@@ -224,7 +225,7 @@ class Config:
         object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))
         for key in ("prefill_backend", "decode_backend"):
             _check_str(key, getattr(self, key), "auto or a backend name")
-        _check_int("", "dcp_size", self.dcp_size, 1)
+        check_int("", "dcp_size", self.dcp_size, 1)
         _check_str("dcp_heads", self.dcp_heads, "replicated, tp")
         if self.dcp_heads not in DCP_HEADS:
             raise ConfigError(f"dcp_heads={self.dcp_heads!r} is not one of {list(DCP_HEADS)}")

@@ -9,10 +9,21 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
+from mla_backends.checks import unit_stride
 from mla_backends.kernels.common import interpreting
 
 if TYPE_CHECKING:
     from mla_backends.sparse.fp8_row import Fp8RowFormat
+
+
+@triton.jit
+def _pow2_ceil(x):
+    """Smallest power of two >= x (x > 0, normal), exactly, through the exponent bits (the
+    ue8m0 scale rule, `sparse.quant.ue8m0_scale`, in a kernel)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = tl.where((bits & 0x7FFFFF) == 0, e, e + 1)
+    return (e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -90,8 +101,7 @@ def store_latent_rows(
     r = k_rope.shape[1]
     if t == 0:
         return
-    if k_nope.stride(1) != 1 or k_rope.stride(1) != 1:
-        k_nope, k_rope = k_nope.contiguous(), k_rope.contiguous()
+    k_nope, k_rope = unit_stride(k_nope), unit_stride(k_rope)
     _store_kernel[(t,)](
         k_nope,
         k_rope,
@@ -159,10 +169,7 @@ def _fp8_row_store_kernel(
     tiles = tl.arange(0, L // TILE)
     x = tl.load(KNope + t * stride_kn + tiles[:, None] * TILE + tl.arange(0, TILE)[None, :])
     x = x.to(tl.float32)
-    y = tl.maximum(tl.max(tl.abs(x), 1), 1e-4) / 448.0
-    bits = y.to(tl.int32, bitcast=True)  # y is a normal fp32 (>= 2.2e-7): exponent, mantissa
-    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23
-    scale = up.to(tl.float32, bitcast=True)
+    scale = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) / 448.0)  # >= 2.2e-7: normal
     q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     if EXACT_FP8_ROUND:
         q = _round_e4m3(q)
@@ -188,8 +195,7 @@ def store_fp8_rows(
     t = k_nope.shape[0]
     if t == 0:
         return
-    if k_nope.stride(1) != 1 or k_rope.stride(1) != 1:
-        k_nope, k_rope = k_nope.contiguous(), k_rope.contiguous()
+    k_nope, k_rope = unit_stride(k_nope), unit_stride(k_rope)
     rb = fmt.row_bytes
     _fp8_row_store_kernel[(t,)](
         k_nope,

@@ -22,7 +22,7 @@ from torch import nn
 
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.config import MLADims
+from mla_backends.config import MLADims, check_int
 from mla_backends.merge import merge_states
 
 C = TypeVar("C", bound="DeepseekV3Config")
@@ -81,11 +81,11 @@ class DeepseekV3Config:
             "n_group", "topk_group",
         ]  # fmt: skip
         for name in positive:
-            _int_field(name, getattr(self, name), 1)
+            check_int("", name, getattr(self, name), 1)
         for name in ("n_shared_experts", "first_k_dense_replace"):
-            _int_field(name, getattr(self, name), 0)
+            check_int("", name, getattr(self, name), 0)
         if self.q_lora_rank is not None:
-            _int_field("q_lora_rank", self.q_lora_rank, 1)
+            check_int("", "q_lora_rank", self.q_lora_rank, 1)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
@@ -107,11 +107,8 @@ class DeepseekV3Config:
                 if key not in rs:
                     raise ValueError(f"rope_scaling (yarn) lacks {key!r}")
             _positive_number("rope_scaling.factor", rs["factor"])
-            _int_field(
-                "rope_scaling.original_max_position_embeddings",
-                rs["original_max_position_embeddings"],
-                1,
-            )
+            orig = rs["original_max_position_embeddings"]
+            check_int("rope_scaling.", "original_max_position_embeddings", orig, 1)
 
     @property
     def attention_dims(self) -> MLADims:
@@ -125,11 +122,6 @@ class DeepseekV3Config:
             rope_scaling_factor=float(rs.get("factor", 1.0)),
             mscale_all_dim=float(rs.get("mscale_all_dim", 0.0) or 0.0),
         )
-
-
-def _int_field(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 def _positive_number(name: str, value: Any) -> None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_backends.batch import ForwardBatch
+from mla_backends.config import check_int
 from mla_backends.models.deepseek_v3 import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -40,9 +41,7 @@ class DeepseekV32Config(DeepseekV3Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("index_n_heads", "index_head_dim", "index_topk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int("", name, getattr(self, name), 1)
         self.indexer_dims()  # the indexer's own refusals, at load
 
     def indexer_dims(self, quantized: bool = True) -> IndexerDims:

@@ -12,23 +12,15 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
+from mla_backends.checks import unit_stride
 from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
-from mla_backends.kernels.store import _round_e4m3, _slot_or_dummy
+from mla_backends.kernels.store import _pow2_ceil, _round_e4m3, _slot_or_dummy
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
 from mla_backends.sparse.topk_kernel import _count_digit, check_counts, check_rows
 
 PAGE_C = tl.constexpr(PAGE)
 ZERO_SHARE = 4096  # counters a program of the q prep zeroes at most (`prepare_q_fused`)
-
-
-@triton.jit
-def _pow2_ceil(x):
-    """Smallest power of two >= x (x > 0, normal), exactly, through the exponent bits."""
-    bits = x.to(tl.int32, bitcast=True)
-    e = (bits >> 23) & 0xFF
-    e = tl.where((bits & 0x7FFFFF) == 0, e, e + 1)
-    return (e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -204,8 +196,7 @@ def prepare_q_fused(
         if zero is not None:
             zero.zero_()
         return out, w_out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q = unit_stride(q)
     cos, sin = cos.contiguous(), sin.contiguous()
     block_r = 16
     n_zero = 0 if zero is None else zero.numel()

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
+from mla_backends.checks import unit_stride
 from mla_backends.kernels.common import interpreting
 
 SPLIT_DONE_C = tl.constexpr(4 * 256 + 2 + 4)  # see COUNTS
@@ -475,8 +476,7 @@ def topk_slots(
     check_rows("topk_slots", t, width, req_to_token, rows, visible)
     if t == 0 or width == 0:
         return torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits = unit_stride(logits)
     if counts is None:
         if counted:
             raise ValueError("topk_slots: counted needs the counters the logits counted into")
