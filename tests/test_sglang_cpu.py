@@ -860,6 +860,26 @@ def test_kit_cuda_graph_decode_mode_dsv3(backend: str) -> None:
     cg.run_mla_cuda_graph_decode_case(ks.KitTestCase(), case, max_context_len=192, **DSV3_KIT)
 
 
+def test_graph_buffers_are_kept_and_a_larger_state_is_refused_after_capture() -> None:
+    """A second `init_cuda_graph_state` (another runner on the same backend) must not
+    replace the static buffers a captured graph's metadata views."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16), batch=4)
+    fb = _extend_batch(runner, 16, (9, 20), (1, 1), seed=1)
+    fb.forward_mode = ForwardMode.DECODE
+    with torch.no_grad():
+        adapter.init_cuda_graph_state(2, 2)
+        adapter.init_cuda_graph_state(4, 4)  # before any capture: grows
+        bufs = adapter._graph
+        cap = _graph_view(fb, 4, 2, ForwardMode.DECODE)
+        cap.num_padding, cap.out_cache_loc = 0, torch.zeros(4, dtype=torch.int64)
+        adapter.init_forward_metadata_out_graph(cap, in_capture=True)
+        adapter.init_cuda_graph_state(2, 4)  # covered: kept
+        assert adapter._graph is bufs
+        with pytest.raises(RuntimeError, match=r"already captured; 4 / 8 would replace"):
+            adapter.init_cuda_graph_state(4, 8)
+    assert adapter._graph is bufs
+
+
 @pytest.mark.parametrize("on_device", [True, False], ids=["in-graph", "out-graph"])
 def test_graph_refill_recorded_in_graph(on_device: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend whose refill is device-only (`graph_refill_on_device`) is refilled by

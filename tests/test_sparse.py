@@ -417,6 +417,25 @@ def test_indexer_graph_metadata_takes_the_looping_logits(monkeypatch: pytest.Mon
     assert set(eager[0].tolist()) == set(graph[0].tolist()) and (eager[0] >= 0).sum() == 8
 
 
+def test_indexer_keeps_its_graph_state_and_refuses_a_larger_one_after_capture() -> None:
+    """A second runner (verify beside decode) once replaced the indexer's graph state, so a
+    decode graph read buffers no replay refilled any more: the rule is the backends' one."""
+    dims = IndexerDims(n_heads=2, head_dim=32, rope_dim=16, topk=8, quantized=True)
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    ix = Indexer(dims, IndexKCache(1, 128, 32, True, "cpu"), r2t, "torch")
+    ix.init_cuda_graph_state(2, 2)
+    ix.init_cuda_graph_state(2, 4)  # before any capture: grows to cover both runners
+    state = ix._graph
+    assert state is not None and state.rows.numel() == 4
+    batch = ForwardBatch.build(ForwardMode.DECODE, [1], [9], [1], r2t[1, 8:9].long(), "cpu")
+    ix.init_forward_metadata_capture(batch)
+    ix.init_cuda_graph_state(1, 2)  # covered: kept
+    assert ix._graph is state
+    with pytest.raises(RuntimeError, match=r"indexer: .*already captured; 2 / 8 would replace"):
+        ix.init_cuda_graph_state(2, 8)
+    assert ix._graph is state
+
+
 def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
     vis = torch.tensor([1, 3, 8, 20])
     logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)

@@ -238,6 +238,31 @@ class MLABackend(ABC, Generic[M]):
         """After TARGET_VERIFY: nothing to keep (the engine truncates rejected KV slots)."""
 
 
+def graph_state_sizes(
+    name: str, have: tuple[int, int] | None, captured: bool, max_bs: int, max_num_tokens: int
+) -> tuple[int, int] | None:
+    """The (max_bs, max_num_tokens) to allocate one static CUDA-graph state for, or None when
+    the state sized `have` covers the request and is kept. Hazard: a second runner (verify
+    beside decode) must not replace buffers a captured graph reads: a larger state is
+    allocated only before any capture (covering both runners), and refused after one."""
+    if max_bs < 1 or max_num_tokens < 1:
+        raise ValueError(
+            f"{name}: CUDA-graph state needs max_bs and max_num_tokens >= 1, "
+            f"got {max_bs} / {max_num_tokens}"
+        )
+    if have is None:
+        return max_bs, max_num_tokens
+    if max_bs <= have[0] and max_num_tokens <= have[1]:
+        return None
+    if captured:
+        raise RuntimeError(
+            f"{name}: CUDA-graph state for {have[0]} requests / {have[1]} tokens is already "
+            f"captured; {max_bs} / {max_num_tokens} would replace its buffers under the "
+            "captured graphs: build every runner before capturing"
+        )
+    return max(max_bs, have[0]), max(max_num_tokens, have[1])
+
+
 class GraphHooks(ABC, Generic[M, S]):
     """CUDA-graph hooks over one static-state dataclass `S`, allocated once for the largest
     batch (`_new_graph_state`). Capture binds slices of it (`_bind_graph`, capture=True);
@@ -264,22 +289,12 @@ class GraphHooks(ABC, Generic[M, S]):
         at capture, the views the graph will read; at replay, the same views refilled."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """One static state a backend, sized for its largest runner. Hazard: a second runner
-        (verify beside decode) must not replace buffers a captured graph reads: a state that
-        covers the sizes is kept; a larger one is allocated only before any capture."""
-        have = self._graph_sizes
-        if self._graph is not None and have is not None:
-            if max_bs <= have[0] and max_num_tokens <= have[1]:
-                return
-            if self._graph_captured:
-                raise RuntimeError(
-                    f"{self.name}: CUDA-graph state for {have[0]} requests / {have[1]} tokens "
-                    f"is already captured; {max_bs} / {max_num_tokens} would replace its "
-                    "buffers under the captured graphs: build every runner before capturing"
-                )
-            max_bs, max_num_tokens = max(max_bs, have[0]), max(max_num_tokens, have[1])
-        self._graph = self._new_graph_state(max_bs, max_num_tokens)
-        self._graph_sizes = (max_bs, max_num_tokens)
+        sizes = graph_state_sizes(
+            self.name, self._graph_sizes, self._graph_captured, max_bs, max_num_tokens
+        )
+        if sizes is not None:
+            self._graph = self._new_graph_state(*sizes)
+            self._graph_sizes = sizes
 
     @property
     def graph_state(self) -> S:

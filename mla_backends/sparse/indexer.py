@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mla_backends.backends.base import graph_state_sizes
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import TOPK_PATHS
 from mla_backends.sparse.index_k import (  # re-exported: the indexer's public names
@@ -116,6 +117,7 @@ class Indexer:
         self.dims, self.cache, self.req_to_token, self.kernels = dims, cache, req_to_token, kernels
         self.metadata: IndexerMetadata | None = None
         self._graph: IndexerGraphState | None = None
+        self._graph_sizes: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ metadata
     def _chunks(self, t: int, width: int, mode: ForwardMode) -> list[tuple[int, int]]:
@@ -137,7 +139,15 @@ class Indexer:
         )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        dev = self.cache.device
+        """One static state, kept or refused as a backend's is (`graph_state_sizes`)."""
+        g = self._graph
+        sizes = graph_state_sizes(
+            "indexer", self._graph_sizes, bool(g and g.captured), max_bs, max_num_tokens
+        )
+        if sizes is None:
+            return
+        max_num_tokens, dev = sizes[1], self.cache.device
+        self._graph_sizes = sizes
         self._graph = IndexerGraphState(
             torch.zeros(max_num_tokens, dtype=torch.int64, device=dev),
             torch.ones(max_num_tokens, dtype=torch.int32, device=dev),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from mla_backends.backends.base import graph_state_sizes
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.integrations.sglang.batches import (
     BatchError,
@@ -112,7 +113,13 @@ class MLABackendAdapter(AttentionBackend):
         }
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._graph = GraphBuffers.allocate(max_bs, max_num_tokens, self.binding.kv_pool.device)
+        # Kept or refused as a backend's state is: captured metadata views these buffers.
+        g = self._graph
+        have = None if g is None else (g.rows.numel(), g.loc.numel())
+        name = self.binding.sgl_name
+        sizes = graph_state_sizes(name, have, bool(self._captured), max_bs, max_num_tokens)
+        if sizes is not None:
+            self._graph = GraphBuffers.allocate(*sizes, self.binding.kv_pool.device)
         self.backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
