@@ -255,6 +255,10 @@ SERVER_REFUSALS = {
         {"speculative_algorithm": "NGRAM", "page_size": 1},
         r"--speculative-ngram-max-bfs-breadth 10: .*use --speculative-ngram-max-bfs-breadth 1",
     ),
+    "full-prefill-graph": (
+        {"cuda_graph_backend_prefill": "full"},
+        r"--cuda-graph-backend-prefill full captures .*use --cuda-graph-backend-prefill breakable",
+    ),
 }
 
 

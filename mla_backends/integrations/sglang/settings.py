@@ -145,15 +145,33 @@ def refusal(sgl_name: str, name: str, config: Config, cap: Capability, role: str
     )
 
 
+def _prefill_graph_backend(server_args: Any) -> str | None:
+    """SGLang's prefill CUDA-graph backend: the resolved config's where it has one, else the
+    --cuda-graph-backend-prefill flag (None: SGLang's default, breakable)."""
+    config = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
+    value = getattr(config, "backend", None) or getattr(
+        server_args, "cuda_graph_backend_prefill", None
+    )
+    return None if value is None else str(getattr(value, "value", value))
+
+
 def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
     """What no backend of ours serves, from SGLang's server flags alone (the launching
     process's check and the factory ask the same): decode context parallelism (`dcp`, SGLang's
-    --dcp-size > 1) and tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
+    --dcp-size > 1), a full prefill CUDA graph (breakable, SGLang's default on CUDA, runs our
+    attention eagerly between its pieces; full would send EXTEND batches to the graph hooks)
+    and tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
     --speculative-ngram-max-bfs-breadth into that top-k, so the message names NGRAM's flag)."""
     if dcp:
         return (
             f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
             "SGLang; start without --dcp-size"
+        )
+    if _prefill_graph_backend(server_args) == "full":
+        return (
+            f"{sgl_name}: --cuda-graph-backend-prefill full captures the prefill's attention "
+            "metadata, which our graph hooks serve for DECODE and TARGET_VERIFY only; use "
+            "--cuda-graph-backend-prefill breakable (the default) or disabled"
         )
     topk = int(getattr(server_args, "speculative_eagle_topk", None) or 1)
     if topk <= 1:
