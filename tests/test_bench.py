@@ -45,7 +45,7 @@ def _tiny_args(tmp_path: Path) -> list[str]:
 def test_tiny_bench_run_with_torch(cli: Cli, tmp_path: Path) -> None:
     proc = cli(*_tiny_args(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    result = json.loads((tmp_path / "out" / "grid.json").read_text())
     assert len(result["rows"]) == 8
     assert all(r["torch_us"] > 0 and r["bytes"] > 0 and r["flops"] > 0 for r in result["rows"])
     c = result["ceilings"]
@@ -85,7 +85,7 @@ def test_bench_without_matplotlib_writes_table_and_json(
     out = capsys.readouterr().out
     if not GPU:  # what a CPU cannot run is one line
         assert "--graphs / --raw not run: they need a CUDA GPU (this run is on cpu)" in out
-    assert json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
+    assert json.loads((tmp_path / "out" / "grid.json").read_text())["rows"]
     assert not (tmp_path / "out" / "roofline.png").exists()
     skipped = [line for line in out.splitlines() if "plot skipped" in line]
     assert len(skipped) == 1 and "pip install 'mla-backends[plot]'" in skipped[0], out
@@ -123,7 +123,7 @@ def test_anchors_suite_on_cpu_keeps_the_recorded_keys(tmp_path: Path) -> None:
         "--peers", "raw_flashmla", "--prefill-tokens", "0",
     )  # fmt: skip
     assert rc == 0, err
-    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    result = json.loads((tmp_path / "out" / "anchors.json").read_text())
     recorded = _recorded("decode-h200-gluon-final.json")
     assert set(result) == set(recorded) - {"prefill"}
     rows = result["decode"]
@@ -148,7 +148,7 @@ def test_prefill_suite_on_cpu_checks_every_path_against_sdpa(tmp_path: Path) -> 
         "--prefill-tokens", "24",
     )  # fmt: skip
     assert rc == 0, err
-    p = json.loads((tmp_path / "out" / "bench.json").read_text())["prefill"]
+    p = json.loads((tmp_path / "out" / "prefill.json").read_text())["prefill"]
     recorded = _recorded("decode-h100-gluon-final.json")["prefill"]
     paths = ["sdpa", "torch_backend", "torch_backend_lse"]
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -197,6 +197,128 @@ def test_bench_out_and_prefill_memory_fail_before_any_timing(
     assert f"--prefill-tokens {prefill.CPU_TOKENS}: out of memory on cpu" in err_text
     assert prefill.default_tokens(torch.device("cpu"), 8192) == prefill.CPU_TOKENS
     assert prefill.default_tokens(torch.device("cuda"), 8192) == 8192
+
+
+def test_suites_sharing_an_out_folder_keep_each_others_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grid, anchors and prefill each write their own JSON (all three wrote bench.json: the
+    second suite into one --out replaced the first's results, beside its roofline plot)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # no plot: faster, same JSON
+    runs = {
+        "grid.json": ["--suite", "grid", "--batch", "1", "--kv-len", "40"],
+        "prefill.json": ["--suite", "prefill", "--heads", "2", "--prefill-tokens", "16"],
+        "anchors.json": [
+            "--suite", "anchors", "--shapes", "16:1:1:64", "--peers", "none",
+            "--prefill-tokens", "0",
+        ],
+    }  # fmt: skip
+    for name, args in runs.items():
+        rc, out, err = _bench(tmp_path, *args, "--backends", "torch")
+        assert rc == 0 and f"wrote {tmp_path / 'out' / name}" in out, (out, err)
+    files = {p.name: json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
+    assert set(files) == set(runs), sorted(files)
+    assert files["grid.json"]["rows"][0]["kv_len"] == 40
+    assert files["prefill.json"]["prefill"]["tokens"] == 16
+    assert files["anchors.json"]["decode"][0]["kv_len"] == 64
+
+
+def _no_memory(*args: object, **kwargs: object) -> object:
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+
+def _no_cpu_memory(*args: object, **kwargs: object) -> object:
+    raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 GB")
+
+
+@pytest.mark.parametrize(
+    "module, name, fail, args, message",
+    [
+        (
+            "grid", "decode_setup", _no_memory,
+            ["--heads", "4", "--batch", "3", "--kv-len", "100"],
+            "--heads 4, --q-len 1, --batch 3, --kv-len 100: out of memory on cpu",
+        ),
+        (
+            "anchors", "decode_setup", _no_cpu_memory,
+            ["--suite", "anchors", "--shapes", "16:1:1:64", "--prefill-tokens", "0"],
+            "--shapes 16:1:1:64: out of memory on cpu",
+        ),
+        (
+            "linear", "LinearStatePool", _no_memory,
+            ["--suite", "linear", "--batch", "3", "--heads", "2", "--head-dim", "16"],
+            "--batch 3, --heads 2, --head-dim 16: out of memory on cpu",
+        ),
+        (
+            "stack", "random_model", _no_memory,
+            ["--suite", "stack", "--stack-size", "tiny", "--layers", "1"],
+            "--layers 1, --stack-size tiny: out of memory on cpu",
+        ),
+        (
+            "stack", "Engine", _no_cpu_memory,
+            ["--suite", "stack", "--stack-size", "tiny", "--batch", "2", "--prompt", "8",
+             "--steps", "2", "--layers", "1"],
+            "--batch 2, --prompt 8, --steps 2, --layers 1: out of memory on cpu",
+        ),
+    ],
+    ids=["grid", "anchors", "linear", "stack-model", "stack-pool"],
+)  # fmt: skip
+def test_bench_out_of_memory_is_one_line_naming_the_size_options(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    module: str,
+    name: str,
+    fail: object,
+    args: list[str],
+    message: str,
+) -> None:
+    """A size that does not fit (a CUDA OutOfMemoryError, or the CPU allocator's
+    RuntimeError) is one line naming the options that set it, as prefill's is; the decode grid
+    was a traceback (or the process was killed)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"mla_backends.bench.{module}"), name, fail)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the grid's bar would write to stderr
+    rc, out, err = _bench(tmp_path, *args, *(["--backends", "torch"] * (module != "linear")))
+    assert rc == 2 and err == f"mla-backends bench: error: {message}; give smaller values\n", err
+    assert not (tmp_path / "out" / f"{module}.json").exists()
+
+
+def test_out_of_memory_keeps_other_runtime_errors() -> None:
+    """Only the allocators' errors become the one line: another RuntimeError that merely says
+    "allocate" keeps its type and traceback."""
+    from mla_backends.bench.fixtures import out_of_memory
+
+    with pytest.raises(RuntimeError, match="state not allocated"):
+        with out_of_memory("--batch 1", torch.device("cpu")):
+            raise RuntimeError("indexer: CUDA-graph state not allocated")
+
+
+def test_a_pool_larger_than_free_gpu_memory_is_refused_before_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The KV pool's size is known from the config (the same bytes the built pool has), and
+    a pool larger than the GPU's free memory is one line before any timing."""
+    from mla_backends.bench.fixtures import pool_bytes, require_fits, setup_config
+    from mla_backends.cli import UsageError
+    from mla_backends.runtime import Runtime
+
+    cpu = setup_config("torch", 4, 3, 100, page_size=16, device="cpu", dtype="float32")
+    assert pool_bytes(cpu) == Runtime.build(cpu).kv_pool.total_bytes
+    require_fits(cpu, "--batch 3")  # a CPU's free memory is not asked
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 1 * gib)
+    fits = setup_config("torch", 128, 64, 4096, device="cuda")  # 64 x 4096 x 576 x 2 B: 0.3 GiB
+    require_fits(fits, "--shapes 128:1:64:4096")
+    big = setup_config("torch", 128, 256, 32768, device="cuda")  # 9.0 GiB
+    with pytest.raises(UsageError) as e:
+        require_fits(big, "--shapes 128:1:256:32768")
+    assert str(e.value) == (
+        "--shapes 128:1:256:32768: out of memory on cuda: the KV pool alone needs 9.0 GiB, "
+        "3.0 GiB is free; give smaller values"
+    )
 
 
 def test_stack_suite_on_cpu_eager_half_with_the_recorded_keys(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The decode table of ../shared/ANCHORS.md: our backends against the raw peer kernels over
 its shapes (DeepSeek-V3 dims, page 64, bf16), in one run, with the ceilings measured at its
-start; then the MHA-mode prefill table. `bench.json` holds `decode` and `prefill`."""
+start; then the MHA-mode prefill table. `anchors.json` holds `decode` and `prefill`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
-from mla_backends.bench.fixtures import decode_setup, require_runs, setup_config, traffic
-from mla_backends.bench.options import Options, Shape, pick
+from mla_backends.bench.fixtures import (
+    decode_setup,
+    out_of_memory,
+    require_fits,
+    require_runs,
+    setup_config,
+    traffic,
+)
+from mla_backends.bench.options import Options, Shape, pick, shape_text
 from mla_backends.bench.ours import time_backend
 from mla_backends.bench.peers import DECODE_PEERS, RAW_PEER
 from mla_backends.bench.prefill import check_prefill_backends, default_tokens, prefill_table
@@ -48,12 +55,14 @@ def decode_table(
     """One row per shape: each backend's call (`<name>_us`), then each peer on the first
     backend's setup (`<peer>_us`, or `<peer>_error` where it cannot run), bytes and FLOPs."""
     rows = []
-    for heads, q_len, batch, kv_len in shapes:
+    for shape in shapes:
+        heads, q_len, batch, kv_len = shape
         row: dict = {"heads": heads, "q_len": q_len, "batch": batch, "kv_len": kv_len}
         setups = {}
-        for name in backends:
-            setups[name] = s = decode_setup(name, heads, q_len, batch, kv_len, device=device)
-            row[f"{name}_us"] = time_backend(s)
+        with out_of_memory(f"--shapes {shape_text(shape)}", torch.device(device)):
+            for name in backends:
+                setups[name] = s = decode_setup(name, heads, q_len, batch, kv_len, device=device)
+                row[f"{name}_us"] = time_backend(s)
         base = next(iter(setups.values()))
         nbytes, flops = traffic(base)
         row["bytes"], row["flops"] = nbytes, flops
@@ -76,9 +85,12 @@ def run(opts: Options, config: Config) -> None:
     peers = pick(opts.peers, list(dict.fromkeys(default_peers)))
     shapes = opts.shapes or (QUICK_SHAPES if opts.quick else ANCHOR_SHAPES)
     tokens = pick(opts.prefill_tokens, default_tokens(dev, 2048 if opts.quick else 8192))
-    for h, _, b, kv in shapes:  # every backend runs every shape, or nothing is timed
+    for shape in shapes:  # every backend runs every shape and fits, or nothing is timed
+        h, _, b, kv = shape
         for name in backends:
-            require_runs(name, setup_config(name, h, b, kv, device=str(dev)), cap)
+            cfg = setup_config(name, h, b, kv, device=str(dev))
+            require_runs(name, cfg, cap)
+            require_fits(cfg, f"--shapes {shape_text(shape)}")
     prefill = [b for b in backends if "prefill" in get_backend_class(b).caps.roles]
     if tokens:
         check_prefill_backends(prefill, PREFILL_HEADS, dev)
@@ -87,6 +99,6 @@ def run(opts: Options, config: Config) -> None:
     result["decode"] = decode_table(backends, peers, shapes, str(dev))
     if tokens:
         result["prefill"] = prefill_table(prefill, tokens, PREFILL_HEADS, dev)
-    (path,) = write(Path(opts.out), {"bench.json": result})
+    (path,) = write(Path(opts.out), {"anchors.json": result})
     print(format_result(result, backends, peers))
     print(f"wrote {path}")

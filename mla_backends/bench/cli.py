@@ -118,7 +118,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hopper: which table (default small; see mla_backends/bench/hopper.py)",
     )
     p.add_argument(
-        "--out", type=_out_folder, default="bench-out", help="folder for the JSON, tables and plot"
+        "--out",
+        type=_out_folder,
+        default="bench-out",
+        help="folder for the JSON, tables and plot (default bench-out); each suite writes its own "
+        "files, named after it (grid.json, anchors.json, prefill.json, hopper-PART.json, ...), "
+        "replacing those of an earlier run of the same suite there",
     )
 
 

@@ -12,7 +12,14 @@ from pathlib import Path
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.bench.fixtures import DecodeSetup, decode_setup, require_runs, setup_config
+from mla_backends.bench.fixtures import (
+    DecodeSetup,
+    decode_setup,
+    out_of_memory,
+    require_fits,
+    require_runs,
+    setup_config,
+)
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import host_us
@@ -75,13 +82,15 @@ def run(opts: Options, config: Config) -> None:
         raise ConfigError("--suite fi-plan: needs a CUDA GPU (it times a GPU batch's metadata)")
     batches = pick(opts.batch, [256])
     cap = Capability.detect(dev)
-    for batch in batches:  # before any timing: one line if flashinfer_mla cannot run here
+    for batch in batches:  # before any timing: one line if flashinfer_mla cannot run or fit
         cfg = setup_config("flashinfer_mla", HEADS, batch, KV_LEN, device=str(dev))
         require_runs("flashinfer_mla", cfg, cap, option="--suite fi-plan")
+        require_fits(cfg, f"--batch {batch}")
     rows = []
     for batch in batches:
-        s = decode_setup("flashinfer_mla", HEADS, 1, batch, KV_LEN, device=str(dev))
-        calls = parts(s)
+        with out_of_memory(f"--batch {batch}", dev):
+            s = decode_setup("flashinfer_mla", HEADS, 1, batch, KV_LEN, device=str(dev))
+            calls = parts(s)
         for name, fn in calls.items():
             us = host_us(fn)
             rows.append(dict(batch=batch, part=name, host_us=us))

@@ -1,11 +1,14 @@
 """What the benchmarks run on: a pool of random rows (never zeros) with pages handed out
 shuffled and one decode / verify batch over it, random MHA-prefill inputs, the configs the
-suites build, and the traffic / FLOP counts of ../shared/ANCHORS.md."""
+suites build, the traffic / FLOP counts of ../shared/ANCHORS.md, and the one-line errors of a
+size that does not fit in memory."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,7 @@ from mla_backends.arith import cdiv
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.cli import UsageError
 from mla_backends.config import DEEPSEEK_V3, Config, ConfigError, MLADims
 from mla_backends.runtime import Runtime
 
@@ -37,6 +41,47 @@ def require_runs(
     reason = get_backend_class(name).supports(config, cap, role)
     if reason is not None:
         raise ConfigError(f"{option}: {name!r} cannot run here: {reason}")
+
+
+@contextmanager
+def out_of_memory(
+    options: str, device: torch.device, fix: str = "give smaller values"
+) -> Iterator[None]:
+    """An allocation inside that runs out of memory: a one-line UsageError naming `options`,
+    the values that set the size (e.g. "--batch 64, --kv-len 131072"), not a traceback."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        # The CPU allocator raises a plain RuntimeError; match its words only, so that other
+        # RuntimeErrors (say, "CUDA-graph state not allocated") keep their tracebacks.
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        raise UsageError(f"{options}: out of memory on {device}; {fix}") from e
+
+
+def pool_bytes(config: Config) -> int:
+    """The bytes of `config`'s KV pool (`MLATokenToKVPool.total_bytes`: the reserved page 0
+    included), known before it is allocated."""
+    slots = (config.num_pages + 1) * config.page_size
+    return config.num_layers * slots * config.model.kv_dim * config.torch_kv_dtype.itemsize
+
+
+def require_fits(config: Config, options: str) -> None:
+    """UsageError naming `options` when `config`'s KV pool alone is larger than the GPU's free
+    memory: said before any timing, not at the shape's turn. The pool is a lower bound on what
+    a setup allocates, so nothing that would fit is refused; the rest is `out_of_memory`'s."""
+    dev = config.torch_device
+    if dev.type != "cuda":  # a CPU's free memory is not asked; its allocation error is caught
+        return
+    # Blocks this process's caching allocator holds unused (the ceilings' buffers) are free too.
+    free = torch.cuda.mem_get_info(dev)[0]
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    need = pool_bytes(config)
+    if need > free:
+        raise UsageError(
+            f"{options}: out of memory on {dev}: the KV pool alone needs {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB is free; give smaller values"
+        )
 
 
 def backend_config(config: Config, name: str, cap: Capability, heads: list[int]) -> Config:

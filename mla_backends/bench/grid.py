@@ -1,6 +1,6 @@
 """The default suite: decode / verify timings of the config's backends (or `--backends`) over
 a grid of heads x q_len x batch x kv_len; optionally whole decode steps eager vs one CUDA
-graph, the raw peer kernels, and one MHA-mode prefill. Table, `bench.json`, `roofline.png`."""
+graph, the raw peer kernels, and one MHA-mode prefill. Table, `grid.json`, `roofline.png`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
-from mla_backends.bench.fixtures import backend_config, decode_setup, traffic
+from mla_backends.bench.fixtures import (
+    backend_config,
+    decode_setup,
+    out_of_memory,
+    require_fits,
+    setup_config,
+    traffic,
+)
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.ours import time_backend, time_graph
 from mla_backends.bench.peers import DECODE_PEERS, RAW_PEER
@@ -50,6 +57,10 @@ def measure(opts: Options, config: Config) -> dict:
         raise UsageError(
             "--layers: the grid times whole steps of --layers calls only with --graphs"
         )
+    for h, q, b, kv in grid:  # before any timing (and before the ceilings' buffers)
+        for name, cfg in cfgs.items():
+            size = (cfg.page_size, cfg.kv_dtype, cfg.model, str(dev), cfg.dtype)
+            require_fits(setup_config(name, h, b, kv, *size), _options(h, q, b, kv))
     result: dict = {
         "device": cap.describe(),
         "torch": torch.__version__,
@@ -61,28 +72,29 @@ def measure(opts: Options, config: Config) -> dict:
     for h, q, b, kv in grid:
         row: dict = {"heads": h, "q_len": q, "batch": b, "kv_len": kv}
         for name, cfg in cfgs.items():
-            s = decode_setup(
-                name,
-                h,
-                q,
-                b,
-                kv,
-                cfg.page_size,
-                cfg.kv_dtype,
-                dims=cfg.model,
-                device=str(dev),
-                dtype=cfg.dtype,
-            )
-            row["bytes"], row["flops"] = traffic(s)
-            row[f"{name}_us"] = time_backend(s)
-            if graphs and get_backend_class(name).caps.graphs:
-                # whole decode steps of --layers calls: bytes and FLOPs scale with L
-                row[f"{name}_step_eager_us"] = time_backend(s, layers) / layers
-                row[f"{name}_step_graph_us"] = time_graph(s, layers) / layers
-            for raw in raws:
-                if f"{raw}_us" not in row and RAW_PEER.get(name) == raw:
-                    row[f"{raw}_us"] = DECODE_PEERS[raw](s)
-            del s
+            with out_of_memory(_options(h, q, b, kv), dev):
+                s = decode_setup(
+                    name,
+                    h,
+                    q,
+                    b,
+                    kv,
+                    cfg.page_size,
+                    cfg.kv_dtype,
+                    dims=cfg.model,
+                    device=str(dev),
+                    dtype=cfg.dtype,
+                )
+                row["bytes"], row["flops"] = traffic(s)
+                row[f"{name}_us"] = time_backend(s)
+                if graphs and get_backend_class(name).caps.graphs:
+                    # whole decode steps of --layers calls: bytes and FLOPs scale with L
+                    row[f"{name}_step_eager_us"] = time_backend(s, layers) / layers
+                    row[f"{name}_step_graph_us"] = time_graph(s, layers) / layers
+                for raw in raws:
+                    if f"{raw}_us" not in row and RAW_PEER.get(name) == raw:
+                        row[f"{raw}_us"] = DECODE_PEERS[raw](s)
+                del s
             step(f"H{h} q{q} B{b} kv{kv} {name}")
         result["rows"].append(row)
     if opts.prefill_tokens:
@@ -91,10 +103,15 @@ def measure(opts: Options, config: Config) -> dict:
     return result
 
 
+def _options(heads: int, q_len: int, batch: int, kv_len: int) -> str:
+    """The options that set one grid point's size, as an error names them."""
+    return f"--heads {heads}, --q-len {q_len}, --batch {batch}, --kv-len {kv_len}"
+
+
 def run(opts: Options, config: Config) -> None:
     result = measure(opts, config)
     out = Path(opts.out)
-    (path,) = write(out, {"bench.json": result})
+    (path,) = write(out, {"grid.json": result})
     print(format_table(result))
     if importlib.util.find_spec("matplotlib") is None:
         print(

@@ -25,11 +25,13 @@ from mla_backends.backends.base import Capability
 from mla_backends.bench.fixtures import (
     DecodeSetup,
     decode_setup,
+    out_of_memory,
+    require_fits,
     require_runs,
     setup_config,
     traffic,
 )
-from mla_backends.bench.options import Options, Shape, pick
+from mla_backends.bench.options import Options, Shape, pick, shape_text
 from mla_backends.bench.peers import PEER_CALLS
 from mla_backends.bench.report import progress, write
 from mla_backends.bench.timing import bench_us, ceilings, graph_us
@@ -124,14 +126,18 @@ def run(opts: Options, config: Config) -> None:
     kv_dtype, shapes = PARTS[part]
     shapes = opts.shapes or shapes
     cap = Capability.detect(dev)
-    for h, _, b, kv in shapes:  # every shape runs, or nothing is timed
-        require_runs("triton", setup_config("triton", h, b, kv, kv_dtype=kv_dtype), cap)
+    for shape in shapes:  # every shape runs and fits, or nothing is timed
+        h, _, b, kv = shape
+        cfg = setup_config("triton", h, b, kv, kv_dtype=kv_dtype, device=str(dev))
+        require_runs("triton", cfg, cap)
+        require_fits(cfg, f"--part {part}, --shapes {shape_text(shape)}")
     ceil = ceilings(dev)
     result: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     result |= {"part": part, "ceilings": ceil, "rows": []}
     step = progress(len(shapes))
     for shape in shapes:
-        result["rows"].append(hopper_row(shape, kv_dtype, str(dev), ceil["copy_gbps"]))
+        with out_of_memory(f"--part {part}, --shapes {shape_text(shape)}", dev):
+            result["rows"].append(hopper_row(shape, kv_dtype, str(dev), ceil["copy_gbps"]))
         torch.cuda.empty_cache()  # the shape's pool and graphs are gone with its setup
         step("H{}:q{}:B{}:kv{}".format(*shape))
     text = markdown(result["rows"])

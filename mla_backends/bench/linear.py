@@ -16,6 +16,7 @@ backend's eager time is taken (torch kernels); raw fla and graphs need a CUDA GP
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from mla_backends.backends.kernel_packages import require
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.bench.fixtures import out_of_memory
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import bench_us, ceilings, graph_us
@@ -118,12 +120,10 @@ def run(opts: Options, config: Config) -> None:
     else:
         print(f"raw fla and CUDA graphs not run: they need a CUDA GPU (this run is on {dev})")
     ceil = ceilings(dev)
-    rows = [
-        one(kind, b, h, d, torch.bfloat16, ceil["copy_gbps"], dev)
-        for kind in ("kda", "gdn")
-        for h in heads
-        for b in batches
-    ]
+    rows = []
+    for kind, h, b in itertools.product(("kda", "gdn"), heads, batches):
+        with out_of_memory(f"--batch {b}, --heads {h}, --head-dim {d}", dev):
+            rows.append(one(kind, b, h, d, torch.bfloat16, ceil["copy_gbps"], dev))
     md = table(rows, ceil, heads, d)
     print(md)
     files = {"linear.json": dict(ceilings=ceil, rows=rows), "linear.md": md + "\n"}

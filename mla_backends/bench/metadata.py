@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.bench.fixtures import decode_setup, require_runs, setup_config
+from mla_backends.bench.fixtures import (
+    decode_setup,
+    out_of_memory,
+    require_fits,
+    require_runs,
+    setup_config,
+)
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import host_us
@@ -31,15 +37,17 @@ def run(opts: Options, config: Config) -> None:
         raise ConfigError("--suite metadata: needs a CUDA GPU (it times a GPU batch's metadata)")
     names, batches = pick(opts.backends, BACKENDS), pick(opts.batch, [256])
     cap = Capability.detect(dev)
-    for name in names:  # before any timing: one line if a backend cannot run here
+    for name in names:  # before any timing: one line if a backend cannot run here or fit
         for batch in batches:
             cfg = setup_config(name, HEADS, batch, KV_LEN, device=str(dev))
             require_runs(name, cfg, cap, option="--suite metadata")
+            require_fits(cfg, f"--batch {batch}")
     rows = []
     for name in names:
         for batch in batches:
-            s = decode_setup(name, HEADS, 1, batch, KV_LEN, device=str(dev))
-            us = host_us(partial(s.rt.backend.init_forward_metadata, s.batch))
+            with out_of_memory(f"--batch {batch}", dev):
+                s = decode_setup(name, HEADS, 1, batch, KV_LEN, device=str(dev))
+                us = host_us(partial(s.rt.backend.init_forward_metadata, s.batch))
             met = "met" if us <= TARGET_US else "not met"
             rows.append(dict(backend=name, batch=batch, host_us=us, target_us=TARGET_US))
             print(f"{name:15s} batch {batch:4d}: {us:7.1f} us (host); <= {TARGET_US:.0f} us: {met}")

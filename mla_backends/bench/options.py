@@ -117,6 +117,11 @@ def peer_list(text: str) -> list[str]:
     return names
 
 
+def shape_text(shape: Shape) -> str:
+    """One shape as `--shapes` takes it (H:q:B:kv)."""
+    return "{}:{}:{}:{}".format(*shape)
+
+
 def shape_list(text: str) -> list[Shape]:
     """A comma list of H:q:B:kv shapes (heads, query tokens, batch, KV length), e.g.
     16:1:64:4096; every KV length must hold the step's query tokens."""

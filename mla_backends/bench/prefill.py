@@ -1,12 +1,11 @@
 """MHA-mode prefill, one causal request: torch SDPA and FlashInfer's raw ragged wrapper
 against our backends' `forward_mha` (without and with LSE) and our Triton kernel (LSE), each
-with its largest |difference| to SDPA."""
+with its largest |difference| to SDPA. `prefill.json` holds `prefill`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from mla_backends.backends.base import Capability
 from mla_backends.batch import RaggedLayout
 from mla_backends.bench.fixtures import (
     PrefillInputs,
+    out_of_memory,
     prefill_config,
     prefill_dims,
     require_runs,
@@ -56,20 +56,6 @@ def _out_of(forward_mha: Callable[..., tuple[torch.Tensor, torch.Tensor]], *args
     return forward_mha(*args, return_lse=True)[0]
 
 
-@contextmanager
-def _too_many_tokens(tokens: int, heads: int, device: torch.device) -> Iterator[None]:
-    """The inputs and SDPA's reference out of memory: a one-line UsageError naming the option,
-    not a traceback after the decode rows were timed."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, RuntimeError) as e:  # the CPU allocator raises RuntimeError
-        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
-            raise
-        raise UsageError(
-            f"--prefill-tokens {tokens}: out of memory on {device} at {heads} heads; give fewer"
-        ) from e
-
-
 def check_prefill_backends(backends: list[str], heads: int, device: torch.device) -> None:
     """ConfigError unless every backend runs MHA-mode prefill here, before any timing."""
     cap = Capability.detect(device)
@@ -86,7 +72,9 @@ def prefill_table(
     """Times and |differences| to SDPA, keyed `<path>_us`, `<path>_tflops`,
     `<path>_max_abs_diff_vs_sdpa`; a path that cannot run here leaves `<path>_error`."""
     dev = torch.device("cuda") if device is None else device
-    with _too_many_tokens(tokens, heads, dev):
+    # the inputs and SDPA's reference: one line naming the option, not a traceback after the
+    # decode rows of grid / anchors were timed
+    with out_of_memory(f"--prefill-tokens {tokens}", dev, f"give fewer (at {heads} heads)"):
         x = PrefillInputs.random(tokens, heads, dev)
         sdpa = sdpa_prefill(x)
         ref = sdpa().float()
@@ -127,6 +115,6 @@ def run(opts: Options, config: Config) -> None:
     check_prefill_backends(backends, heads, dev)
     result: dict = {"device": Capability.detect(dev).describe(), "torch": torch.__version__}
     result["prefill"] = prefill_table(backends, tokens, heads, dev)
-    (path,) = write(Path(opts.out), {"bench.json": result})
+    (path,) = write(Path(opts.out), {"prefill.json": result})
     print("\n".join(prefill_lines(result["prefill"])))
     print(f"wrote {path}")

@@ -48,7 +48,9 @@ def check_out(out: Path) -> None:
 
 
 def write(out: Path, files: Mapping[str, object]) -> list[Path]:
-    """Write each file under `out` (dicts and lists as JSON, text as is); the paths."""
+    """Write each file under `out` (dicts and lists as JSON, text as is); the paths. A file of
+    the same name is replaced: each suite names its own files, so only a previous run of the
+    same suite (and part) into `out` is overwritten, as `--out`'s help says."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, content in files.items():

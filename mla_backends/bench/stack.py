@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.bench.fixtures import require_runs
+from mla_backends.bench.fixtures import out_of_memory, require_runs
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.config import Config
@@ -199,7 +199,8 @@ def run(opts: Options, config: Config) -> None:
     backends = opts.backends or [config.decode_backend]
     batches = pick(opts.batch, [1, 8, 32, 64])
     prompt, steps, layers = pick(opts.prompt, 1024), pick(opts.steps, 20), pick(opts.layers, 4)
-    raw = dict(SIZES[pick(opts.stack_size, "real")], num_hidden_layers=layers)
+    size = pick(opts.stack_size, "real")
+    raw = dict(SIZES[size], num_hidden_layers=layers)
     cfgs = [
         _config(DeepseekV3Config.from_hf(raw), be, batches, prompt, steps, dev) for be in backends
     ]
@@ -208,13 +209,17 @@ def run(opts: Options, config: Config) -> None:
         require_runs(cfg.prefill_backend, cfg, cap, "prefill")
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = random_model(raw, seed=0, device=str(dev), dtype=torch.bfloat16)
+    with out_of_memory(f"--layers {layers}, --stack-size {size}", dev):
+        model = random_model(raw, seed=0, device=str(dev), dtype=torch.bfloat16)
     params = sum(t.numel() for t in model.parameters())
     took = time.perf_counter() - t0
     print(f"model: {layers} layers, {params / 1e9:.2f} B params, built in {took:.1f} s")
     rows = []
+    # the pools and activations: sized by the largest batch, the prompt, the steps, the layers
+    sizes = f"--batch {max(batches)}, --prompt {prompt}, --steps {steps}, --layers {layers}"
     for cfg in cfgs:
-        rows += run_backend(model, cfg, batches, prompt, steps)
+        with out_of_memory(sizes, dev):
+            rows += run_backend(model, cfg, batches, prompt, steps)
         torch.cuda.empty_cache()
     base = {r["batch"]: r["first_logits"] for r in rows if r["backend"] == rows[0]["backend"]}
     for r in rows:
