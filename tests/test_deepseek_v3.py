@@ -15,6 +15,7 @@ from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import CheckpointError, load_model
+from mla_backends.models.run import RANDOM_SIZES, random_model
 from mla_backends.runtime import Runtime
 
 TINY_HF = dict(
@@ -224,6 +225,34 @@ def test_engine_accept_takes_the_verify_steps_rows(hf_checkpoint) -> None:  # ty
     assert [eng.rt.allocator.seq_len(r) for r in rows] == [6, 7]
     eng.accept(rows, [1, 2])
     assert [eng.rt.allocator.seq_len(r) for r in rows] == [4, 6]
+    eng.verify(rows, [[8, 9], [11, 12]])
+    eng.free(rows[0])  # a freed row ends its verify: accept no longer half-truncates
+    with pytest.raises(RuntimeError, match=r"accept\(\) follows a verify\(\) step"):
+        eng.accept(rows, [1, 1])
+    assert eng.rt.allocator.seq_len(rows[1]) == 8
+
+
+def test_engine_pure_mla_step_failing_inside_the_model_marks_no_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA keeps nothing per request outside the KV pool, so rolling the lengths back is the
+    whole recovery: a step that raises after layer 0 wrote its KV marks no row, and the retry
+    equals a fresh engine (hybrid models: test_kimi_linear)."""
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    eng, fresh = _engine(model), _engine(model)
+    rows, rows2 = eng.new_requests(2), fresh.new_requests(2)
+    for e, r in ((eng, rows), (fresh, rows2)):
+        e.extend(r, [[1, 2, 3], [4, 5]])
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(model.model.layers[1].self_attn, "forward", broken)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        eng.decode(rows, [6, 7])
+    monkeypatch.undo()
+    assert eng.rows_to_reset == []
+    assert torch.equal(eng.decode(rows, [6, 7]), fresh.decode(rows2, [6, 7]))
 
 
 def test_dense_moe_equals_routed_moe(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]

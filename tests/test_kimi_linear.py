@@ -337,6 +337,108 @@ def test_accept_needs_a_verify_batch() -> None:
     assert eng.rt.allocator.seq_len(rows[0]) == 4  # a refused accept changed nothing
 
 
+def _raise(*args, **kwargs):  # type: ignore[no-untyped-def]
+    raise RuntimeError("a kernel failed")
+
+
+def test_a_step_failing_inside_the_model_is_refused_until_its_rows_are_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Layer 1 (KDA) raises after layer 0 (KDA) advanced the states of the step's rows: the
+    lengths roll back but the states cannot, so a retry once ran over corrupted states with no
+    error. Now a step naming those rows is refused; a request outside the step runs on; after
+    reset and re-prefill the rows give a fresh engine's logits."""
+    model = _model()
+    eng, fresh = _engine(model), _engine(model)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    a, b, c = eng.new_requests(3)
+    eng.extend([a, b, c], prompts)
+    rec0 = eng.backend.linear.pool.recurrent[0].clone()
+    monkeypatch.setattr(model.layers[1].attn, "forward", _raise)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        eng.decode([a, b], [10, 11])
+    monkeypatch.undo()
+    assert not torch.equal(eng.backend.linear.pool.recurrent[0, a], rec0[a])  # the hazard
+    assert [eng.rt.allocator.seq_len(r) for r in (a, b)] == [3, 2]  # rolled back
+    want = (
+        rf"request rows \[{b}\] have unknown linear-attention state .*reset\(rows\) and re-prefill"
+    )
+    with pytest.raises(RuntimeError, match=want):
+        eng.decode([b, c], [11, 12])
+    with pytest.raises(RuntimeError, match=rf"rows \[{a}\] have unknown"):
+        eng.verify([a], [[10, 11]])
+    assert eng.rows_to_reset == [a, b]
+    assert [eng.rt.allocator.seq_len(r) for r in (a, b, c)] == [
+        3,
+        2,
+        4,
+    ]  # refusals allocate nothing
+
+    rows = fresh.new_requests(3)
+    fresh.extend(rows, prompts)
+    assert torch.equal(eng.decode([c], [12]), fresh.decode([rows[2]], [12]))  # c runs on
+    eng.reset([a, b])
+    assert eng.rows_to_reset == [] and eng.rt.allocator.seq_len(a) == 0
+    retry = [prompts[0] + [10], prompts[1] + [11]]
+    ref = _engine(model)
+    r2 = ref.new_requests(2)
+    assert torch.equal(eng.extend([a, b], retry), ref.extend(r2, retry))
+    assert torch.equal(eng.decode([a, b], [5, 6]), ref.decode(r2, [5, 6]))
+
+
+def test_a_failing_graph_decode_marks_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph runner's padded static path (no capture): a layer failing in it marks the
+    step's rows as the eager path does."""
+    model = _model()
+    eng = _engine(model)
+    eng.enable_graphs([1, 2, 4], use_graphs=False)
+    rows = eng.new_requests(3)
+    eng.extend(rows, [[1, 2], [3], [4, 5]])
+    monkeypatch.setattr(model.layers[1].attn, "forward", _raise)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        eng.decode(rows[:2], [6, 7])
+    assert eng.rows_to_reset == rows[:2]
+
+
+def test_a_step_failing_before_the_model_runs_marks_no_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bad token id, an allocation past the context limit and a metadata failure all raise
+    before any layer touched a state: nothing is marked, and the retry equals a fresh engine."""
+    model = _model()
+    eng, fresh = _engine(model), _engine(model)
+    rows, rows2 = eng.new_requests(2), fresh.new_requests(2)
+    for e, r in ((eng, rows), (fresh, rows2)):
+        e.extend(r, [[1, 2, 3], [4, 5]])
+    vocab = model.cfg.vocab_size
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.decode(rows, [7, vocab])
+    limit = eng.rt.config.max_context_len
+    with pytest.raises(ValueError, match=f"exceeds max_context_len {limit}"):
+        eng.extend(rows, [[7] * limit, [8]])
+    monkeypatch.setattr(eng.backend, "init_forward_metadata", _raise)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        eng.decode(rows, [7, 8])
+    monkeypatch.undo()
+    assert eng.rows_to_reset == []
+    assert torch.equal(eng.decode(rows, [7, 8]), fresh.decode(rows2, [7, 8]))
+
+
+def test_a_failed_accept_marks_its_rows() -> None:
+    """accept writes the linear states layer by layer after truncating the rejected drafts: a
+    failure in it leaves the rows' states unknown, as a failed step does."""
+    eng = _engine(_model())
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2], [3]])
+    eng.verify(rows, [[4, 5], [6, 7]])
+    eng.backend.linear.accept = _raise  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        eng.accept(rows, [1, 2])
+    assert eng.rows_to_reset == rows
+    with pytest.raises(RuntimeError, match=r"have unknown linear-attention state"):
+        eng.decode(rows, [8, 9])
+
+
 # ---------------------------------------------------------------------------- HF checkpoint
 def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file

@@ -90,6 +90,12 @@ class HybridBackend:
         return self.full.supports_graphs  # the linear side's decode is always capturable
 
     @property
+    def keeps_request_state(self) -> bool:
+        """Whether a forward advances per-request state outside the KV pool (the linear
+        layers' recurrent and conv states), which a failed step cannot roll back (Engine)."""
+        return self.linear.pool.num_layers > 0
+
+    @property
     def metadata(self) -> object:
         """The full side's metadata (what the graph runner's pointer check inspects)."""
         return self.full.metadata

@@ -16,7 +16,15 @@ from mla_backends.runtime import Runtime
 
 
 class Engine:
-    """`backend` defaults to the runtime's; a hybrid model passes its HybridBackend."""
+    """`backend` defaults to the runtime's; a hybrid model passes its HybridBackend.
+
+    Failed steps: a step that raises truncates its rows back to their lengths before it. A
+    backend with per-request state outside the KV pool (`keeps_request_state`: a hybrid's
+    linear-attention recurrent and conv states) advances it layer by layer and is not rolled
+    back, so when a step (or `accept`) fails after the model began to run, its rows are
+    marked (`rows_to_reset`) and every later step or accept naming them is refused until
+    `reset(rows)` and a re-prefill of the whole sequence, or `free`. Failures before the model
+    runs (token ids, allocation, metadata) mark nothing; a graph replay counts as running."""
 
     def __init__(
         self, model: torch.nn.Module, runtime: Runtime, backend: AttentionBackend | None = None
@@ -27,6 +35,10 @@ class Engine:
         self.runner: CudaGraphRunner | None = None
         self._drafts: int | None = None  # draft tokens per request of the last verify step
         self._verified: list[int] = []  # its rows, in order
+        # Not in the AttentionBackend protocol: a backend that does not declare it keeps
+        # nothing per request outside the KV pool (MLA, DSA), and rollback is complete.
+        self._request_state = bool(getattr(self.backend, "keeps_request_state", False))
+        self._unknown: set[int] = set()  # rows whose request state a failed step left unknown
 
     def enable_graphs(
         self, batch_sizes: Sequence[int] | None = None, use_graphs: bool = True
@@ -54,12 +66,41 @@ class Engine:
             for row in rows:
                 self.rt.req_pool.free(row)
             raise
+        self._unknown.difference_update(rows)
         return rows
 
     def free(self, row: int) -> None:
+        if row in self._verified:  # its verify can no longer be accepted (the row is gone)
+            self._drafts = None
         if self.rt.allocator.holds(row):
             self.rt.allocator.free(row)
         self.rt.req_pool.free(row)
+        self._unknown.discard(row)
+
+    @property
+    def rows_to_reset(self) -> list[int]:
+        """Rows a failed step left with unknown request state: `reset` (and re-prefill) or
+        `free` them before they run again."""
+        return sorted(self._unknown)
+
+    def reset(self, rows: Sequence[int]) -> None:
+        """Start requests `rows` over on their rows: KV freed, request state zeroed (as for a
+        new request); the caller re-prefills each whole sequence. Clears their marks."""
+        self.rt.req_pool.check_rows(list(rows))
+        self.backend.reset_requests(rows)
+        self._drafts = None  # a pending accept would write verify states into a reset row
+        for row in rows:
+            if self.rt.allocator.holds(row):
+                self.rt.allocator.free(row)
+            self._unknown.discard(row)
+
+    def _refuse_unknown(self, rows: Sequence[int]) -> None:
+        bad = sorted(self._unknown.intersection(rows))
+        if bad:
+            raise RuntimeError(
+                f"request rows {bad} have unknown linear-attention state (a step or accept on "
+                "them failed inside the model): reset(rows) and re-prefill them, or free them"
+            )
 
     def step(
         self, mode: ForwardMode, rows: Sequence[int], tokens: Sequence[Sequence[int]]
@@ -68,11 +109,13 @@ class Engine:
         Token ids are checked before anything is allocated (on a GPU an id past the vocabulary
         is a device-side assert, fatal to the process); if the step raises, every row is
         truncated back to its length before it, so a retry does not attend over slots that
-        were allocated but never written. (A hybrid model's recurrent states advance layer by
-        layer and are not rolled back: after a step that raised inside the model, free its
-        requests.)"""
+        were allocated but never written. With per-request state (a hybrid model's linear
+        layers), a step that raised once the model ran also marks its rows: their states may
+        have advanced in the layers before the failure, and a retry would compute over them
+        without an error, so steps naming them are refused until `reset` (see the class)."""
         if len(rows) != len(tokens):
             raise ValueError(f"rows ({len(rows)}) and tokens ({len(tokens)}) differ")
+        self._refuse_unknown(rows)
         vocab: int = cast(Any, self.model).cfg.vocab_size  # every model here keeps a cfg
         flat = [t for ts in tokens for t in ts]
         bad = [t for t in flat if isinstance(t, bool) or not 0 <= operator.index(t) < vocab]
@@ -82,17 +125,25 @@ class Engine:
         self._drafts = None
         prefix = [self.rt.allocator.seq_len(r) for r in rows]
         loc = self.rt.allocator.alloc_extend(rows, lens)
+        ran = False  # whether a layer may have run (and advanced request state)
         try:
             batch = ForwardBatch.build(mode, rows, prefix, lens, loc, self.device)
             ids = torch.tensor(flat, dtype=torch.long, device=self.device)
             r = self.runner
             if r is not None and r.mode is mode and len(rows) <= r.batch_sizes[-1]:
-                # The static output is overwritten by the next replay: hand out a copy.
+                # Conservative: replay's host checks and refill, which run no layer, are
+                # inside the call too. The static output is overwritten by the next replay.
+                ran = True
                 out = r.replay(batch, {"ids": ids}).clone()
             else:
                 self.backend.init_forward_metadata(batch)  # once for every layer
+                ran = True
                 out = self.model(ids, batch, self.backend)
         except BaseException:
+            # Marked in every mode (TARGET_VERIFY writes no state by contract, but the mark
+            # does not rely on a model keeping it), and first, whatever the truncation does.
+            if ran and self._request_state:
+                self._unknown.update(rows)
             for row, p in zip(rows, prefix):
                 self.rt.allocator.truncate(row, p)
             raise
@@ -113,7 +164,7 @@ class Engine:
     def accept(self, rows: Sequence[int], accepted: Sequence[int]) -> None:
         """After `verify(rows, drafts)`: request i keeps its first `accepted[i]` draft tokens.
         Rejected tokens' KV slots are freed; a hybrid backend's linear states advance to the
-        last accepted token."""
+        last accepted token (if that raises, the rows are marked as a failed step's are)."""
         drafts = self._drafts
         if drafts is None:
             raise RuntimeError("accept() follows a verify() step")
@@ -126,7 +177,14 @@ class Engine:
             raise ValueError(f"{len(accepted)} accepted counts for {len(rows)} rows")
         if any(not 0 <= a <= drafts for a in accepted):
             raise ValueError(f"accepted counts must be in 0..{drafts}, got {list(accepted)}")
+        # A guard: a mark comes only from a failed step or accept, and both end the verify.
+        self._refuse_unknown(rows)
         self._drafts = None
         for r, a in zip(rows, accepted):
             self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - drafts + a)
-        self.backend.accept(torch.tensor(list(accepted), dtype=torch.long).to(self.device))
+        try:  # writes the states layer by layer: a failure leaves some advanced
+            self.backend.accept(torch.tensor(list(accepted), dtype=torch.long).to(self.device))
+        except BaseException:
+            if self._request_state:
+                self._unknown.update(rows)
+            raise
