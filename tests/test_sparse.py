@@ -423,6 +423,8 @@ def test_indexer_keeps_its_graph_state_and_refuses_a_larger_one_after_capture() 
     dims = IndexerDims(n_heads=2, head_dim=32, rope_dim=16, topk=8, quantized=True)
     r2t = torch.zeros(3, 64, dtype=torch.int32)
     ix = Indexer(dims, IndexKCache(1, 128, 32, True, "cpu"), r2t, "torch")
+    with pytest.raises(ValueError, match=r"indexer: .* >= 1, got 0 / 4"):
+        ix.init_cuda_graph_state(0, 4)
     ix.init_cuda_graph_state(2, 2)
     ix.init_cuda_graph_state(2, 4)  # before any capture: grows to cover both runners
     state = ix._graph
