@@ -259,6 +259,16 @@ SERVER_REFUSALS = {
         {"cuda_graph_backend_prefill": "full"},
         r"--cuda-graph-backend-prefill full captures .*use --cuda-graph-backend-prefill breakable",
     ),
+    "eagle-draft-on-ours": (
+        {
+            "speculative_algorithm": "EAGLE",
+            "speculative_eagle_topk": 1,
+            "speculative_num_steps": 3,
+            "speculative_num_draft_tokens": 4,
+        },
+        r"EAGLE would build the draft model's attention on mlab_torch.*"
+        r"--speculative-draft-attention-backend triton",
+    ),
 }
 
 
@@ -274,6 +284,31 @@ def test_start_up_check_refuses_dcp_and_tree_drafts(
     sa = _server_args(tiny_model, **{"attention_backend": "mlab_torch", "page_size": 16, **kw})
     with pytest.raises(SettingsError, match=pattern):
         sa.check_server_args()
+
+
+def test_eagle_chain_with_sglangs_draft_backend_is_accepted(
+    tiny_model: Path, on_h100: Capability
+) -> None:
+    """Our name serves the target, SGLang's own backend the draft: accepted. Our name as the
+    draft's is what SGLang's draft worker refuses (after the target's weights loaded), which
+    is why the launch check refuses it first."""
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    kw = {
+        "attention_backend": "mlab_torch",
+        "page_size": 16,
+        "speculative_algorithm": "EAGLE",
+        "speculative_eagle_topk": 1,
+        "speculative_num_steps": 3,
+        "speculative_num_draft_tokens": 4,
+        "speculative_draft_model_path": str(tiny_model),
+    }
+    _server_args(tiny_model, **kw, speculative_draft_attention_backend="triton").check_server_args()
+    sa = _server_args(tiny_model, **kw)
+    draft_runner = SimpleNamespace(model_config=SimpleNamespace(hf_config=None))
+    factory = DraftBackendFactory(sa, draft_runner, 1, 3)
+    with pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend"):
+        factory.create_decode_backend()
 
 
 def test_start_up_check_refuses_a_model_without_mla(tmp_path: Path, on_h100: Capability) -> None:
@@ -831,6 +866,47 @@ def test_kit_eagle_verify_mlab_torch() -> None:
     case = ks.verify_case("verify_chain", "mlab_torch", 4, 16, (13, 16, 30), 3)
     tv.run_mla_eagle_verify_case(ks.KitTestCase(), case, topk=1, **CPU)
     ks.run_verify_cuda_graph(case, **CPU)
+
+
+def test_eagle_verify_input_without_seq_lens_sum() -> None:
+    """After SGLang filters or merges a running batch its seq_lens_sum is None; EAGLE's
+    verify-input builder then sizes the tree mask by bs * attn_backend.max_context_len."""
+    from sglang.srt.speculative import eagle_worker_common as ewc
+    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL, max_ctx=64)
+    seen: list[int] = []
+
+    class Built(Exception):
+        pass
+
+    def build_tree(*args: Any, **kwargs: Any) -> None:
+        seen.append(args[5])  # seq_lens_sum
+        raise Built
+
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([5, 9]), seq_lens_sum=None
+    )
+    target = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=adapter))
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(Built):
+        mp.setattr(ewc, "build_tree_kernel_efficient", build_tree)
+        ewc.build_eagle_verify_input(
+            batch,
+            SimpleNamespace(bonus_tokens=None),
+            None,
+            None,
+            None,
+            None,
+            target_worker=target,
+            topk=1,
+            num_steps=3,
+            num_draft_tokens=4,
+            tree_mask_mode=TreeMaskMode.FULL_MASK,
+            device="cpu",
+        )
+    assert seen == [2 * 64]
+    # the overlap plan stream's fix-up after the draft: nothing of ours reads draft output
+    adapter.update_verify_buffers_to_fill_after_draft(None, None)
 
 
 DSV3_CASES = [

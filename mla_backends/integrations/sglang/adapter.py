@@ -72,6 +72,9 @@ class MLABackendAdapter(AttentionBackend):
         self.req_to_token_pool = runner.req_to_token_pool
         self.data_type = runner.kv_cache_dtype
         self.kv_cache_dtype = runner.kv_cache_dtype
+        # EAGLE's verify-input builder sizes its tree mask by bs * this when the batch carries
+        # no seq_lens_sum (after SGLang filters or merges a running batch).
+        self.max_context_len = int(runner.model_config.context_len)
         # the tensors our pool views (a hybrid model's: its full-attention pool's)
         self._source = list(self.binding.sgl_pool.kv_buffer)
         self._graph: GraphBuffers | None = None
@@ -167,6 +170,13 @@ class MLABackendAdapter(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.backend.cuda_graph_seq_len_fill_value
+
+    def update_verify_buffers_to_fill_after_draft(
+        self, spec_info: Any, cuda_graph_bs: int | None
+    ) -> None:
+        """EAGLE with SGLANG_ENABLE_OVERLAP_PLAN_STREAM calls this after the draft: nothing to
+        redo, as our verify metadata reads no draft output (chain drafts: no tree mask; our
+        kernels take no positions)."""
 
     def _metadata(self) -> AdapterMetadata:
         if self.forward_metadata is None:

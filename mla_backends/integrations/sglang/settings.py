@@ -155,13 +155,50 @@ def _prefill_graph_backend(server_args: Any) -> str | None:
     return None if value is None else str(getattr(value, "value", value))
 
 
+# SGLang's speculative algorithms whose draft worker takes its attention backend from a fixed
+# table of SGLang's own names (speculative/draft_utils.py, DraftBackendFactory).
+DRAFT_TABLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+
+
+def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
+    """Our name as an EAGLE draft's attention backend: SGLang's draft worker would raise
+    'EAGLE is not supported in attention backend mlab_*' after the target's weights loaded.
+    Without --speculative-draft-attention-backend the draft takes --attention-backend (or the
+    per-phase flags) too."""
+    from mla_backends.integrations.sglang import sglang_names
+
+    algo = str(getattr(server_args, "speculative_algorithm", "") or "").upper()
+    if algo not in DRAFT_TABLE_ALGORITHMS:
+        return None
+    draft = getattr(server_args, "speculative_draft_attention_backend", None)
+    base = getattr(server_args, "attention_backend", None)
+    chosen = (
+        {draft}
+        if draft
+        else {
+            getattr(server_args, f, None) or base
+            for f in ("prefill_attention_backend", "decode_attention_backend")
+        }
+    )
+    ours = sorted(n for n in chosen if n in sglang_names())
+    if not ours:
+        return None
+    return (
+        f"{sgl_name}: --speculative-algorithm {algo} would build the draft model's attention "
+        f"on {ours[0]}, and SGLang's draft worker takes only its own backends; keep "
+        f"{sgl_name} for the target and add --speculative-draft-attention-backend triton (or "
+        "flashinfer, fa3, flashmla at --page-size 64)"
+    )
+
+
 def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
     """What no backend of ours serves, from SGLang's server flags alone (the launching
     process's check and the factory ask the same): decode context parallelism (`dcp`, SGLang's
     --dcp-size > 1), a full prefill CUDA graph (breakable, SGLang's default on CUDA, runs our
-    attention eagerly between its pieces; full would send EXTEND batches to the graph hooks)
-    and tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
-    --speculative-ngram-max-bfs-breadth into that top-k, so the message names NGRAM's flag)."""
+    attention eagerly between its pieces; full would send EXTEND batches to the graph hooks),
+    tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
+    --speculative-ngram-max-bfs-breadth into that top-k, so the message names NGRAM's flag)
+    and our names as an EAGLE draft's attention backend (`_draft_refusal`)."""
     if dcp:
         return (
             f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
@@ -175,7 +212,7 @@ def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
         )
     topk = int(getattr(server_args, "speculative_eagle_topk", None) or 1)
     if topk <= 1:
-        return None
+        return _draft_refusal(sgl_name, server_args)
     flag = "--speculative-eagle-topk"
     if str(getattr(server_args, "speculative_algorithm", "") or "").upper() == "NGRAM":
         flag = "--speculative-ngram-max-bfs-breadth"
