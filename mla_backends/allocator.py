@@ -7,21 +7,28 @@ nothing is taken and `OutOfPagesError` names the numbers.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
 from mla_backends.arith import cdiv
+from mla_backends.batch import as_ints
 from mla_backends.pool import ReqToTokenPool
 
 
 class OutOfPagesError(MemoryError):
-    def __init__(self, requested: int, free: int, page_size: int) -> None:
+    """`rank`: the DCP rank whose pages ran out (every rank of the group raises the same)."""
+
+    def __init__(self, requested: int, free: int, page_size: int, rank: int | None = None) -> None:
+        where = "" if rank is None else f" on DCP rank {rank}"
         super().__init__(
-            f"out of KV pages: requested {requested} page(s) of {page_size} tokens, {free} free"
+            f"out of KV pages{where}: requested {requested} page(s) of {page_size} tokens, "
+            f"{free} free"
         )
         self.requested = requested
         self.free = free
+        self.rank = rank
 
 
 class PagedTokenAllocator:
@@ -79,6 +86,9 @@ class PagedTokenAllocator:
         """
         if len(rows) != len(extend_lens):
             raise ValueError(f"rows ({len(rows)}) and extend_lens ({len(extend_lens)}) differ")
+        # Hazard: checked before anything is taken; a float length failed halfway through the
+        # loop below, after earlier rows had taken pages but before req_to_token was written.
+        rows, extend_lens = as_ints(rows, "rows"), as_ints(extend_lens, "extend_lens")
         if len(set(rows)) != len(rows):
             raise ValueError(f"a request row appears twice in one allocation: {list(rows)}")
         max_len = self.req_to_token.max_context_len
@@ -122,7 +132,12 @@ class PagedTokenAllocator:
         return self.alloc_extend(rows, [1] * len(rows))
 
     def truncate(self, row: int, new_len: int) -> None:
-        """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages."""
+        """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages.
+        Only a row that holds KV: truncating any other row made it look held (free() then
+        failed with a KeyError, and the request table refused to free the row forever)."""
+        row, new_len = operator.index(row), operator.index(new_len)
+        if row not in self._lens:
+            raise ValueError(f"row {row} holds no KV pages")
         old = self.seq_len(row)
         if not 0 <= new_len <= old:
             raise ValueError(f"row {row}: cannot truncate length {old} to {new_len}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,6 +20,15 @@ class ForwardMode(enum.Enum):
     @property
     def is_decode_or_verify(self) -> bool:
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+
+def as_ints(values: Sequence[int], name: str) -> list[int]:
+    """Python ints (numpy / torch integers too); anything else is a TypeError naming `name`.
+    Hazard: an int32 tensor made from floats truncates them, silently (prefix 1.5 -> 1)."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise TypeError(f"{name} must be integers, got {list(values)}") from None
 
 
 def _i32(values: Sequence[int]) -> torch.Tensor:
@@ -111,6 +121,10 @@ class ForwardBatch:
         """Assemble a batch from host-side lists (the scheduler's view)."""
         if not len(rows) == len(prefix_lens) == len(extend_lens):
             raise ValueError("rows, prefix_lens and extend_lens must have the same length")
+        rows, prefix_lens = as_ints(rows, "rows"), as_ints(prefix_lens, "prefix_lens")
+        extend_lens = as_ints(extend_lens, "extend_lens")
+        if mode is ForwardMode.IDLE and rows:
+            raise ValueError(f"IDLE carries no requests, got rows {rows}")
         bad = [(p, n) for p, n in zip(prefix_lens, extend_lens) if p < 0 or n < 0]
         if bad:  # a negative prefix attended nothing (out 0, LSE -inf), silently
             raise ValueError(f"prefix and extend lengths must be >= 0, got (prefix, extend) {bad}")
@@ -126,6 +140,10 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc has {out_cache_loc.numel()} slots, "
                 f"batch has {sum(extend_lens)} tokens"
+            )
+        if out_cache_loc.dim() != 1:
+            raise ValueError(
+                f"out_cache_loc must be 1-D [tokens], got shape {list(out_cache_loc.shape)}"
             )
         positions = (
             torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq)])

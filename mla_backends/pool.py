@@ -46,8 +46,8 @@ class LayerIndexError(IndexError):
 
 
 class RequestRowError(ValueError):
-    """A batch names a request row that was never allocated, or reads more tokens of a row
-    than the row has stored (prefix_lens + new tokens beyond what the allocator handed out)."""
+    """A batch names a request row that was never allocated, or reads a different number of
+    tokens of a row than it has stored (prefix_lens + new tokens != what the allocator holds)."""
 
 
 class UncalibratedScaleWarning(UserWarning):
@@ -362,9 +362,10 @@ class ReqToTokenPool:
             )
 
     def check_batch(self, batch: ForwardBatch) -> None:
-        """RequestRowError if the batch names a row never allocated, or reads more tokens of a
-        row (prefix + new) than the row has stored. Host arrays and the batch's CPU copies
-        only (no sync); a batch without CPU rows (a graph runner's static one) is skipped."""
+        """RequestRowError if the batch names a row never allocated, or reads more or fewer
+        tokens of a row (prefix + new) than the row has stored (row 0, padding, excepted).
+        Host arrays and the batch's CPU copies only (no sync); a batch without CPU rows (a
+        graph runner's static one) is skipped."""
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None or rows_cpu.numel() == 0:
             return
@@ -373,6 +374,16 @@ class ReqToTokenPool:
             self.check_rows(rows.tolist())
         seq = batch.seq_lens_cpu.numpy()
         over = np.nonzero(seq > self.filled[rows])[0]
+        # Hazard: reading fewer tokens than stored is as wrong (a prefix passed short: the new
+        # rows land at the row's end, the batch attends over older ones at the wrong positions)
+        short = np.nonzero((seq < self.filled[rows]) & (rows != 0))[0]
+        if short.size:
+            i = int(short[0])
+            raise RequestRowError(
+                f"request row {int(rows[i])} (batch index {i}): the batch reads {int(seq[i])} "
+                f"tokens, the row has {int(self.filled[rows[i]])} stored; pass the prefix the "
+                "row really has (its length before this batch's tokens were allocated)"
+            )
         if over.size:
             i = int(over[0])
             pre, new = int(batch.extend_prefix_lens_cpu[i]), int(batch.extend_seq_lens_cpu[i])

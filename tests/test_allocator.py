@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,3 +142,99 @@ def test_a_row_holding_kv_is_not_freed_nor_handed_out_again() -> None:
     slots = alloc.alloc_extend([again], [5])
     assert again == row and alloc.seq_len(again) == 5
     assert torch.equal(rp.req_to_token[again, :5].long(), slots)
+
+
+@pytest.mark.parametrize("page", [1, 16, 128])
+def test_random_sequences_keep_table_lengths_and_free_list_consistent(page: int) -> None:
+    """Random alloc_extend / alloc_decode / truncate / free / row free sequences, misuse
+    included (truncating or freeing a row that holds nothing, non-integer lengths, more pages
+    than are free), against a model of the state: every refused call leaves the allocator's
+    lengths, `ReqToTokenPool.filled`, the table and the free list exactly as they were."""
+    rng = random.Random(page)
+    num_pages, max_ctx = 6, 4 * page
+    rp = ReqToTokenPool(4, max_ctx, "cpu")
+    alloc = PagedTokenAllocator(num_pages, page, rp)
+    lens: dict[int, int] = {}  # rows holding KV -> length
+    live: list[int] = []
+    for _ in range(400):
+        before = (alloc.available_pages, dict(lens), rp.filled.copy(), rp.req_to_token.clone())
+        op = rng.randrange(6)
+        row = rng.choice(live) if live and rng.random() < 0.9 else rng.randint(0, 5)
+        try:
+            if op == 0 and rp.available:
+                live += rp.alloc()
+                continue
+            if op == 1:
+                rows = rng.sample(live, rng.randint(0, len(live)))
+                ext = [rng.choice([0, 1, page - 1, page, page + 1]) for _ in rows]
+                if rows and rng.random() < 0.2:
+                    ext[-1] = 1.5  # type: ignore[call-overload]  # refused before any row
+                alloc.alloc_extend(rows, ext)
+                for r, n in zip(rows, ext):
+                    lens[r] = lens.get(r, 0) + n
+            elif op == 2:
+                n = rng.randint(0, lens.get(row, 0) + 1)
+                alloc.truncate(row, n)
+                assert row in lens, f"truncated row {row}, which holds no KV"
+                lens[row] = n
+            elif op == 3:
+                alloc.free(row)
+                del lens[row]
+            elif op == 4:
+                rp.free(row)
+                live.remove(row)
+            else:
+                alloc.alloc_decode([row])
+                lens[row] = lens.get(row, 0) + 1
+        except (ValueError, TypeError, MemoryError):
+            after = (alloc.available_pages, dict(lens), rp.filled.copy(), rp.req_to_token)
+            assert before[0] == after[0] and before[1] == after[1], op
+            assert (before[2] == after[2]).all() and torch.equal(before[3], after[3]), op
+        held = [p for r in lens for p in alloc.pages(r)]
+        assert len(held) == len(set(held)) and 0 not in held
+        assert len(held) + alloc.available_pages == num_pages, "page leaked or freed twice"
+        assert rp.filled[0] == max_ctx, "row 0 (padding) must keep its dummy positions"
+        for r in range(1, rp.size + 1):
+            assert alloc.holds(r) == (r in lens) and alloc.seq_len(r) == lens.get(r, 0)
+            assert rp.filled[r] == lens.get(r, 0)
+            assert len(alloc.pages(r)) == -(-lens.get(r, 0) // page)
+    for r in list(lens):  # everything comes back
+        alloc.free(r)
+    assert alloc.available_pages == num_pages
+
+
+def test_truncate_refuses_a_row_holding_no_kv() -> None:
+    """Truncating a row that never held KV (or was freed) used to register it as held, with
+    no pages: free() then raised KeyError, ReqToTokenPool.free refused the row forever (a
+    leaked request row), and truncating row 0 zeroed the padding row's length."""
+    rp = ReqToTokenPool(2, 32, "cpu")
+    (row,) = rp.alloc(1)
+    alloc = PagedTokenAllocator(4, 16, rp)
+    for r in (row, 0, 2):
+        with pytest.raises(ValueError, match=rf"row {r} holds no KV pages"):
+            alloc.truncate(r, 0)
+        assert not alloc.holds(r)
+    assert rp.filled[0] == 32
+    rp.free(row)  # the row is still free to go back
+    (row,) = rp.alloc(1)
+    alloc.alloc_extend([row], [3])
+    alloc.free(row)
+    with pytest.raises(ValueError, match=rf"row {row} holds no KV pages"):
+        alloc.truncate(row, 0)
+    rp.free(row)
+
+
+def test_a_non_integer_length_is_refused_before_any_row_takes_pages() -> None:
+    """A float length in the second row used to fail halfway: the first row had taken its
+    pages and its length, but its req_to_token entries were never written (it would read the
+    dummy slot 0 for its tokens)."""
+    rp = ReqToTokenPool(2, 64, "cpu")
+    rows = rp.alloc(2)
+    alloc = PagedTokenAllocator(4, 16, rp)
+    with pytest.raises(TypeError, match=r"extend_lens must be integers, got \[3, 2.5\]"):
+        alloc.alloc_extend(rows, [3, 2.5])  # type: ignore[list-item]
+    assert alloc.available_pages == 4 and not any(alloc.holds(r) for r in rows)
+    assert rp.filled[rows].tolist() == [0, 0]
+    slots = alloc.alloc_extend(rows, [torch.tensor(3), np.int64(2)])  # integers of any kind
+    assert alloc.seq_len(rows[0]) == 3 and type(alloc.seq_len(rows[0])) is int
+    assert torch.equal(rp.req_to_token[rows[0], :3].long(), slots[:3])

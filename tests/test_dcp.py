@@ -11,6 +11,7 @@ GPU (>= 2 CUDA devices): the same equality over NCCL with captured CUDA graphs.
 
 from __future__ import annotations
 
+import random
 import signal
 from typing import Any
 
@@ -92,6 +93,53 @@ def test_allocator_gives_each_rank_its_tokens_and_fails_on_all_ranks_alike() -> 
     assert [a.available_pages for a in allocs] == [5, 6, 6]
     with pytest.raises(ValueError, match="exceeds the group's context limit 192"):
         allocs[1].alloc_extend([1], [192])
+
+
+def test_allocator_random_sequences_keep_every_ranks_pages_consistent() -> None:
+    """Three ranks' allocators driven by the same random alloc / truncate / free calls, misuse
+    included (rows holding nothing, duplicate rows, more pages than the fullest rank has): a
+    call succeeds or fails on every rank alike, and every rank's count of every rank's pages
+    equals what that rank's own allocator holds. Truncating a row holding nothing used to
+    make it look held on the group but not locally: its free raised KeyError and left the
+    row held by the local allocator for good."""
+    allocs = _rank_allocators(3, 5, 2)
+    rng = random.Random(0)
+    for step in range(500):
+        op, row = rng.randrange(3), rng.randint(1, 4)
+        rows = [row, row] if rng.random() < 0.1 else rng.sample([1, 2, 3, 4], 2)
+        ext = [rng.randint(0, 7) for _ in rows]
+        cut = rng.randint(0, allocs[0].seq_len(row))
+        outcomes = []
+        for a in allocs:
+            try:
+                if op == 0:
+                    a.alloc_extend(rows, ext)
+                elif op == 1:
+                    a.truncate(row, cut)
+                else:
+                    a.free(row)
+                outcomes.append("ok")
+            except (ValueError, MemoryError) as e:
+                outcomes.append(type(e).__name__)
+        assert len(set(outcomes)) == 1, (step, op, outcomes)
+        used = [sum(len(b.local.pages(r)) for r in (1, 2, 3, 4)) for b in allocs]
+        for a in allocs:
+            assert a._used == used and a.available_pages == 5 - used[a.layout.rank], step
+            for r in (1, 2, 3, 4):
+                assert a.holds(r) == a.local.holds(r) and a.seq_len(r) == allocs[0].seq_len(r)
+                assert a.local.seq_len(r) == a.layout.local_len(a.seq_len(r))
+
+
+def test_out_of_pages_names_the_rank_that_ran_out() -> None:
+    """Every rank refuses an allocation the fullest rank cannot take, naming that rank and its
+    numbers (rank 1, with a page free, said '0 free' without saying whose pages)."""
+    allocs = _rank_allocators(2, 2, 2)
+    for a in allocs:
+        a.alloc_extend([1], [5])  # rank 0: 3 tokens, 2 pages; rank 1: 2 tokens, 1 page
+    for a in allocs:
+        with pytest.raises(OutOfPagesError, match=r"DCP rank 0: requested 1 page\(s\) of 2 tok"):
+            a.alloc_extend([2], [1])
+        assert a.seq_len(2) == 0 and not a.holds(2)
 
 
 def _context_limit_worker(rank: int, group: dist.ProcessGroup) -> list[str]:

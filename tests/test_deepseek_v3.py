@@ -255,6 +255,27 @@ def test_engine_pure_mla_step_failing_inside_the_model_marks_no_row(
     assert torch.equal(eng.decode(rows, [6, 7]), fresh.decode(rows2, [6, 7]))
 
 
+def test_engine_empty_steps_and_a_bad_accept_change_nothing() -> None:
+    """An empty batch (no request running) returns [0, vocab] logits in every mode (it raised
+    a reshape error inside the model, and an empty verify an IndexError); accept() with a
+    count that is not an integer is refused before any row is truncated (it truncated the
+    rows before it, consumed the verify, and left the rest with their rejected drafts)."""
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    eng = _engine(model)
+    vocab = model.cfg.vocab_size
+    for step in (eng.extend, eng.decode, eng.verify):
+        assert step([], []).shape == (0, vocab)
+    eng.accept([], [])
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2, 3], [4]])
+    eng.verify(rows, [[5, 6], [7, 8]])
+    with pytest.raises(TypeError, match=r"accepted counts must be integers, got \[1, 1.5\]"):
+        eng.accept(rows, [1, 1.5])  # type: ignore[list-item]
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [5, 3]
+    eng.accept(rows, [1, 0])
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [4, 1]
+
+
 def test_dense_moe_equals_routed_moe(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The capture-safe MoE (every expert, zero weight where not routed) equals the routed."""
     moe = load_model(hf_checkpoint[0]).model.layers[1].mlp

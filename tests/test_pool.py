@@ -126,3 +126,42 @@ def test_req_to_token_rows() -> None:
     with pytest.raises(ValueError, match="not an allocated"):
         rp.free(0)
     assert rp.alloc() == [2]
+
+
+def test_batch_build_refuses_lengths_that_are_not_integers() -> None:
+    """Lengths become int32 tensors: a float prefix (1.5) was truncated, silently, giving
+    seq_lens 2 and float positions; an IDLE batch with requests and a 2-D slot tensor were
+    taken as they came."""
+    from mla_backends.batch import ForwardBatch, ForwardMode
+
+    loc = torch.tensor([5, 6], dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"prefix_lens must be integers, got \[1.5\]"):
+        ForwardBatch.build(ForwardMode.EXTEND, [1], [1.5], [2], loc, "cpu")  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"rows must be integers"):
+        ForwardBatch.build(ForwardMode.EXTEND, [1.0], [0], [2], loc, "cpu")  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"out_cache_loc must be 1-D \[tokens\], got shape"):
+        ForwardBatch.build(ForwardMode.EXTEND, [1], [0], [2], loc[None], "cpu")
+    with pytest.raises(ValueError, match=r"IDLE carries no requests, got rows \[1\]"):
+        ForwardBatch.build(ForwardMode.IDLE, [1], [0], [2], loc, "cpu")
+    b = ForwardBatch.build(ForwardMode.EXTEND, [np.int64(1)], [torch.tensor(3)], [2], loc, "cpu")
+    assert b.seq_lens_cpu.tolist() == [5] and b.positions.tolist() == [3, 4]
+
+
+def test_check_batch_refuses_a_batch_reading_fewer_tokens_than_the_row_stored() -> None:
+    """A prefix passed short (4 where the row had 5 before its decode token was allocated):
+    the new row was stored at position 5, the batch attended over positions 0..4 with the new
+    token at position 4: a wrong answer without an error. Row 0 (padding) stays exempt."""
+    from mla_backends.allocator import PagedTokenAllocator
+    from mla_backends.batch import ForwardBatch, ForwardMode
+    from mla_backends.pool import RequestRowError
+
+    rp = ReqToTokenPool(2, 64, "cpu")
+    alloc = PagedTokenAllocator(4, 16, rp)
+    (row,) = rp.alloc(1)
+    alloc.alloc_extend([row], [5])
+    loc = alloc.alloc_decode([row])
+    short = ForwardBatch.build(ForwardMode.DECODE, [row], [4], [1], loc, "cpu")
+    with pytest.raises(RequestRowError, match=r"reads 5 tokens, the row has 6 stored"):
+        rp.check_batch(short)
+    padded = torch.cat([loc, torch.zeros(1, dtype=torch.int64)])
+    rp.check_batch(ForwardBatch.build(ForwardMode.DECODE, [row, 0], [5, 0], [1, 1], padded, "cpu"))

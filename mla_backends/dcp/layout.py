@@ -23,6 +23,7 @@ alike (a rank raising alone would leave the others waiting in the next collectiv
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
 from mla_backends.arith import cdiv
+from mla_backends.batch import as_ints
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,9 @@ class DCPTokenAllocator:
         [sum(extend_lens)] slots on this rank, 0 for the tokens other ranks own."""
         if len(rows) != len(extend_lens):
             raise ValueError(f"rows ({len(rows)}) and extend_lens ({len(extend_lens)}) differ")
+        rows, extend_lens = as_ints(rows, "rows"), as_ints(extend_lens, "extend_lens")
+        if len(set(rows)) != len(rows):  # the page counts below would count it twice
+            raise ValueError(f"a request row appears twice in one allocation: {list(rows)}")
         lay = self.layout
         need = [0] * lay.size
         for row, n in zip(rows, extend_lens):
@@ -122,7 +127,7 @@ class DCPTokenAllocator:
         for k in range(lay.size):
             free = self.num_pages - self._used[k]
             if need[k] > free:  # raised on every rank alike: see the module docstring
-                raise OutOfPagesError(need[k], free, self.page_size)
+                raise OutOfPagesError(need[k], free, self.page_size, k)
         local_n = [
             lay.local_len(self.seq_len(r) + n) - lay.local_len(self.seq_len(r))
             for r, n in zip(rows, extend_lens)
@@ -147,6 +152,9 @@ class DCPTokenAllocator:
 
     def truncate(self, row: int, new_len: int) -> None:
         """Shrink a request to `new_len` global tokens (rejected draft tokens)."""
+        new_len = operator.index(new_len)
+        if row not in self._lens:
+            raise ValueError(f"row {row} holds no KV pages")
         old = self.seq_len(row)
         if not 0 <= new_len <= old:
             raise ValueError(f"row {row}: cannot truncate length {old} to {new_len}")
@@ -158,6 +166,6 @@ class DCPTokenAllocator:
     def free(self, row: int) -> None:
         if row not in self._lens:
             raise ValueError(f"row {row} holds no KV pages")
+        self.local.free(row)  # first: if it raises, nothing here has changed
         for k, d in enumerate(self._page_delta(self._lens.pop(row), 0)):
             self._used[k] += d
-        self.local.free(row)

@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.runtime import Runtime
 
@@ -123,6 +123,10 @@ class Engine:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
         lens = [len(t) for t in tokens]
         self._drafts = None
+        if not rows:  # nothing to run (the model's reshapes fail on an empty batch)
+            if mode is ForwardMode.TARGET_VERIFY:
+                self._drafts, self._verified = 0, []
+            return torch.zeros(0, vocab, device=self.device)
         prefix = [self.rt.allocator.seq_len(r) for r in rows]
         loc = self.rt.allocator.alloc_extend(rows, lens)
         ran = False  # whether a layer may have run (and advanced request state)
@@ -175,6 +179,9 @@ class Engine:
             )
         if len(accepted) != len(rows):
             raise ValueError(f"{len(accepted)} accepted counts for {len(rows)} rows")
+        # Checked before any row is truncated: a float count failed in the loop below, after
+        # the rows before it were truncated and the verify was consumed (its drafts stuck).
+        accepted = as_ints(accepted, "accepted counts")
         if any(not 0 <= a <= drafts for a in accepted):
             raise ValueError(f"accepted counts must be in 0..{drafts}, got {list(accepted)}")
         # A guard: a mark comes only from a failed step or accept, and both end the verify.
