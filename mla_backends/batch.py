@@ -145,6 +145,10 @@ class ForwardBatch:
             raise ValueError(
                 f"out_cache_loc must be 1-D [tokens], got shape {list(out_cache_loc.shape)}"
             )
+        # Hazard: a float slot id was cast silently (fp32 rounds ids past 2**24, bf16 past 256)
+        # and the token's KV landed in another request's slot.
+        if out_cache_loc.is_floating_point() or out_cache_loc.dtype == torch.bool:
+            raise TypeError(f"out_cache_loc must hold integer slots, got {out_cache_loc.dtype}")
         positions = (
             torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq)])
             if rows

@@ -157,7 +157,9 @@ def test_flashinfer_host_lengths_equal_the_torch_indptrs() -> None:
         (ForwardMode.TARGET_VERIFY, [5, 0, 126, 64], [2, 2, 2, 2]),
         (ForwardMode.EXTEND, [0, 3, 0, 200], [0, 7, 64, 1]),
     ):
-        b = ForwardBatch.build(mode, [1, 2, 3, 4], prefix, ext, torch.zeros(sum(ext)), "cpu")
+        b = ForwardBatch.build(
+            mode, [1, 2, 3, 4], prefix, ext, torch.zeros(sum(ext), dtype=torch.long), "cpu"
+        )
         for page in (1, 64):
             h = host_lengths(b, page)
             seq = b.seq_lens_cpu.to(torch.int32)

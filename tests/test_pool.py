@@ -143,6 +143,8 @@ def test_batch_build_refuses_lengths_that_are_not_integers() -> None:
         ForwardBatch.build(ForwardMode.EXTEND, [1], [0], [2], loc[None], "cpu")
     with pytest.raises(ValueError, match=r"IDLE carries no requests, got rows \[1\]"):
         ForwardBatch.build(ForwardMode.IDLE, [1], [0], [2], loc, "cpu")
+    with pytest.raises(TypeError, match=r"out_cache_loc must hold integer slots, got torch.fl"):
+        ForwardBatch.build(ForwardMode.EXTEND, [1], [0], [2], loc.float() + 2**24, "cpu")
     b = ForwardBatch.build(ForwardMode.EXTEND, [np.int64(1)], [torch.tensor(3)], [2], loc, "cpu")
     assert b.seq_lens_cpu.tolist() == [5] and b.positions.tolist() == [3, 4]
 
