@@ -274,6 +274,9 @@ def test_engine_empty_steps_and_a_bad_accept_change_nothing() -> None:
     assert [eng.rt.allocator.seq_len(r) for r in rows] == [5, 3]
     eng.accept(rows, [1, 0])
     assert [eng.rt.allocator.seq_len(r) for r in rows] == [4, 1]
+    with pytest.raises(ValueError, match=rf"request rows \[{rows[1]}\] have no tokens"):
+        eng.extend(rows, [[9], []])  # refused before the first row's KV is allocated
+    assert [eng.rt.allocator.seq_len(r) for r in rows] == [4, 1]
 
 
 def test_dense_moe_equals_routed_moe(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -122,6 +122,9 @@ class Engine:
         if bad:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
         lens = [len(t) for t in tokens]
+        empty = [r for r, n in zip(rows, lens) if n == 0]
+        if empty:  # the model's reshapes fail on them, after the other rows' KV was allocated
+            raise ValueError(f"request rows {empty} have no tokens in this step")
         self._drafts = None
         if not rows:  # nothing to run (the model's reshapes fail on an empty batch)
             if mode is ForwardMode.TARGET_VERIFY:
