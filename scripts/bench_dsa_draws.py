@@ -21,9 +21,8 @@ import json
 import statistics
 
 import torch
-from bench_sparse import dense, ints, start, timed
+from bench_sparse import decode_batch, dense, ints, start, timed
 
-from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.kernels.common import num_sms
 from mla_backends.sparse.base import SparseContext, create_sparse_backend
@@ -70,9 +69,7 @@ def run_point(
 ) -> list[dict]:  # type: ignore[no-untyped-def]
     bf16, _, cache, req = pools
     dev = torch.device("cuda")
-    rows = list(range(1, b + 1))
-    loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
-    batch = ForwardBatch.build(ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev)
+    batch = decode_batch(req, b, ctx)
     idims = IndexerDims()
     ix = Indexer(idims, cache, req.req_to_token, "triton")
     ix.init_forward_metadata(batch)

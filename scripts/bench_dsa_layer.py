@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import PAGE, build_pools  # noqa: E402
+from bench_sparse import PAGE, build_pools, decode_batch  # noqa: E402
 
 from mla_backends.backends.base import BackendContext  # noqa: E402
 from mla_backends.backends.registry import get_backend_class  # noqa: E402
-from mla_backends.batch import ForwardBatch, ForwardMode  # noqa: E402
 from mla_backends.bench.stack import STACK  # noqa: E402
 from mla_backends.bench.timing import graph_us  # noqa: E402
 from mla_backends.config import Config, MLADims  # noqa: E402
@@ -59,11 +58,7 @@ def main() -> None:
         dims = MLADims(h, 512, 64, 128, 128, 40.0, 1.0)
         for ctx in contexts:
             for b in batches:
-                rows = list(range(1, b + 1))
-                loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
-                batch = ForwardBatch.build(
-                    ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev
-                )
+                batch = decode_batch(req, b, ctx)
                 x = torch.randn(b, cfg.hidden_size, device=dev).bfloat16()
                 ang = torch.full((b, 1), float(ctx - 1), device=dev) * inv_freq.to(dev)[None]
                 cos, sin = (ang.cos() * scale).bfloat16(), (ang.sin() * scale).bfloat16()

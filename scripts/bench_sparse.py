@@ -113,14 +113,24 @@ def build_pools(max_b: int, max_ctx: int, fp8_rows: bool, seed: int = 0):  # typ
         blk.copy_(torch.randn(blk.shape, device=dev).mul_(64).to(torch.float8_e4m3fn))
     scale.copy_(torch.exp2(-torch.randint(4, 9, scale.shape, device=dev).float()))
     req = ReqToTokenPool(max_b, max_ctx + 1, dev)
-    req.alloc(max_b)  # rows 1..max_b, every position filled below
-    req.filled[1:] = max_ctx + 1
+    req.alloc(max_b)  # rows 1..max_b, every position filled below (`decode_batch` says how many)
     order = torch.randperm(pages, device=dev) + 1
     pos = torch.arange(max_ctx, device=dev)
     for i in range(max_b):
         mine = order[i * ppr : (i + 1) * ppr]
         req.req_to_token[i + 1, :max_ctx] = (mine[pos // PAGE] * PAGE + pos % PAGE).int()
     return bf16, fp8, cache, req
+
+
+def decode_batch(req: ReqToTokenPool, b: int, ctx: int) -> ForwardBatch:
+    """One decode token a request for rows 1..b over `build_pools`' table, at context `ctx`.
+    The rows hold max_ctx positions; each batch reads the first ctx, so the table is told the
+    rows hold ctx tokens (`check_batch` refuses a batch reading fewer than a row stores)."""
+    dev = req.device
+    rows = list(range(1, b + 1))
+    req.filled[rows] = ctx
+    loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
+    return ForwardBatch.build(ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev)
 
 
 def run_one(
@@ -135,9 +145,7 @@ def run_one(
 ) -> list[dict]:
     bf16, fp8, cache, req = pools
     dev = torch.device("cuda")
-    rows = list(range(1, b + 1))
-    loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
-    batch = ForwardBatch.build(ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev)
+    batch = decode_batch(req, b, ctx)
 
     idims = IndexerDims(topk=topk)
     ix = Indexer(idims, cache, req.req_to_token, "triton")

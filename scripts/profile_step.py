@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import PAGE, build_pools  # noqa: E402
+from bench_sparse import PAGE, build_pools, decode_batch  # noqa: E402
 
 from mla_backends.backends.base import BackendContext  # noqa: E402
 from mla_backends.backends.registry import get_backend_class  # noqa: E402
-from mla_backends.batch import ForwardBatch, ForwardMode  # noqa: E402
 from mla_backends.bench.timing import capture_graph, graph_us  # noqa: E402
 from mla_backends.config import Config, MLADims  # noqa: E402
 from mla_backends.sparse.base import SparseContext, create_sparse_backend  # noqa: E402
@@ -107,9 +106,7 @@ def main() -> None:
     bf16, _, cache, req = build_pools(b, max(contexts), False)
     res = []
     for ctx in contexts:
-        rows = list(range(1, b + 1))
-        loc = req.req_to_token[torch.tensor(rows, device=dev), ctx - 1].long()
-        batch = ForwardBatch.build(ForwardMode.DECODE, rows, [ctx - 1] * b, [1] * b, loc, dev)
+        batch = decode_batch(req, b, ctx)
         ix = Indexer(IndexerDims(topk=a.topk), cache, req.req_to_token, "triton")
         ix.init_forward_metadata(batch)
         q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
