@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
+
+import torch
 
 from mla_backends.config import ConfigError, load_config
 
@@ -21,6 +24,26 @@ USAGE_ERROR = 2
 class UsageError(ValueError):
     """A command-line value that can only be checked against the loaded config (say, more
     requests than the config's pool holds); the message names the option and the range."""
+
+
+@contextmanager
+def out_of_memory(
+    options: str, device: torch.device, fix: str = "give smaller values"
+) -> Iterator[None]:
+    """An allocation inside that runs out of memory: a one-line UsageError naming `options`,
+    the values that set the size (e.g. "--batch 64, --kv-len 131072"), not a traceback."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        # The CPU allocator raises a plain RuntimeError; match its words only, so that other
+        # RuntimeErrors (say, "CUDA-graph state not allocated") keep their tracebacks. Python's
+        # own MemoryError (a host list too long) has no message; ours (OutOfPagesError) have.
+        if isinstance(e, MemoryError):
+            if e.args:
+                raise
+        elif not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        raise UsageError(f"{options}: out of memory on {device}; {fix}") from e
 
 
 class OneLineParser(argparse.ArgumentParser):

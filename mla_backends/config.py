@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -335,6 +336,34 @@ def config_source(path: str | Path | None) -> Path | Traversable:
     )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, but a key given twice in one mapping is an error: PyYAML keeps the
+    last value, so a second `page_size:` further down silently replaced the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: later keys override it
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # a list as a key: PyYAML's own error follows
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line (PyYAML's own message spans several, with a caret drawing)."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(e).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
 def load_config(path: str | Path | None = None, resolve: bool = True) -> Config:
     """Read, validate and resolve a YAML config (None: the shipped default); `resolve`:
     as `config_from_dict`'s."""
@@ -344,7 +373,7 @@ def load_config(path: str | Path | None = None, resolve: bool = True) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{src}: cannot read: {e}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{src}: not valid YAML: {e}") from None
+        raise ConfigError(f"{src}: not valid YAML: {_yaml_problem(e)}") from None
     return config_from_dict({} if raw is None else raw, str(src), resolve)

@@ -231,6 +231,10 @@ def _no_cpu_memory(*args: object, **kwargs: object) -> object:
     raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 GB")
 
 
+def _no_host_memory(*args: object, **kwargs: object) -> object:
+    raise MemoryError  # Python's own: a host list of every page (`--kv-len 1e15`) too long
+
+
 @pytest.mark.parametrize(
     "module, name, fail, args, message",
     [
@@ -238,6 +242,11 @@ def _no_cpu_memory(*args: object, **kwargs: object) -> object:
             "grid", "decode_setup", _no_memory,
             ["--heads", "4", "--batch", "3", "--kv-len", "100"],
             "--heads 4, --q-len 1, --batch 3, --kv-len 100: out of memory on cpu",
+        ),
+        (
+            "grid", "decode_setup", _no_host_memory,
+            ["--heads", "4", "--batch", "1", "--kv-len", "100"],
+            "--heads 4, --q-len 1, --batch 1, --kv-len 100: out of memory on cpu",
         ),
         (
             "anchors", "decode_setup", _no_cpu_memory,
@@ -261,7 +270,7 @@ def _no_cpu_memory(*args: object, **kwargs: object) -> object:
             "--batch 2, --prompt 8, --steps 2, --layers 1: out of memory on cpu",
         ),
     ],
-    ids=["grid", "anchors", "linear", "stack-model", "stack-pool"],
+    ids=["grid", "grid-host-list", "anchors", "linear", "stack-model", "stack-pool"],
 )  # fmt: skip
 def test_bench_out_of_memory_is_one_line_naming_the_size_options(
     tmp_path: Path,
@@ -286,12 +295,16 @@ def test_bench_out_of_memory_is_one_line_naming_the_size_options(
 
 def test_out_of_memory_keeps_other_runtime_errors() -> None:
     """Only the allocators' errors become the one line: another RuntimeError that merely says
-    "allocate" keeps its type and traceback."""
-    from mla_backends.bench.fixtures import out_of_memory
+    "allocate" keeps its type and traceback, and so does the page allocator's MemoryError."""
+    from mla_backends.allocator import OutOfPagesError
+    from mla_backends.cli import out_of_memory
 
     with pytest.raises(RuntimeError, match="state not allocated"):
         with out_of_memory("--batch 1", torch.device("cpu")):
             raise RuntimeError("indexer: CUDA-graph state not allocated")
+    with pytest.raises(OutOfPagesError):  # a MemoryError of ours, with its message
+        with out_of_memory("--batch 1", torch.device("cpu")):
+            raise OutOfPagesError(requested=3, free=1, page_size=16)
 
 
 def test_a_pool_larger_than_free_gpu_memory_is_refused_before_timing(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import PACKAGE_ROOT, Cli
 
 from mla_backends.backends.registry import _REGISTRY, register_backend
@@ -67,6 +68,17 @@ BAD_INPUTS = [
         "float-page-size",
         lambda t: ["run", "--config", _yaml(t, "page_size: 16.0\n")],
         r"c.yaml: page_size must be an integer >= 1, got 16.0 \(float\)",
+    ),
+    (
+        "yaml-not-valid",
+        lambda t: ["verify", "--config", _yaml(t, "model: [tiny\n")],
+        r"config error: .*c.yaml: not valid YAML: line 2, column 7: expected ',' or '\]'",
+    ),
+    (
+        "yaml-key-given-twice",
+        lambda t: ["verify", "--config", _yaml(t, "page_size: 16\npage_size: 32\n")],
+        r"config error: .*c.yaml: not valid YAML: line 2, column 1: key 'page_size' is given "
+        r"twice",
     ),
     (
         "bench-unknown-backend",
@@ -143,6 +155,24 @@ BAD_INPUTS = [
         r"pages of 16 tokens\): one request of 3 prompt tokens plus --max-new needs 6251 pages",
     ),
     (
+        "run-sparse-backend-that-cannot-run",
+        lambda t: [
+            "run",
+            "--random",
+            "tiny-v32",
+            "--config",
+            _yaml(t, "sparse_backend: flashmla\n"),
+        ],
+        r"run: config error: .*c.yaml: sparse_backend: sparse backend 'flashmla' cannot run here: "
+        r"FlashMLA sparse is built for kv_lora_rank 512",
+    ),
+    (
+        "run-pool-past-memory",
+        lambda t: ["run", "--config", _yaml(t, "num_pages: 1000000000000\n")],
+        r"run: error: .*c.yaml: num_pages 1000000000000, max_requests 64, max_context_len 2048: "
+        r"out of memory on cpu; give smaller values",
+    ),
+    (
         "run-missing-model-folder",
         lambda t: ["run", "--model", str(t / "no-such-checkpoint")],
         r"run: error: argument --model: .*no-such-checkpoint does not exist; expected a "
@@ -172,6 +202,18 @@ def test_bad_input_is_one_clear_line_and_exit_2(
     assert len(lines) == 1, proc.stderr
     assert re.search(pattern, lines[0]), lines[0]
     assert proc.stdout == ""  # it failed before doing any work
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_run_of_a_cuda_config_on_a_cpu_is_one_line(cli: Cli) -> None:
+    """`run` builds the model before it resolves the backends: `device: cuda` was a torch
+    AssertionError traceback ("Torch not compiled with CUDA enabled") there."""
+    proc = cli("run", "--config", "deepseek_v3_h100", timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr == (
+        "mla-backends run: config error: deepseek_v3_h100: device='cuda' but this machine has "
+        f"no usable CUDA device (torch {torch.__version__}); use device: auto or cpu\n"
+    )
 
 
 def test_run_from_an_empty_folder_checks_against_the_fp64_reference(cli: Cli) -> None:

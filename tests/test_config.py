@@ -61,6 +61,11 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
     assert cfg.model.softmax_scale == DEEPSEEK_V3.softmax_scale
 
 
+def test_a_yaml_merge_key_is_overridden_not_a_key_given_twice(tmp_path: Path) -> None:
+    text = "model:\n  <<: {base: tiny, num_heads: 8}\n  num_heads: 2\ndevice: cpu\n"
+    assert load_config(_write(tmp_path, text)).model.num_heads == 2
+
+
 @pytest.mark.parametrize(
     "text, pattern",
     [
@@ -82,6 +87,11 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
         ("num_pages: 0\n", r"c.yaml: num_pages must be an integer >= 1, got 0"),
         ("[1, 2]\n", r"c.yaml: top level must be a mapping"),
         ("page_size: [16\n", r"c.yaml: not valid YAML"),
+        (
+            "page_size: 16\npage_size: 32\n",
+            r"c.yaml: not valid YAML: line 2, column 1: key 'page_size' is given twice",
+        ),
+        ("model: {num_heads: 4, num_heads: 8}\n", r"line 1, column 23: key 'num_heads' is given"),
         ("device: tpu\n", r"device='tpu' is not one of"),
         ("device: 'cuda:-1'\n", r"device='cuda:-1' is not one of auto, cpu, cuda, cuda:N"),
         ("device: 'cuda:x'\n", r"device='cuda:x' is not one of"),

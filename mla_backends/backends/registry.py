@@ -83,6 +83,18 @@ def why_not(name: str, config: Config, cap: Capability, role: str) -> str | None
     return cls.supports(config, cap, role)
 
 
+def check_device(config: Config, where: str = "<config>") -> None:
+    """ConfigError unless the config's device exists on this machine (`device: cuda` on a
+    CPU-only build of torch)."""
+    from mla_backends.config import ConfigError
+
+    if config.torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{where}: device={config.device!r} but this machine has no usable CUDA device "
+            f"(torch {torch.__version__}); use device: auto or cpu"
+        )
+
+
 def resolve_backends(config: Config, where: str = "<config>", check: bool = True) -> Config:
     """Resolve "auto" and check both choices against this machine, once, at config load.
     `check=False` (`Runtime.build`): "auto" resolved, unknown names refused, but a named
@@ -93,13 +105,8 @@ def resolve_backends(config: Config, where: str = "<config>", check: bool = True
     from mla_backends.backends.base import Capability
     from mla_backends.config import ConfigError
 
-    dev = config.torch_device
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"{where}: device={config.device!r} but this machine has no usable CUDA device "
-            f"(torch {torch.__version__}); use device: auto or cpu"
-        )
-    cap = Capability.detect(dev)
+    check_device(config, where)
+    cap = Capability.detect(config.torch_device)
     chosen: dict[str, str] = {}
     for role in ("prefill", "decode"):
         key = f"{role}_backend"

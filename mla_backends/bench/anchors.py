@@ -12,7 +12,6 @@ from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.bench.fixtures import (
     decode_setup,
-    out_of_memory,
     require_fits,
     require_runs,
     setup_config,
@@ -24,6 +23,7 @@ from mla_backends.bench.peers import DECODE_PEERS, RAW_PEER
 from mla_backends.bench.prefill import check_prefill_backends, default_tokens, prefill_table
 from mla_backends.bench.report import format_result, write
 from mla_backends.bench.timing import ceilings
+from mla_backends.cli import out_of_memory
 from mla_backends.config import Config
 
 # (heads, q_len, batch, kv_len): the decode table of ../shared/ANCHORS.md.

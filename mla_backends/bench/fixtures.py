@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,22 +39,6 @@ def require_runs(
     reason = get_backend_class(name).supports(config, cap, role)
     if reason is not None:
         raise ConfigError(f"{option}: {name!r} cannot run here: {reason}")
-
-
-@contextmanager
-def out_of_memory(
-    options: str, device: torch.device, fix: str = "give smaller values"
-) -> Iterator[None]:
-    """An allocation inside that runs out of memory: a one-line UsageError naming `options`,
-    the values that set the size (e.g. "--batch 64, --kv-len 131072"), not a traceback."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        # The CPU allocator raises a plain RuntimeError; match its words only, so that other
-        # RuntimeErrors (say, "CUDA-graph state not allocated") keep their tracebacks.
-        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
-            raise
-        raise UsageError(f"{options}: out of memory on {device}; {fix}") from e
 
 
 def pool_bytes(config: Config) -> int:

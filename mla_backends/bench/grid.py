@@ -15,7 +15,6 @@ from mla_backends.backends.registry import get_backend_class
 from mla_backends.bench.fixtures import (
     backend_config,
     decode_setup,
-    out_of_memory,
     require_fits,
     setup_config,
     traffic,
@@ -26,7 +25,7 @@ from mla_backends.bench.peers import DECODE_PEERS, RAW_PEER
 from mla_backends.bench.prefill import prefill_table
 from mla_backends.bench.report import format_table, progress, write
 from mla_backends.bench.timing import ceilings
-from mla_backends.cli import UsageError, int_list
+from mla_backends.cli import UsageError, int_list, out_of_memory
 from mla_backends.config import Config
 
 # Grid defaults per device: a GPU gets serving sizes, a CPU sizes that finish in seconds.

@@ -25,7 +25,6 @@ from mla_backends.backends.base import Capability
 from mla_backends.bench.fixtures import (
     DecodeSetup,
     decode_setup,
-    out_of_memory,
     require_fits,
     require_runs,
     setup_config,
@@ -35,6 +34,7 @@ from mla_backends.bench.options import Options, Shape, pick, shape_text
 from mla_backends.bench.peers import PEER_CALLS
 from mla_backends.bench.report import progress, write
 from mla_backends.bench.timing import bench_us, ceilings, graph_us
+from mla_backends.cli import out_of_memory
 from mla_backends.config import Config, ConfigError
 
 BF16 = "bfloat16"

@@ -24,10 +24,10 @@ import torch
 
 from mla_backends.backends.kernel_packages import require
 from mla_backends.batch import ForwardBatch, ForwardMode
-from mla_backends.bench.fixtures import out_of_memory
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import bench_us, ceilings, graph_us
+from mla_backends.cli import out_of_memory
 from mla_backends.config import Config
 from mla_backends.linear.backend import LinearAttentionBackend
 from mla_backends.linear.state_pool import LinearStatePool

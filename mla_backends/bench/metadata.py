@@ -16,7 +16,6 @@ import torch
 from mla_backends.backends.base import Capability
 from mla_backends.bench.fixtures import (
     decode_setup,
-    out_of_memory,
     require_fits,
     require_runs,
     setup_config,
@@ -24,6 +23,7 @@ from mla_backends.bench.fixtures import (
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
 from mla_backends.bench.timing import host_us
+from mla_backends.cli import out_of_memory
 from mla_backends.config import Config, ConfigError
 
 HEADS, KV_LEN = 16, 1024

@@ -16,7 +16,6 @@ from mla_backends.backends.base import Capability
 from mla_backends.batch import RaggedLayout
 from mla_backends.bench.fixtures import (
     PrefillInputs,
-    out_of_memory,
     prefill_config,
     prefill_dims,
     require_runs,
@@ -25,7 +24,7 @@ from mla_backends.bench.options import Options, pick
 from mla_backends.bench.peers import flashinfer_ragged, sdpa_prefill
 from mla_backends.bench.report import prefill_lines, write
 from mla_backends.bench.timing import bench_us
-from mla_backends.cli import UsageError
+from mla_backends.cli import UsageError, out_of_memory
 from mla_backends.config import Config
 from mla_backends.runtime import Runtime
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.bench.fixtures import out_of_memory, require_runs
+from mla_backends.bench.fixtures import require_runs
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
+from mla_backends.cli import out_of_memory
 from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from mla_backends.models.engine import Engine

@@ -19,15 +19,23 @@ from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendContext
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.backends.reference_backend import ReferenceBackend
-from mla_backends.backends.registry import resolve_backends
-from mla_backends.cli import SEED, UsageError, add_config_argument, existing_dir, int_at_least
-from mla_backends.config import Config, load_config
+from mla_backends.backends.registry import check_device, resolve_backends
+from mla_backends.cli import (
+    SEED,
+    UsageError,
+    add_config_argument,
+    existing_dir,
+    int_at_least,
+    out_of_memory,
+)
+from mla_backends.config import Config, ConfigError, load_config
 from mla_backends.models.choices import Selections
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from mla_backends.models.deepseek_v32 import DeepseekV32ForCausalLM
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import load_model
 from mla_backends.runtime import Runtime
+from mla_backends.sparse.base import SparseBackendUnavailable
 from mla_backends.sparse.dsa import DSABackend
 from mla_backends.sparse.torch_backend import ReferenceSparseBackend
 
@@ -204,6 +212,7 @@ def _serve(
 def run(args: argparse.Namespace) -> int:
     # Backends are resolved (and refused) once the checkpoint's dims replace the config's.
     base = load_config(args.config, resolve=False)
+    check_device(base, args.config or "default config")  # before the model is built there
     base = dataclasses.replace(base, max_context_len=max(base.max_context_len, 64 + args.max_new))
     allowed = max_requests(base, args.max_new)
     if allowed == 0:
@@ -238,8 +247,15 @@ def run(args: argparse.Namespace) -> int:
         for n in prompt_lengths(args.requests)
     ]
     sel = Selections()
-    steps, tps, out = _serve(model, config, prompts, args.max_new, selections=sel)
-    ref_steps, _, ref_out = _serve(model, config, prompts, args.max_new, True, sel, feed=out)
+    sizes = f"{args.config or 'the shipped default'}: num_pages {config.num_pages}, max_requests "
+    sizes += f"{config.max_requests}, max_context_len {config.max_context_len}"
+    try:
+        with out_of_memory(sizes, config.torch_device):
+            steps, tps, out = _serve(model, config, prompts, args.max_new, selections=sel)
+            ref = _serve(model, config, prompts, args.max_new, True, sel, feed=out)
+    except SparseBackendUnavailable as e:  # known only once the model's indexer dims are
+        raise ConfigError(f"{args.config or 'default config'}: sparse_backend: {e}") from None
+    ref_steps, _, ref_out = ref
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(steps, ref_steps))
     print(
         f"model {path if args.model else 'random:' + args.random}: {c.num_hidden_layers} "
