@@ -45,6 +45,18 @@ def test_choosing_a_gpu_kernel_here_fails_at_load_saying_what_is_missing(name: s
         config_from_dict(raw, "x.yaml")
 
 
+def test_a_missing_package_hint_names_each_install_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashmla takes flash_mla or sgl_kernel: the hint said "pip install sglang-kernel" twice."""
+    import importlib.util
+
+    from mla_backends.backends import kernel_packages
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    msg = kernel_packages.missing("flash_mla", "sgl_kernel")
+    assert msg is not None and msg.count("pip install sglang-kernel==0.4.3") == 1
+    assert "build deepseek-ai/FlashMLA" in msg
+
+
 @pytest.mark.parametrize(
     "name, cfg, cap, pattern",
     [

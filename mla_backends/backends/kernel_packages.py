@@ -12,7 +12,7 @@ from mla_backends.config import Config
 INSTALL = {
     "flashinfer": "pip install flashinfer-python==0.7.2.post1 (or mla-backends[gpu])",
     "sgl_kernel": "pip install sglang-kernel==0.4.3 (or mla-backends[gpu])",
-    "flash_mla": "build deepseek-ai/FlashMLA, or pip install sglang-kernel==0.4.3",
+    "flash_mla": "build deepseek-ai/FlashMLA",  # or sgl_kernel's, which every caller names too
     "fla": "pip install fla-core==0.6.0 (or mla-backends[gpu])",
 }
 
