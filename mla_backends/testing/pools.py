@@ -132,4 +132,7 @@ def build_case(case: Case, device: torch.device) -> tuple[Runtime, ForwardBatch]
     if any(n == 0 for n in case.kv_lens):
         seq = torch.tensor(list(case.kv_lens), dtype=torch.int32)
         batch.seq_lens_cpu, batch.seq_lens = seq, seq.to(device)
+        # A row shorter than its queries (kv 1, q 2) then reads fewer tokens than it stored:
+        # the table is told so (`check_batch` refuses a batch that reads fewer than stored).
+        rt.req_pool.filled[rows] = list(case.kv_lens)
     return rt, batch
