@@ -82,7 +82,8 @@ class PagedTokenAllocator:
         """Append `extend_lens[i]` tokens to request `rows[i]`; return their slots.
 
         Returns int64 `[sum(extend_lens)]` on the pool device, request-major, and writes the
-        same slots into `req_to_token[row, old_len : old_len + n]`.
+        same slots into `req_to_token[row, old_len : old_len + n]`. Allocate the tokens of the
+        batch that stores them, not ahead: a batch must read what its rows hold (`check_batch`).
         """
         if len(rows) != len(extend_lens):
             raise ValueError(f"rows ({len(rows)}) and extend_lens ({len(extend_lens)}) differ")

@@ -26,6 +26,8 @@ def as_ints(values: Sequence[int], name: str) -> list[int]:
     """Python ints (numpy / torch integers too); anything else is a TypeError naming `name`.
     Hazard: an int32 tensor made from floats truncates them, silently (prefix 1.5 -> 1)."""
     try:
+        if any(isinstance(v, bool) for v in values):  # operator.index(True) is 1
+            raise TypeError
         return [operator.index(v) for v in values]
     except TypeError:
         raise TypeError(f"{name} must be integers, got {list(values)}") from None

@@ -280,7 +280,8 @@ class ReqToTokenPool:
     Row 0 is reserved: it points at the dummy page (all zeros = slot 0) and is what padded
     CUDA-graph rows use. On the host it knows which rows are allocated and how many leading
     positions of each hold stored tokens (`filled`, kept by the allocator), so a batch that
-    names a row never allocated, or reads past what a row stored, fails (`check_batch`).
+    names a row never allocated, or reads more or fewer tokens than a row stored, fails
+    (`check_batch`): allocate exactly the tokens of the batch that stores them.
     """
 
     def __init__(

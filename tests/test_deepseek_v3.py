@@ -226,10 +226,16 @@ def test_engine_accept_takes_the_verify_steps_rows(hf_checkpoint) -> None:  # ty
     eng.accept(rows, [1, 2])
     assert [eng.rt.allocator.seq_len(r) for r in rows] == [4, 6]
     eng.verify(rows, [[8, 9], [11, 12]])
-    eng.free(rows[0])  # a freed row ends its verify: accept no longer half-truncates
+    eng.free(rows[0])  # a freed row ends its verify: the other rows reject their drafts
     with pytest.raises(RuntimeError, match=r"accept\(\) follows a verify\(\) step"):
         eng.accept(rows, [1, 1])
-    assert eng.rt.allocator.seq_len(rows[1]) == 8
+    assert eng.rt.allocator.seq_len(rows[1]) == 6
+    (other,) = eng.new_requests(1)
+    eng.extend([other], [[1, 2]])
+    eng.verify([rows[1]], [[3, 4]])
+    eng.reset([other])  # a row outside the verify: it stays acceptable
+    eng.accept([rows[1]], [1])
+    assert eng.rt.allocator.seq_len(rows[1]) == 7
 
 
 def test_engine_pure_mla_step_failing_inside_the_model_marks_no_row(

@@ -439,6 +439,18 @@ def test_a_failed_accept_marks_its_rows() -> None:
         eng.decode(rows, [8, 9])
 
 
+def test_an_empty_verify_is_accepted_in_a_hybrid_model() -> None:
+    """An empty verify runs no batch, so its accept must not call the linear backend's accept
+    (which reads the last batch it saw: a decode, or another verify of other shapes)."""
+    eng = _engine(_model())
+    rows = eng.new_requests(1)
+    eng.extend(rows, [[1, 2]])
+    eng.decode(rows, [3])
+    assert eng.verify([], []).shape[0] == 0
+    eng.accept([], [])
+    eng.decode(rows, [4])
+
+
 # ---------------------------------------------------------------------------- HF checkpoint
 def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file

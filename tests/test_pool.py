@@ -139,6 +139,8 @@ def test_batch_build_refuses_lengths_that_are_not_integers() -> None:
         ForwardBatch.build(ForwardMode.EXTEND, [1], [1.5], [2], loc, "cpu")  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"rows must be integers"):
         ForwardBatch.build(ForwardMode.EXTEND, [1.0], [0], [2], loc, "cpu")  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"rows must be integers, got \[True\]"):
+        ForwardBatch.build(ForwardMode.EXTEND, [True], [0], [2], loc, "cpu")
     with pytest.raises(ValueError, match=r"out_cache_loc must be 1-D \[tokens\], got shape"):
         ForwardBatch.build(ForwardMode.EXTEND, [1], [0], [2], loc[None], "cpu")
     with pytest.raises(ValueError, match=r"IDLE carries no requests, got rows \[1\]"):

@@ -96,9 +96,10 @@ class MLABackend(ABC, Generic[M]):
         """This batch's metadata; None when the backend needs none for it."""
 
     def check_batch(self, batch: ForwardBatch) -> None:
-        """RequestRowError if the batch names a request row never allocated or reads past
-        what a row stored (`ReqToTokenPool.check_batch`): an index past the stored tokens
-        reads stale or dummy slots. Once per batch object, host only."""
+        """RequestRowError if the batch names a request row never allocated or reads more or
+        fewer tokens than a row stored (`ReqToTokenPool.check_batch`): an index past the
+        stored tokens reads stale or dummy slots, a short prefix the wrong positions. Once
+        per batch object, host only."""
         if batch is not self._checked_batch:
             self.ctx.req_to_token_pool.check_batch(batch)
             self._checked_batch = batch

@@ -70,8 +70,7 @@ class Engine:
         return rows
 
     def free(self, row: int) -> None:
-        if row in self._verified:  # its verify can no longer be accepted (the row is gone)
-            self._drafts = None
+        self._end_verify([row])
         if self.rt.allocator.holds(row):
             self.rt.allocator.free(row)
         self.rt.req_pool.free(row)
@@ -88,11 +87,23 @@ class Engine:
         new request); the caller re-prefills each whole sequence. Clears their marks."""
         self.rt.req_pool.check_rows(list(rows))
         self.backend.reset_requests(rows)
-        self._drafts = None  # a pending accept would write verify states into a reset row
+        self._end_verify(rows)  # a pending accept would write verify states into a reset row
         for row in rows:
             if self.rt.allocator.holds(row):
                 self.rt.allocator.free(row)
             self._unknown.discard(row)
+
+    def _end_verify(self, rows: Sequence[int]) -> None:
+        """A pending verify that names any of `rows` (freed or reset) can no longer be
+        accepted: its other rows reject every draft (truncated back to their length before
+        it; the verify wrote no request state), so none keeps unverified drafts' KV."""
+        drafts = self._drafts
+        if drafts is None or not set(rows) & set(self._verified):
+            return
+        self._drafts = None
+        for r in self._verified:
+            if r not in rows and self.rt.allocator.holds(r):
+                self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - drafts)
 
     def _refuse_unknown(self, rows: Sequence[int]) -> None:
         bad = sorted(self._unknown.intersection(rows))
@@ -190,6 +201,8 @@ class Engine:
         # A guard: a mark comes only from a failed step or accept, and both end the verify.
         self._refuse_unknown(rows)
         self._drafts = None
+        if not rows:  # an empty verify: nothing to keep (a hybrid's accept needs its batch)
+            return
         for r, a in zip(rows, accepted):
             self.rt.allocator.truncate(r, self.rt.allocator.seq_len(r) - drafts + a)
         try:  # writes the states layer by layer: a failure leaves some advanced
