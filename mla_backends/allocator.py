@@ -31,6 +31,18 @@ class OutOfPagesError(MemoryError):
         self.rank = rank
 
 
+def truncate_from(lens: dict[int, int], row: int, new_len: int) -> int:
+    """The length of `row` (in an allocator's `lens`) that a truncate to `new_len` shrinks;
+    ValueError unless the row holds KV and 0 <= new_len <= that length. Hazard: truncating a
+    row without KV made it look held (free() then failed, and the row leaked for good)."""
+    if row not in lens:
+        raise ValueError(f"row {row} holds no KV pages")
+    old = lens[row]
+    if not 0 <= new_len <= old:
+        raise ValueError(f"row {row}: cannot truncate length {old} to {new_len}")
+    return old
+
+
 class PagedTokenAllocator:
     """Owns the free-page list and each request row's pages and length.
 
@@ -133,15 +145,9 @@ class PagedTokenAllocator:
         return self.alloc_extend(rows, [1] * len(rows))
 
     def truncate(self, row: int, new_len: int) -> None:
-        """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages.
-        Only a row that holds KV: truncating any other row made it look held (free() then
-        failed with a KeyError, and the request table refused to free the row forever)."""
+        """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages."""
         row, new_len = operator.index(row), operator.index(new_len)
-        if row not in self._lens:
-            raise ValueError(f"row {row} holds no KV pages")
-        old = self.seq_len(row)
-        if not 0 <= new_len <= old:
-            raise ValueError(f"row {row}: cannot truncate length {old} to {new_len}")
+        truncate_from(self._lens, row, new_len)
         pages = self._pages.get(row, [])
         keep = self._pages_for(new_len)
         self._free.extend(reversed(pages[keep:]))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
+from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator, truncate_from
 from mla_backends.arith import cdiv
 from mla_backends.batch import as_ints
 
@@ -153,11 +153,7 @@ class DCPTokenAllocator:
     def truncate(self, row: int, new_len: int) -> None:
         """Shrink a request to `new_len` global tokens (rejected draft tokens)."""
         new_len = operator.index(new_len)
-        if row not in self._lens:
-            raise ValueError(f"row {row} holds no KV pages")
-        old = self.seq_len(row)
-        if not 0 <= new_len <= old:
-            raise ValueError(f"row {row}: cannot truncate length {old} to {new_len}")
+        old = truncate_from(self._lens, row, new_len)
         self.local.truncate(row, self.layout.local_len(new_len))
         for k, d in enumerate(self._page_delta(old, new_len)):
             self._used[k] += d

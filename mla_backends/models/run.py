@@ -212,11 +212,11 @@ def _serve(
 def run(args: argparse.Namespace) -> int:
     # Backends are resolved (and refused) once the checkpoint's dims replace the config's.
     base = load_config(args.config, resolve=False)
-    check_device(base, args.config or "default config")  # before the model is built there
+    where, src = args.config or "default config", args.config or "the shipped default"
+    check_device(base, where)  # before the model is built there
     base = dataclasses.replace(base, max_context_len=max(base.max_context_len, 64 + args.max_new))
     allowed = max_requests(base, args.max_new)
     if allowed == 0:
-        src = args.config or "the shipped default"
         first = prompt_lengths(1)[0]
         raise UsageError(
             f"--max-new {args.max_new} does not fit this config ({src}: {base.num_pages} "
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if args.requests > allowed:
         raise UsageError(
             f"--requests {args.requests} is out of range: 1..{allowed} with this config "
-            f"({args.config or 'the shipped default'}: max_requests {base.max_requests}, "
+            f"({src}: max_requests {base.max_requests}, "
             f"{base.num_pages} pages of {base.page_size} tokens, max_context_len "
             f"{base.max_context_len}; prompts of 3, 14, 25, ... tokens plus --max-new "
             f"{args.max_new})"
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     c = model.cfg
     config = resolve_backends(
         dataclasses.replace(base, model=c.attention_dims, num_layers=c.num_hidden_layers),
-        f"{args.config or 'default config'} with the model's dims",
+        f"{where} with the model's dims",
     )
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [
@@ -247,14 +247,14 @@ def run(args: argparse.Namespace) -> int:
         for n in prompt_lengths(args.requests)
     ]
     sel = Selections()
-    sizes = f"{args.config or 'the shipped default'}: num_pages {config.num_pages}, max_requests "
+    sizes = f"{src}: num_pages {config.num_pages}, max_requests "
     sizes += f"{config.max_requests}, max_context_len {config.max_context_len}"
     try:
         with out_of_memory(sizes, config.torch_device):
             steps, tps, out = _serve(model, config, prompts, args.max_new, selections=sel)
             ref = _serve(model, config, prompts, args.max_new, True, sel, feed=out)
     except SparseBackendUnavailable as e:  # known only once the model's indexer dims are
-        raise ConfigError(f"{args.config or 'default config'}: sparse_backend: {e}") from None
+        raise ConfigError(f"{where}: sparse_backend: {e}") from None
     ref_steps, _, ref_out = ref
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(steps, ref_steps))
     print(

@@ -160,6 +160,10 @@ def _prefill_graph_backend(server_args: Any) -> str | None:
 DRAFT_TABLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
 
+def _spec_algorithm(server_args: Any) -> str:
+    return str(getattr(server_args, "speculative_algorithm", "") or "").upper()
+
+
 def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
     """Our name as an EAGLE draft's attention backend: SGLang's draft worker would raise
     'EAGLE is not supported in attention backend mlab_*' after the target's weights loaded.
@@ -167,7 +171,7 @@ def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
     per-phase flags) too."""
     from mla_backends.integrations.sglang import sglang_names
 
-    algo = str(getattr(server_args, "speculative_algorithm", "") or "").upper()
+    algo = _spec_algorithm(server_args)
     if algo not in DRAFT_TABLE_ALGORITHMS:
         return None
     draft = getattr(server_args, "speculative_draft_attention_backend", None)
@@ -214,7 +218,7 @@ def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
     if topk <= 1:
         return _draft_refusal(sgl_name, server_args)
     flag = "--speculative-eagle-topk"
-    if str(getattr(server_args, "speculative_algorithm", "") or "").upper() == "NGRAM":
+    if _spec_algorithm(server_args) == "NGRAM":
         flag = "--speculative-ngram-max-bfs-breadth"
     return (
         f"{sgl_name}: {flag} {topk}: our kernels verify chain drafts (causal, no tree mask); "
