@@ -117,7 +117,13 @@ def add_config_argument(p: argparse.ArgumentParser, help_extra: str = "") -> Non
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from mla_backends.verify import format_table, not_runnable, use_triton_interpreter, verify
+    from mla_backends.verify import (
+        config_summary,
+        format_table,
+        not_runnable,
+        use_triton_interpreter,
+        verify,
+    )
 
     config = load_config(args.config)
     if use_triton_interpreter(config.torch_device):
@@ -130,9 +136,12 @@ def _verify(args: argparse.Namespace) -> int:
     print(format_table(rows))
     for name, reason in not_runnable(config).items():
         print(f"not run here: {name}: {reason}")
+    summary = config_summary(config, rows)
+    print("\n".join(summary))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed or not rows else 0
+    unchecked = any("NOT CHECKED" in line for line in summary)
+    return 1 if failed or not rows or unchecked else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -146,6 +146,39 @@ def verify(config: Config, seed: int = 0) -> list[Row]:
     return rows
 
 
+def config_summary(config: Config, rows: list[Row]) -> list[str]:
+    """What `verify` says of the config's own choices: the rows of the backends it names
+    (every sparse backend's when sparse_backend is auto, resolved only with a model's indexer
+    dims), and the settings it does not check. Hazard: a table of PASS rows reads as "my
+    config is fine" even where the config's backend had no row or its DCP was never run."""
+    names = dict.fromkeys((config.decode_backend, config.prefill_backend))
+    sparse = config.sparse_backend
+    sparse_rows = [r for r in rows if r.backend.startswith("sparse:")]
+    if sparse != "auto":
+        sparse_rows = [r for r in sparse_rows if r.backend == f"sparse:{sparse}"]
+    lines = []
+    for label, picks in (
+        ("backends " + " / ".join(names), [r for r in rows if r.backend in names]),
+        (f"sparse_backend {sparse}", sparse_rows),
+    ):
+        failed = sum(not r.ok for r in picks)
+        verdict = (
+            f"{failed} of {len(picks)} rows FAIL"
+            if failed
+            else f"{len(picks)} of {len(picks)} rows pass"
+            if picks
+            else "NOT CHECKED: no row of it ran here"
+        )
+        lines.append(f"this config's {label}: {verdict}")
+    if config.dcp_size > 1:
+        lines.append(
+            f"not checked by verify: dcp_size {config.dcp_size} (decode context parallelism "
+            "runs on several GPUs: tests/test_dcp.py, `scripts/gpu_check.sh dcp`); verify runs "
+            "each backend on one device"
+        )
+    return lines
+
+
 def format_table(rows: list[Row]) -> str:
     head = f"{'backend':<16}{'mode':<18}{'dtype':<10}{'out err':>11}{'lse err':>11}  verdict"
     lines = [head, "-" * len(head)]

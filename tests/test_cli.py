@@ -152,7 +152,22 @@ BAD_INPUTS = [
         "run-max-new-fits-no-request",
         lambda t: ["run", "--max-new", "100000"],
         r"run: error: --max-new 100000 does not fit this config \(the shipped default: 256 "
-        r"pages of 16 tokens\): one request of 3 prompt tokens plus --max-new needs 6251 pages",
+        r"pages of 16 tokens, max_context_len 2048\): one request of 3 prompt tokens plus "
+        r"--max-new needs a context of 100002 tokens, over max_context_len 2048",
+    ),
+    (
+        "run-max-new-past-the-pages",
+        lambda t: ["run", "--max-new", "100", "--config", _yaml(t, "num_pages: 4\n")],
+        r"run: error: --max-new 100 does not fit this config \(.*c.yaml: 4 pages of 16 tokens, "
+        r"max_context_len 2048\): one request of 3 prompt tokens plus --max-new needs 7 pages, "
+        r"over num_pages 4",
+    ),
+    (
+        # the config's max_context_len stands: it was raised to 64 + --max-new without a word
+        "run-requests-past-max-context-len",
+        lambda t: ["run", "--requests", "4", "--config", _yaml(t, "max_context_len: 16\n")],
+        r"run: error: --requests 4 is out of range: 1\.\.1 with this config \(.*c.yaml: "
+        r"max_requests 64, 256 pages of 16 tokens, max_context_len 16;",
     ),
     (
         "run-sparse-backend-that-cannot-run",
@@ -246,6 +261,51 @@ def test_run_catches_a_backend_that_is_wrong(tmp_path: Path, capsys) -> None:  #
     finally:
         del _REGISTRY["wrong_scale_test"]
     assert "DISAGREE" in capsys.readouterr().out
+
+
+def test_verify_gives_its_verdict_on_the_configs_own_choices(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify runs every backend, so its table alone read as "this config is fine": it now
+    says how the config's own backends fared, fails when none of their rows ran, and names
+    the DCP setting it does not exercise (it accepted and ignored dcp_size)."""
+    import dataclasses
+
+    from mla_backends import verify as V
+    from mla_backends.cli import main
+    from mla_backends.config import load_config
+
+    cfg = dataclasses.replace(load_config(None, resolve=False), decode_backend="torch",
+                              prefill_backend="torch", sparse_backend="auto")  # fmt: skip
+
+    def row(backend: str, ok: bool) -> V.Row:
+        return V.Row(backend, "decode", "bf16", 0.0, 0.0, ok, "" if ok else "out err")
+
+    mixed = [row("torch", True), row("triton", False), row("sparse:torch", True)]
+    assert V.config_summary(cfg, mixed) == [
+        "this config's backends torch: 1 of 1 rows pass",
+        "this config's sparse_backend auto: 1 of 1 rows pass",
+    ]
+    lines = V.config_summary(
+        dataclasses.replace(cfg, sparse_backend="triton", dcp_size=2),
+        [row("torch", True), row("torch", False), row("sparse:torch", True)],
+    )
+    assert lines[0] == "this config's backends torch: 1 of 2 rows FAIL"
+    assert lines[1] == "this config's sparse_backend triton: NOT CHECKED: no row of it ran here"
+    assert lines[2].startswith("not checked by verify: dcp_size 2")
+    # the command fails when the config's backend had no row, though every row passed
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("device: cpu\ndecode_backend: torch\nprefill_backend: torch\n")
+    monkeypatch.setattr(V, "verify", lambda config, seed=0: [row("triton", True)])
+    assert main(["verify", "--config", str(yaml)]) == 1
+    assert "backends torch: NOT CHECKED" in capsys.readouterr().out
+    monkeypatch.undo()
+    yaml.write_text("device: cpu\ndcp_size: 2\nsparse_backend: torch\n")
+    proc = cli("verify", "--config", str(yaml), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"this config's backends \S+: (\d+) of \1 rows pass", proc.stdout)
+    assert re.search(r"this config's sparse_backend torch: (\d+) of \1 rows pass", proc.stdout)
+    assert "not checked by verify: dcp_size 2" in proc.stdout
 
 
 def test_cli_values_parse_with_named_ranges() -> None:

@@ -44,6 +44,7 @@ def test_readme_verify_command_passes_from_an_empty_folder(cli: Cli) -> None:
     proc = cli(*argv[1:], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout and "passed, 0 failed" in proc.stdout
+    assert re.search(r"this config's backends \S+: (\d+) of \1 rows pass", proc.stdout)
     rows = [line.split() for line in proc.stdout.splitlines() if line.endswith("PASS")]
     assert "torch" in {r[0] for r in rows}
     if importlib.util.find_spec("triton") is not None:

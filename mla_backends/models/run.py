@@ -161,6 +161,14 @@ def save_random(size: str, path: Path, seed: int) -> None:
     )
 
 
+@dataclasses.dataclass
+class Served:
+    steps: list[torch.Tensor]  # logits of each step: the prefill's, then each decode's
+    tokens_per_s: float
+    tokens: list[list[int]]  # the greedy picks of each request
+    sparse: str | None  # the sparse backend that ran (V3.2), "auto" resolved
+
+
 def _serve(
     model: DeepseekV3ForCausalLM,
     config: Config,
@@ -169,14 +177,15 @@ def _serve(
     reference: bool = False,
     selections: Selections | None = None,
     feed: list[list[int]] | None = None,
-) -> tuple[list[torch.Tensor], float, list[list[int]]]:
-    """Prefill all prompts, then greedy decode; (logits per step, tokens/s, generated ids).
+) -> Served:
+    """Prefill all prompts, then greedy decode.
     reference: attention by the fp64 `ReferenceBackend` instead of the configured backends.
     selections: the discrete choices (index selections, expert routes), recorded by the
     served run and followed by the reference run. feed: the tokens to decode from (the
     served run's), so both runs see the same inputs; its own greedy picks are still returned."""
     rt = Runtime.build(config)
     backend: AttentionBackend | None = None
+    sparse_name: str | None = None
     if reference:
         backend = ReferenceBackend(BackendContext(config, rt.kv_pool, rt.req_pool))
     if isinstance(model, DeepseekV32ForCausalLM):  # indexer + sparse attention (DSA)
@@ -186,7 +195,7 @@ def _serve(
         )
         if selections is not None:
             (selections.follow if reference else selections.record)(dsa.indexer)
-        backend = dsa
+        backend, sparse_name = dsa, dsa.sparse.name
     if selections is not None:
         selections.gates(model, follow=reference)
     eng = Engine(model, rt, backend)
@@ -206,7 +215,7 @@ def _serve(
     if selections is not None:
         selections.ungate(model)
     tokens = sum(len(p) for p in prompts) + len(prompts) * (max_new - 1)
-    return steps, tokens / (time.perf_counter() - t0), out
+    return Served(steps, tokens / (time.perf_counter() - t0), out, sparse_name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,14 +223,21 @@ def run(args: argparse.Namespace) -> int:
     base = load_config(args.config, resolve=False)
     where, src = args.config or "default config", args.config or "the shipped default"
     check_device(base, where)  # before the model is built there
-    base = dataclasses.replace(base, max_context_len=max(base.max_context_len, 64 + args.max_new))
+    # The config's max_context_len stands as written: a request that outgrows it is refused
+    # here, in one line, rather than the limit raised behind the user's back.
     allowed = max_requests(base, args.max_new)
     if allowed == 0:
         first = prompt_lengths(1)[0]
+        total = first + args.max_new - 1
+        need = (
+            f"a context of {total} tokens, over max_context_len {base.max_context_len}"
+            if total > base.max_context_len
+            else f"{cdiv(total, base.page_size)} pages, over num_pages {base.num_pages}"
+        )
         raise UsageError(
             f"--max-new {args.max_new} does not fit this config ({src}: {base.num_pages} "
-            f"pages of {base.page_size} tokens): one request of {first} prompt tokens plus "
-            f"--max-new needs {cdiv(first + args.max_new - 1, base.page_size)} pages"
+            f"pages of {base.page_size} tokens, max_context_len {base.max_context_len}): one "
+            f"request of {first} prompt tokens plus --max-new needs {need}"
         )
     if args.requests > allowed:
         raise UsageError(
@@ -251,24 +267,24 @@ def run(args: argparse.Namespace) -> int:
     sizes += f"{config.max_requests}, max_context_len {config.max_context_len}"
     try:
         with out_of_memory(sizes, config.torch_device):
-            steps, tps, out = _serve(model, config, prompts, args.max_new, selections=sel)
-            ref = _serve(model, config, prompts, args.max_new, True, sel, feed=out)
+            served = _serve(model, config, prompts, args.max_new, selections=sel)
+            ref = _serve(model, config, prompts, args.max_new, True, sel, feed=served.tokens)
     except SparseBackendUnavailable as e:  # known only once the model's indexer dims are
         raise ConfigError(f"{where}: sparse_backend: {e}") from None
-    ref_steps, _, ref_out = ref
-    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(steps, ref_steps))
+    out = served.tokens
+    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(served.steps, ref.steps))
     print(
         f"model {path if args.model else 'random:' + args.random}: {c.num_hidden_layers} "
         f"layers, {c.num_attention_heads} heads, device {config.torch_device}"
     )
     print(
         f"backends: prefill={config.prefill_backend} decode={config.decode_backend}"
-        + (f" sparse={config.sparse_backend}" if isinstance(model, DeepseekV32ForCausalLM) else "")
+        + (f" sparse={served.sparse}" if served.sparse is not None else "")
         + f", page {config.page_size}, kv {config.kv_dtype}"
     )
     print(
         f"{len(prompts)} requests, prompt lengths {[len(p) for p in prompts]}, "
-        f"{args.max_new} new tokens each: {tps:.1f} tokens/s"
+        f"{args.max_new} new tokens each: {served.tokens_per_s:.1f} tokens/s"
     )
     tol = AGREE[config.dtype]
     ok = diff <= tol and sel.layer0_same == sel.layer0_calls
@@ -286,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"logits vs the same model with fp64 reference attention: max relative difference "
         f"{diff:.2e} (tolerance {tol:g}): {'agree' if ok else 'DISAGREE'}; greedy tokens "
-        f"{'identical' if out == ref_out else 'differ'} (the reference decodes the served "
+        f"{'identical' if out == ref.tokens else 'differ'} (the reference decodes the served "
         f"run's tokens)"
     )
     return 0 if ok else 1

@@ -15,6 +15,15 @@ SGLang's graph and the replay-side `init_forward_metadata_out_graph` only checks
 a decode step pays no metadata launches on the host. Otherwise (a FlashInfer plan made on the
 host) `init_forward_metadata_out_graph` enqueues the refill before `graph.replay()`. No step
 reads a device value back.
+
+Hazard (that host refill, `SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1`): SGLang 0.5.17's spec-v2
+workers call `init_forward_metadata_out_graph` for a target verify on their plan stream, and
+the refill writes the graph's static buffers there while no event orders that stream after
+the previous replay. What orders it is a host sync: with `needs_cpu_seq_lens` (ours is True)
+the scheduler waits on the FutureMap's `publish_ready`, recorded after the previous verify's
+replay, before it enqueues the next step's plan work (`overlap_utils.resolve_seq_lens_cpu`).
+SGLang's own FlashInfer MLA backend relies on the same order; a release that drops that wait
+would need one here. Refills recorded in the graph write nothing on the plan stream.
 """
 
 from __future__ import annotations
