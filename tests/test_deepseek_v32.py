@@ -10,12 +10,20 @@ import pytest
 import torch
 from test_deepseek_v3 import TINY_HF as V3_TINY_HF
 
+from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import rope_tables
-from mla_backends.models.deepseek_v32 import DeepseekV32Config, IndexerWeights, load_model
+from mla_backends.models.deepseek_v32 import (
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    IndexerWeights,
+    load_model,
+)
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import CheckpointError
+from mla_backends.pool import RequestRowError
 from mla_backends.runtime import Runtime
+from mla_backends.sparse.base import runs_dense
 from mla_backends.sparse.dsa import DSABackend
 from mla_backends.sparse.indexer import (
     Indexer,
@@ -325,3 +333,60 @@ def test_bad_indexer_config_fails_when_the_config_is_read(change: dict, pattern:
     the field; `load_model` makes it a one-line CheckpointError), not when a layer runs."""
     with pytest.raises(ValueError, match=pattern):
         DeepseekV32Config.from_hf(dict(TINY_HF, **change))
+
+
+def _decode_batch(eng: Engine, row: int, prefix: int | None = None) -> ForwardBatch:
+    """One new token of `row`, its slot allocated; `prefix`: the row's length unless given."""
+    seq = eng.rt.allocator.seq_len(row)
+    loc = eng.rt.allocator.alloc_extend([row], [1])
+    pre = seq if prefix is None else prefix
+    return ForwardBatch.build(ForwardMode.DECODE, [row], [pre], [1], loc, "cpu")
+
+
+@pytest.mark.parametrize("prefix", [12, 20], ids=["short", "long"])
+def test_sparse_batches_are_checked_against_the_request_table(prefix: int) -> None:
+    """A sparse batch whose prefix disagrees with what its row stored (17 tokens) is refused
+    as the dense backends refuse it; it used to select and attend at the wrong positions."""
+    model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(TINY_HF)).eval()
+    eng, dsa = _engine(model)
+    [row] = eng.new_requests(1)
+    eng.extend([row], [list(range(17))])
+    batch = _decode_batch(eng, row, prefix)
+    assert not runs_dense(batch, TOPK)
+    with pytest.raises(RequestRowError, match=f"request row {row}"):
+        dsa.init_forward_metadata(batch)
+
+
+def test_layers_refuse_another_batchs_metadata() -> None:
+    """Metadata built for batch A, the model run on batch B of as many tokens: the indexer
+    read A's request rows (logits 0.34 off, no error); now a RuntimeError."""
+    model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(TINY_HF)).eval()
+    eng, dsa = _engine(model)
+    a, b = eng.new_requests(2)
+    eng.extend([a, b], [list(range(17)), list(range(30, 50))])
+    batches = [_decode_batch(eng, r) for r in (a, b)]
+    dsa.init_forward_metadata(batches[1])
+    model(torch.tensor([7]), batches[1], dsa)
+    dsa.init_forward_metadata(batches[0])
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called for this batch"):
+        model(torch.tensor([7]), batches[1], dsa)
+
+
+def test_model_refuses_a_dsa_backend_of_other_indexer_dims() -> None:
+    """A DSA backend built with another index_topk than the checkpoint's selected other keys,
+    silently; the model checks its indexer's dims (and that it is given a DSA backend)."""
+    import dataclasses
+
+    model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(TINY_HF)).eval()
+    eng, dsa = _engine(model)
+    [row] = eng.new_requests(1)
+    loc = eng.rt.allocator.alloc_extend([row], [20])
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [row], [0], [20], loc, "cpu")
+    dims = dataclasses.replace(dsa.indexer.dims, topk=3)
+    other = DSABackend.build(eng.rt, dims, "torch", False, "torch")
+    other.init_forward_metadata(batch)
+    with pytest.raises(ValueError, match="index_topk 3.* build it with the config"):
+        model(torch.arange(20), batch, other)
+    eng.rt.backend.init_forward_metadata(batch)
+    with pytest.raises(TypeError, match="runs on a DSABackend"):
+        model(torch.arange(20), batch, eng.rt.backend)

@@ -1092,3 +1092,36 @@ def test_dsa_build_passes_the_topk_path_to_its_indexer() -> None:
     dsa = DSABackend.build(rt, idims, "torch", indexer_kernels="torch", topk_path="launches")
     assert dsa.indexer.topk_path == "launches"
     assert DSABackend.build(rt, idims, "torch", indexer_kernels="torch").indexer.topk_path == "auto"
+
+
+def test_dsa_refuses_an_index_cache_or_table_other_than_the_pools() -> None:
+    """An index-K cache over fewer slots or layers than the latent pool (stores past it went
+    to the dummy slot, silently, and the logits read past it), or an indexer reading another
+    request table than the sparse backend, is refused when the DSA backend is built."""
+    from mla_backends.config import Config
+    from mla_backends.runtime import Runtime
+    from mla_backends.sparse.dsa import DSABackend
+
+    dims = MLADims(16, 128, 16, 16, 16)
+    rt = Runtime.build(
+        Config(
+            model=dims,
+            num_layers=2,
+            prefill_backend="torch",
+            decode_backend="torch",
+            device="cpu",
+            kv_dtype="float32",
+            dtype="float32",
+        )
+    )
+    idims = IndexerDims(4, 32, 16, 8, True)
+    dsa = DSABackend.build(rt, idims, "torch", indexer_kernels="torch")
+    r2t = rt.req_pool.req_to_token
+    slots = rt.kv_pool.num_slots
+    for cache in (IndexKCache(2, 64, 32, True, "cpu"), IndexKCache(1, slots, 32, True, "cpu")):
+        with pytest.raises(ValueError, match="the index-K cache holds .* size it by the pool"):
+            DSABackend(dsa.dense, Indexer(idims, cache, r2t, "torch"), dsa.sparse)
+    other = Indexer(idims, dsa.indexer.cache, r2t.clone(), "torch")
+    with pytest.raises(ValueError, match="different request tables"):
+        DSABackend(dsa.dense, other, dsa.sparse)
+    DSABackend(dsa.dense, Indexer(idims, dsa.indexer.cache, r2t[:], "torch"), dsa.sparse)

@@ -135,6 +135,27 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = MLAttentionV32(cfg, i, chunked_prefix_min)
 
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, batch: ForwardBatch, backend: DSABackend
+    ) -> torch.Tensor:
+        """DeepSeek-V3's forward on a `DSABackend` whose indexer has this checkpoint's dims."""
+        got = getattr(getattr(backend, "indexer", None), "dims", None)
+        if not isinstance(got, IndexerDims):
+            raise TypeError(
+                f"DeepSeek-V3.2 runs on a DSABackend (DSABackend.build), got "
+                f"{type(backend).__name__}"
+            )
+        want = self.cfg.indexer_dims(got.quantized)
+        # Hazard: another index_topk selected other keys than the checkpoint's, silently.
+        if got != want:
+            raise ValueError(
+                f"the DSA backend's indexer (index_n_heads {got.n_heads}, index_head_dim "
+                f"{got.head_dim}, index_topk {got.topk}, rope {got.rope_dim}) is not the "
+                f"model's ({want.n_heads}, {want.head_dim}, {want.topk}, {want.rope_dim}): "
+                "build it with the config's indexer_dims()"
+            )
+        return super().forward(input_ids, batch, backend)
+
 
 def load_model(
     path: str | Path,

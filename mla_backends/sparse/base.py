@@ -131,6 +131,7 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.device, self.topk, self.scale = ctx.device, ctx.topk, ctx.dims.softmax_scale
         self.metadata: SparseMetadata | None = None
+        self._metadata_for: ForwardBatch | None = None
         self._graph: SparseGraphState | None = None
 
     @classmethod
@@ -158,6 +159,7 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.metadata = self._build_metadata(batch)
+        self._metadata_for = batch
 
     def _build_metadata(self, batch: ForwardBatch) -> SparseMetadata:
         """This batch's metadata, once for every layer."""
@@ -191,6 +193,12 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
         batch: ForwardBatch,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if batch is not self._metadata_for:
+            # Hazard: another batch's metadata (the indexer's request rows beside it, a
+            # FlashInfer plan, a FlashMLA schedule) attends over its rows: a wrong result.
+            raise RuntimeError(
+                f"sparse {self.name}: init_forward_metadata was not called for this batch"
+            )
         d, t = self.dims, batch.num_tokens
         act = (torch.float32, torch.bfloat16, torch.float16)
         check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), act, self.device)

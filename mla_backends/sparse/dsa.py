@@ -27,7 +27,7 @@ from mla_backends.sparse.base import (
     runs_dense,
 )
 from mla_backends.sparse.fp8_row import Fp8RowPool
-from mla_backends.sparse.indexer import Indexer, IndexerDims, IndexKCache
+from mla_backends.sparse.indexer import PAGE, Indexer, IndexerDims, IndexKCache
 
 
 class DSABackend:
@@ -46,6 +46,18 @@ class DSABackend:
         self.topk = indexer.dims.topk
         if sparse.topk != self.topk:
             raise ValueError(f"indexer topk {self.topk} != sparse backend topk {sparse.topk}")
+        # Hazard: index keys past a smaller cache were stored at the dummy slot (silently)
+        # and read past its end; another request table selects another request's slots.
+        cache, pool = indexer.cache, sparse.pool
+        slots, layers = cache.num_blocks * PAGE, len(cache.buffers)
+        if slots < pool.num_slots or layers < pool.num_layers:
+            raise ValueError(
+                f"the index-K cache holds {slots} slots x {layers} layers, the latent pool "
+                f"{pool.num_slots} x {pool.num_layers}: size it by the pool (DSABackend.build)"
+            )
+        a, b = indexer.req_to_token, sparse.req_to_token
+        if a.data_ptr() != b.data_ptr() or a.shape != b.shape:
+            raise ValueError("the indexer and the sparse backend read different request tables")
         self._dense_batch = False
         # The indexer's own stream on a GPU (`begin_select`), None: it runs inline.
         dev = indexer.cache.device
@@ -120,12 +132,16 @@ class DSABackend:
         return self._dense_batch
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self._dense_batch = runs_dense(batch, self.topk)
-        if self._dense_batch and self.dense is not None:
-            self.dense.init_forward_metadata(batch)
+        dense = runs_dense(batch, self.topk)
+        if dense and self.dense is not None:
+            self.dense.init_forward_metadata(batch)  # checks the batch against the table
         else:
+            # Hazard: a batch whose rows or prefix disagree with the request table selects
+            # and attends at the wrong positions, silently; the dense backends refuse it.
+            self.check_batch(batch)
             self.indexer.init_forward_metadata(batch)
             self.sparse.init_forward_metadata(batch)
+        self._dense_batch = dense
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.indexer.init_cuda_graph_state(max_bs, max_num_tokens)
