@@ -1125,3 +1125,20 @@ def test_dsa_refuses_an_index_cache_or_table_other_than_the_pools() -> None:
     with pytest.raises(ValueError, match="different request tables"):
         DSABackend(dsa.dense, other, dsa.sparse)
     DSABackend(dsa.dense, Indexer(idims, dsa.indexer.cache, r2t[:], "torch"), dsa.sparse)
+
+
+def test_dsa_build_refuses_a_dense_backend_beside_fp8_rows() -> None:
+    """FP8 rows live in their own pool: a dense backend given beside them was dropped without
+    a word (it would have read the runtime's pool, which nothing fills)."""
+    from mla_backends.config import Config
+    from mla_backends.runtime import Runtime
+    from mla_backends.sparse.dsa import DSABackend
+
+    rt = Runtime.build(
+        Config(model=MLADims(16, 128, 16, 16, 16), num_layers=1, prefill_backend="torch",
+               decode_backend="torch", device="cpu", kv_dtype="float32", dtype="float32")
+    )  # fmt: skip
+    idims = IndexerDims(4, 32, 16, 8, True)
+    with pytest.raises(ValueError, match="fp8_rows=True keeps the latent rows in their own"):
+        DSABackend.build(rt, idims, "torch", fp8_rows=True, dense=rt.backend)
+    assert DSABackend.build(rt, idims, "torch", fp8_rows=True).dense is None

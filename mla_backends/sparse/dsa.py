@@ -79,10 +79,18 @@ class DSABackend:
     ) -> DSABackend:
         """Index-K cache over the runtime pool's slots, the indexer and the sparse backend;
         with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space.
-        `dense`: the dense batches' backend (default: the runtime's). `topk_path`: the
+        `dense`: the dense batches' backend (default: the runtime's; none with `fp8_rows`).
+        `topk_path`: the
         indexer's top-k, "auto" or "launches" (`Config.indexer_topk`). `overlap_indexer`:
         on a GPU the indexer runs on its own stream beside the layer's projections
         (`begin_select`)."""
+        if fp8_rows and dense is not None:
+            # the dense backends read the runtime's pool, which FP8 rows leave empty
+            raise ValueError(
+                "DSABackend.build: fp8_rows=True keeps the latent rows in their own pool, so "
+                "no dense backend can read them; leave dense unset (short requests then run "
+                "on the sparse backend over all their keys)"
+            )
         cfg, pool = runtime.config, runtime.kv_pool
         dims, dev = cfg.model, pool.device
         latent: LatentPool = pool
