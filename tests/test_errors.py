@@ -334,3 +334,18 @@ def test_views_whose_last_dim_is_strided_give_the_contiguous_answer(backend: str
     got = sparse.forward_sparse(0, _last_dim_strided(qn), qr, idx.t().contiguous().t(), batch, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_store_kv_keeps_the_pools_checks(backend: str) -> None:
+    """The triton backend's own store (MHA-mode prefill stores through it) skipped what the
+    pool's store checks: no warning for an FP8 layer never calibrated, float slots taken."""
+    from mla_backends.pool import UncalibratedScaleWarning
+
+    rt, batch = _tiny_case(backend, "float8_e4m3fn")
+    rt.kv_pool._scale_set[0] = rt.kv_pool._scale_warned[0] = False  # as a fresh pool's
+    _, _, k_nope, k_rope = _tiny_q(batch, rt.config.model)
+    with pytest.warns(UncalibratedScaleWarning):
+        rt.backend.store_kv(0, batch.out_cache_loc, k_nope, k_rope)
+    with pytest.raises(ShapeError, match=r"loc: expected dtype"):
+        rt.backend.store_kv(0, batch.out_cache_loc.float(), k_nope, k_rope)

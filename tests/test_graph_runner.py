@@ -18,7 +18,7 @@ from parity import graph_params
 
 from mla_backends.checks import ShapeError
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
-from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward
+from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward, build_case
 
 
 def _specs(case: Case) -> dict[str, InputSpec]:
@@ -195,3 +195,69 @@ def test_a_second_runner_keeps_the_first_runners_graph_state() -> None:
 @pytest.mark.parametrize("where, case", graph_params(gpu=True))
 def test_gpu_graph_replay_1000(where: str, case: Case) -> None:
     _run(case, "cuda", steps=1000, use_graphs=True, ref_every=50)
+
+
+def test_replay_refuses_a_batch_whose_tokens_are_not_q_len_a_request() -> None:
+    """The static buffers hold q_len tokens a request: a batch of 2 requests carrying 3
+    tokens (one request with 2) had its third token copied in and then dropped, the output
+    sliced to 3 rows of 2, silently."""
+    import dataclasses
+
+    stream, runner = _cpu_runner(sizes=(4,))
+    runner.capture()
+    batch, inputs = stream.step(2)
+    extra = stream.rt.allocator.alloc_extend([int(batch.req_pool_indices_cpu[1])], [1])
+    ext = torch.tensor([1, 2], dtype=torch.int32)
+    bad = dataclasses.replace(
+        batch,
+        out_cache_loc=torch.cat([batch.out_cache_loc, extra]),
+        positions=torch.cat([batch.positions, batch.positions[1:] + 1]),
+        extend_seq_lens=ext,
+        extend_seq_lens_cpu=ext,
+        seq_lens=batch.seq_lens + torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens_cpu=batch.seq_lens_cpu + torch.tensor([0, 1], dtype=torch.int32),
+    )
+    inputs = {k: torch.cat([v, v[1:]]) for k, v in inputs.items()}
+    with pytest.raises(ValueError, match=r"q_len=1 tokens a request: got 3 tokens for 2"):
+        runner.replay(bad, inputs)
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("triton", marks=pytest.mark.interp), "trtllm_mla"]
+)
+def test_graph_hooks_refuse_a_batch_larger_than_the_state(emulated: None, backend: str) -> None:
+    """State allocated for 2 requests / 2 tokens, a batch of 3 bound to it: the static
+    buffers were sliced short (a size mismatch deep in a copy) and on a GPU the index
+    builder wrote page ids past the static table; now one line names both sizes."""
+    from mla_backends.config import MLADims
+
+    dims = MLADims(16, 512, 64) if backend == "trtllm_mla" else MLADims(4, 32, 16, 16, 16)
+    page = 32 if backend == "trtllm_mla" else 16
+    case = Case(backend, page_size=page, num_heads=dims.num_heads, kv_lens=(5, 7, 9), dims=dims)
+    rt, batch = build_case(case, torch.device("cpu"))
+    rt.backend.init_cuda_graph_state(2, 2)
+    for hook in (rt.backend.init_forward_metadata_capture, rt.backend.init_forward_metadata_replay):
+        with pytest.raises(
+            ValueError,
+            match=r"3 requests / 3 tokens exceeds the CUDA-graph state, allocated for 2 / 2",
+        ):
+            hook(batch)
+
+
+def test_runner_defaults_to_a_dispatch_backends_device() -> None:
+    """Prefill and decode on different backends give a DispatchBackend, which had no
+    `device`: the runner's static buffers went to "cuda" (on a CPU: an assertion deep in
+    torch; on a GPU: the current device, not the pool's)."""
+    from mla_backends.backends.dispatch import DispatchBackend
+    from mla_backends.backends.torch_backend import TorchBackend
+
+    stream, _ = _cpu_runner()
+    be = stream.rt.backend
+    dispatch = DispatchBackend(TorchBackend(be.ctx), be)
+    runner = CudaGraphRunner(
+        dispatch, partial(absorbed_forward, dispatch), _specs(stream.case), [4], use_graphs=False
+    )
+    assert runner.device == torch.device("cpu")
+    runner.capture()
+    batch, inputs = stream.step(3)
+    assert runner.replay(batch, inputs).shape[0] == 3

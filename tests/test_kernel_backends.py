@@ -64,6 +64,7 @@ def test_a_missing_package_hint_names_each_install_once(monkeypatch: pytest.Monk
         ("flashmla", {}, A100, r"FlashMLA needs SM 90, found NVIDIA A100 \(SM80\)"),
         ("flashmla", {"kv_dtype": "float32"}, H100, r"needs kv_dtype in"),
         ("flashmla", {"kv_dtype": "float8_e4m3fn"}, H100, r"needs kv_dtype in"),
+        ("flashmla", {"kv_dtype": "float16"}, H100, r"q and KV in one dtype: bfloat16 / float16"),
         (
             "flashmla",
             {"model": dataclasses.replace(DEEPSEEK_V3, kv_lora_rank=256)},
@@ -180,3 +181,26 @@ def test_flashinfer_host_lengths_equal_the_torch_indptrs() -> None:
             want_qo = cumsum_indptr(b.extend_seq_lens_cpu.to(torch.int32))
             assert torch.equal(torch.from_numpy(h.qo_indptr), want_qo)
             assert torch.equal(torch.from_numpy(h.seq), seq)
+
+
+@pytest.mark.parametrize("name, page", [("cutlass_mla", 128), ("trtllm_mla", 32)])
+def test_vendor_kernels_refuse_a_query_of_another_dtype(
+    emulated: None, name: str, page: int
+) -> None:
+    """Kernels built for the config's dtype (FlashInfer's module, FlashMLA, CUTLASS, TRT-LLM):
+    an fp16 query over a bf16 config failed inside the kernel call, after the new rows were
+    stored (or, through FlashInfer's raw module, was not refused at all); now q_nope is named
+    before anything is stored."""
+    from mla_backends.batch import ForwardMode
+    from mla_backends.checks import ShapeError
+    from mla_backends.testing import Case, build_case
+
+    case = Case(name, ForwardMode.DECODE, page, 16, "bfloat16", "bfloat16", 1, (5, 40))
+    rt, batch = build_case(case, torch.device("cpu"))
+    rt.backend.init_forward_metadata(batch)
+    q = torch.randn(2, 16, 512).half(), torch.randn(2, 16, 64).half()
+    k = torch.randn(2, 512).half(), torch.randn(2, 64).half()
+    before = rt.kv_pool.kv_buffer[0].view(torch.int16).clone()
+    with pytest.raises(ShapeError, match=r"q_nope: expected dtype in \['torch.bfloat16'\]"):
+        rt.backend.forward_absorbed(0, *q, *k, batch)
+    assert torch.equal(rt.kv_pool.kv_buffer[0].view(torch.int16), before)

@@ -545,3 +545,34 @@ def test_mla_attention_refuses_splits_and_blocks_that_are_not_powers_of_two() ->
     ):
         with pytest.raises(ValueError, match=rf"must be a power of two >= 1, got {bad}"):
             mla_attention(t, t, t, t, t, t, 16, 1.0, 1.0, 1, out=t, lse=t, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.interp
+def test_fused_store_reads_a_strided_loc() -> None:
+    """The store kernel read loc[t] at Loc + t: a strided view (a column of a table) stored
+    every row after the first at the wrong slot, silently."""
+    from mla_backends.kernels.store import store_latent_rows
+
+    pool = MLATokenToKVPool(1, 4, 16, 32, 16, torch.float16)
+    loc = torch.tensor([[17, 40], [33, 41], [20, 42]])[:, 0]  # [17, 33, 20], stride 2
+    k_nope, k_rope = torch.randn(3, 32).half(), torch.randn(3, 16).half()
+    store_latent_rows(pool.kv_buffer[0], pool.scales[0], loc, k_nope, k_rope, False)
+    rows = torch.cat([k_nope, k_rope], dim=-1)
+    assert torch.equal(pool.kv_buffer[0][loc], rows)
+    kept = torch.ones(pool.num_slots, dtype=torch.bool)
+    kept[loc] = False
+    assert (pool.kv_buffer[0][kept] == 0).all()
+
+
+@pytest.mark.interp
+def test_page_table_refuses_an_out_buffer_too_small() -> None:
+    """The GPU index builder wrote b rows x width pages into `out` whatever its size (a
+    static table of a smaller graph state): past its end, silently."""
+    from mla_backends.kernels import index
+
+    r2t = torch.arange(2 * 64, dtype=torch.int32).view(2, 64)
+    rows, seq = torch.tensor([1, 1, 1], dtype=torch.int32), torch.tensor([5, 9, 20])
+    out = torch.full((3, 8), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"page_table: out \[2, 8\] cannot hold 3 rows x 2"):
+        index.page_table(r2t, rows, seq, 16, 2, 0, out[:2])
+    assert (out[2] == -7).all()

@@ -83,6 +83,12 @@ class MLABackend(ABC, Generic[M]):
     def supports_graphs(self) -> bool:
         return self.caps.graphs
 
+    @property
+    def q_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Query dtypes `forward_absorbed` takes: any activation dtype here (torch math, Triton
+        casts); a vendor kernel built for one (`config.torch_dtype`) narrows it."""
+        return ACT_DTYPES
+
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Check the batch against the request table, then build everything the attention
@@ -138,7 +144,7 @@ class MLABackend(ABC, Generic[M]):
                 + "; call it once per batch, before the batch's attention calls"
             )
         d, t = self.dims, batch.num_tokens
-        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), ACT_DTYPES, self.device)
+        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), self.q_dtypes, self.device)
         check_tensor(
             "q_rope", q_rope, (t, d.num_heads, d.qk_rope_head_dim), q_nope.dtype, self.device
         )
@@ -303,13 +309,27 @@ class GraphHooks(ABC, Generic[M, S]):
             raise RuntimeError(self._no_graph_state.format(name=self.name))
         return self._graph
 
+    def _sized_graph_state(self, batch: ForwardBatch) -> S:
+        """`graph_state` if `batch` fits the sizes it was allocated for, else one clear error.
+        Hazard: a larger batch sliced the static buffers short (a shape error deep in a
+        copy), and the GPU index builder wrote page ids past the static table. Host only."""
+        state = self.graph_state
+        sizes = self._graph_sizes
+        if sizes is not None and (batch.batch_size > sizes[0] or batch.num_tokens > sizes[1]):
+            raise ValueError(
+                f"{self.name}: batch of {batch.batch_size} requests / {batch.num_tokens} tokens "
+                f"exceeds the CUDA-graph state, allocated for {sizes[0]} / {sizes[1]} "
+                "(init_cuda_graph_state(max_bs, max_num_tokens))"
+            )
+        return state
+
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.metadata = self._bind_graph(batch, self.graph_state, capture=True)
+        self.metadata = self._bind_graph(batch, self._sized_graph_state(batch), capture=True)
         self._metadata_for = batch
         self._graph_captured = True
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        self.metadata = self._bind_graph(batch, self.graph_state, capture=False)
+        self.metadata = self._bind_graph(batch, self._sized_graph_state(batch), capture=False)
         self._metadata_for = batch
 
 

@@ -18,6 +18,7 @@ from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
+    need_same_dtype,
     need_sm,
     require,
 )
@@ -59,11 +60,7 @@ class CutlassMLABackend(PageTableBackend):
             or (
                 None if d.num_heads <= 128 else f"CUTLASS MLA takes <= 128 heads, got {d.num_heads}"
             )
-            or (
-                None
-                if config.dtype == config.kv_dtype
-                else f"CUTLASS MLA needs q and KV in one dtype: {config.dtype} / {config.kv_dtype}"
-            )
+            or need_same_dtype(config, "CUTLASS MLA")
         )
 
     def __init__(self, ctx: BackendContext) -> None:

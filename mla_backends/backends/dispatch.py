@@ -25,6 +25,12 @@ class DispatchBackend:
         return f"dispatch(prefill={self.prefill.name}, decode={self.decode.name})"
 
     @property
+    def device(self) -> torch.device:
+        """The pool's device (both sides share the pool): where a graph runner puts its static
+        buffers by default (without it, "cuda": the current GPU, or none on a CPU)."""
+        return self.decode.device
+
+    @property
     def supports_graphs(self) -> bool:
         return self.decode.supports_graphs  # only decode / verify batches are captured
 

@@ -84,6 +84,12 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
         self.ragged_plans = 0  # ragged-prefill plans made (tests: once per batch, not layer)
 
     @property
+    def q_dtypes(self) -> tuple[torch.dtype, ...]:
+        # Hazard: the generated module is built for the config's dtype, and we call it
+        # directly, past the wrapper's dtype checks: another query dtype is refused here
+        return (self.ctx.config.torch_dtype,)
+
+    @property
     def kernel(self) -> FaMLAKernel:
         if self._kernel is None:
             d = self.dims

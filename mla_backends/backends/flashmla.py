@@ -24,6 +24,7 @@ from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
     need_dtype,
+    need_same_dtype,
     need_sm,
     require,
 )
@@ -71,6 +72,7 @@ class FlashMLABackend(PageTableBackend):
             or need_sm(cap, "FlashMLA", ((9, 0),))
             or need_deepseek_dims(config, "FlashMLA")
             or need_dtype(config, "FlashMLA", ("bfloat16", "float16"))
+            or need_same_dtype(config, "FlashMLA")  # its kernel checks q.dtype == kcache.dtype
         )
 
     def __init__(self, ctx: BackendContext) -> None:

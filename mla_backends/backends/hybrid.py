@@ -86,6 +86,11 @@ class HybridBackend:
         return f"hybrid({self.full.name}+{self.linear.name})"
 
     @property
+    def device(self) -> torch.device:
+        """The MLA pool's device (a graph runner's default for its static buffers)."""
+        return self.full.device
+
+    @property
     def supports_graphs(self) -> bool:
         return self.full.supports_graphs  # the linear side's decode is always capturable
 

@@ -46,6 +46,12 @@ class PageTableBackend(GraphCapable[PageTableMetadata, PageTableGraphState]):
     table_fill: ClassVar[int] = 0  # the dummy page: always a valid page to point at
 
     @property
+    def q_dtypes(self) -> tuple[torch.dtype, ...]:
+        # Hazard: the kernels take q in one dtype (the config's; TRT-LLM quantizes it for FP8):
+        # another failed inside the kernel call, after the new rows were stored
+        return (self.ctx.config.torch_dtype,)
+
+    @property
     def table_align(self) -> int:
         """Blocks per row must be a multiple of this (128 / page_size for these kernels)."""
         return max(1, 128 // self.pool.page_size)

@@ -220,7 +220,11 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
     ) -> None:
-        d, t = self.dims, loc.shape[0]
+        # The pool's checks (`set_mla_kv_buffer`): the layer, integer slots, the FP8 warning
+        layer = self.pool.check_layer(layer)
+        self.pool.warn_if_uncalibrated(layer)
+        d, t = self.dims, loc.shape[0] if loc.dim() == 1 else -1
+        check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
         check_tensor("k_nope", k_nope, (t, d.kv_lora_rank), None, self.device)
         check_tensor("k_rope", k_rope, (t, d.qk_rope_head_dim), None, self.device)
         self._k_store.store_latent_rows(

@@ -159,6 +159,8 @@ def page_table(
     b = rows.numel()
     if out is None:
         out = torch.empty(b, width, dtype=torch.int32, device=rows.device)
+    elif out.shape[0] < b or out.shape[1] < width:  # the kernel would write past its end
+        raise ValueError(f"page_table: out {list(out.shape)} cannot hold {b} rows x {width} pages")
     if b:
         grid = (b, cdiv(width, BLOCK))
         _page_table_kernel[grid](

@@ -102,6 +102,9 @@ def store_latent_rows(
     if t == 0:
         return
     k_nope, k_rope = unit_stride(k_nope), unit_stride(k_rope)
+    # Hazard: the kernel reads loc[t] at Loc + t; a strided view (a column of a table) stored
+    # every row at the wrong slot, silently. A copy only when strided (device work).
+    loc = loc.contiguous()
     _store_kernel[(t,)](
         k_nope,
         k_rope,
@@ -135,6 +138,7 @@ def safe_slots(loc: torch.Tensor, num_slots: int) -> torch.Tensor:
     out = torch.empty(loc.shape[0], dtype=torch.int64, device=loc.device)
     if loc.shape[0]:
         block = 1024
+        loc = loc.contiguous()  # the kernel reads Loc + i (see `store_latent_rows`)
         _safe_slots_kernel[(cdiv(loc.shape[0], block),)](loc, out, loc.shape[0], num_slots, block)
     return out
 
@@ -196,6 +200,7 @@ def store_fp8_rows(
     if t == 0:
         return
     k_nope, k_rope = unit_stride(k_nope), unit_stride(k_rope)
+    loc = loc.contiguous()  # the kernel reads Loc + t (see `store_latent_rows`)
     rb = fmt.row_bytes
     _fp8_row_store_kernel[(t,)](
         k_nope,
