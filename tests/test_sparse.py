@@ -1072,22 +1072,22 @@ def test_indexer_topk_path_is_checked_and_kept() -> None:
         Indexer(dims, cache, r2t, "torch", "fused")
 
 
-def test_dsa_build_passes_the_topk_path_to_its_indexer() -> None:
+def _fp32_cpu_runtime(num_layers: int = 1):  # type: ignore[no-untyped-def]
+    """A CPU runtime on the torch backends, fp32, small MLA dims (the DSA builds' tests)."""
     from mla_backends.config import Config
     from mla_backends.runtime import Runtime
+
+    return Runtime.build(
+        Config(model=MLADims(16, 128, 16, 16, 16), num_layers=num_layers,
+               prefill_backend="torch", decode_backend="torch", device="cpu",
+               kv_dtype="float32", dtype="float32")
+    )  # fmt: skip
+
+
+def test_dsa_build_passes_the_topk_path_to_its_indexer() -> None:
     from mla_backends.sparse.dsa import DSABackend
 
-    dims = MLADims(16, 128, 16, 16, 16)
-    rt = Runtime.build(
-        Config(
-            model=dims,
-            prefill_backend="torch",
-            decode_backend="torch",
-            device="cpu",
-            kv_dtype="float32",
-            dtype="float32",
-        )
-    )
+    rt = _fp32_cpu_runtime()
     idims = IndexerDims(4, 32, 16, 8, True)
     dsa = DSABackend.build(rt, idims, "torch", indexer_kernels="torch", topk_path="launches")
     assert dsa.indexer.topk_path == "launches"
@@ -1098,22 +1098,9 @@ def test_dsa_refuses_an_index_cache_or_table_other_than_the_pools() -> None:
     """An index-K cache over fewer slots or layers than the latent pool (stores past it went
     to the dummy slot, silently, and the logits read past it), or an indexer reading another
     request table than the sparse backend, is refused when the DSA backend is built."""
-    from mla_backends.config import Config
-    from mla_backends.runtime import Runtime
     from mla_backends.sparse.dsa import DSABackend
 
-    dims = MLADims(16, 128, 16, 16, 16)
-    rt = Runtime.build(
-        Config(
-            model=dims,
-            num_layers=2,
-            prefill_backend="torch",
-            decode_backend="torch",
-            device="cpu",
-            kv_dtype="float32",
-            dtype="float32",
-        )
-    )
+    rt = _fp32_cpu_runtime(num_layers=2)
     idims = IndexerDims(4, 32, 16, 8, True)
     dsa = DSABackend.build(rt, idims, "torch", indexer_kernels="torch")
     r2t = rt.req_pool.req_to_token
@@ -1130,14 +1117,9 @@ def test_dsa_refuses_an_index_cache_or_table_other_than_the_pools() -> None:
 def test_dsa_build_refuses_a_dense_backend_beside_fp8_rows() -> None:
     """FP8 rows live in their own pool: a dense backend given beside them was dropped without
     a word (it would have read the runtime's pool, which nothing fills)."""
-    from mla_backends.config import Config
-    from mla_backends.runtime import Runtime
     from mla_backends.sparse.dsa import DSABackend
 
-    rt = Runtime.build(
-        Config(model=MLADims(16, 128, 16, 16, 16), num_layers=1, prefill_backend="torch",
-               decode_backend="torch", device="cpu", kv_dtype="float32", dtype="float32")
-    )  # fmt: skip
+    rt = _fp32_cpu_runtime()
     idims = IndexerDims(4, 32, 16, 8, True)
     with pytest.raises(ValueError, match="fp8_rows=True keeps the latent rows in their own"):
         DSABackend.build(rt, idims, "torch", fp8_rows=True, dense=rt.backend)
