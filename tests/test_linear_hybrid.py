@@ -250,3 +250,26 @@ def test_gdn_decode_kernel_equals_recurrence(dtype: torch.dtype) -> None:
         )
     for r in (1, 3, 5):
         assert torch.isnan(st[r]).all()
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=["decode", "extend"])
+def test_q_of_other_heads_than_the_state_pool_is_refused(mode: ForwardMode) -> None:
+    """q / k / v / beta of one head broadcast through the decode einsums against a 3-head
+    state: every head's state advanced with the same q and k, no error."""
+    pool = LinearStatePool(1, 4, H, K, V, 16, 4, "cpu")
+    be = LinearAttentionBackend(pool)
+    be.init_forward_metadata(_batch(mode, [1, 2], [3, 3], [1, 1]))
+    q, k, v, g, beta = _inputs(2, torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match=rf"q: expected shape \[\*, {H}, {K}\], got \[2, 1, {K}\]"):
+        be.forward(0, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1])
+    assert (pool.recurrent == 0).all()
+
+
+@pytest.mark.parametrize("row", [-1, 5])
+def test_state_reset_refuses_rows_outside_the_requests(row: int) -> None:
+    """reset([-1]) zeroed the last slot, a live request's state."""
+    pool = LinearStatePool(1, 4, H, K, V, 16, 4, "cpu")
+    pool.recurrent.fill_(1.0)
+    with pytest.raises(ValueError, match=rf"rows \[{row}\] are not request rows \(1..4\)"):
+        pool.reset([2, row])
+    assert (pool.recurrent == 1).all()

@@ -88,8 +88,10 @@ class LinearAttentionBackend:
         batch = self._batch
         if batch is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
-        t, h, dk = q.shape
         rec = self.pool.recurrent
+        # Hazard: a q of other heads (one, say) broadcast through the einsums, silently
+        check_tensor("q", q, (-1, *rec.shape[2:4]))
+        t, h, dk = q.shape
         check_tensor("k", k, (t, h, dk))
         check_tensor("v", v, (t, h, rec.shape[-1]))
         check_tensor("beta", beta, (t, h))

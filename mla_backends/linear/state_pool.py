@@ -46,6 +46,10 @@ class LinearStatePool:
         """Zero the states of newly admitted requests (their rows may be reused)."""
         if 0 in rows:
             raise ValueError("row 0 is the dummy state slot, never a request")
+        slots = self.recurrent.shape[1]
+        bad = [r for r in rows if not 0 < r < slots]  # -1 zeroed the last request's state
+        if bad:
+            raise ValueError(f"rows {bad} are not request rows (1..{slots - 1})")
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.recurrent[:, idx] = 0
         self.conv[:, idx] = 0

@@ -62,8 +62,14 @@ class DeepseekV3Config:
         raw = dict(raw)
         # transformers >= 5 writes `rope_parameters`; checkpoints carry `rope_scaling`.
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_scaling must be an object or null, got {rope!r}")
         raw["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default"))
+        # Hazard: any other scaling (linear, dynamic, llama3...) was dropped, and positions
+        # past the first rotated unscaled: logits unlike HF's, with no error.
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported (yarn or none)")
         raw["rope_scaling"] = dict(rope) if kind == "yarn" else {}
         names = {f.name for f in fields(cls)}
         missing = sorted(n for n in names if n not in raw and f_default_missing(cls, n))
@@ -86,6 +92,9 @@ class DeepseekV3Config:
             check_int("", name, getattr(self, name), 0)
         if self.q_lora_rank is not None:
             check_int("", "q_lora_rank", self.q_lora_rank, 1)
+        for name in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):  # "false" would read as true
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):

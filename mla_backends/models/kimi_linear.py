@@ -13,7 +13,7 @@ Layers are told their id once; the router maps it to a pool index (no mutation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import nn
 
 from mla_backends.backends.hybrid import HybridBackend, ratio_kinds
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.config import check_int
 from mla_backends.models.deepseek_v3 import MLP, DeepseekV3Config, MLAttention, RMSNorm
 
 
@@ -40,6 +41,15 @@ class KimiLinearConfig:
     qk_rope_head_dim: int = 16  # NoPE: cached and attended, never rotated
     v_head_dim: int = 16
     rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        """Every field a usable value (ValueError naming it), so a bad config.json fails when
+        the model is built, not as a TypeError inside a layer."""
+        for f in fields(self):
+            low = 0 if f.name == "linear_per_full" else 1
+            if f.name != "rms_norm_eps":
+                check_int("", f.name, getattr(self, f.name), low)
+        self.mla_config()  # the MLA layers' checks (rms_norm_eps, an even rope dim)
 
     @property
     def kinds(self) -> list[str]:

@@ -26,19 +26,39 @@ from typing import Any
 import torch
 
 from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
-from mla_backends.models.loader import CheckpointError, fetch_tensor, read_tensors
+from mla_backends.models.loader import (
+    CheckpointError,
+    fetch_tensor,
+    read_config_json,
+    read_tensors,
+)
 
 _CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
 def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
+    """The model's config from config.json; ValueError naming a missing or bad field (the
+    dataclass defaults are the tiny test model's, never a checkpoint's)."""
     raw = dict(raw)
     lin = raw.pop("linear_attn_config", None) or {}
+    if not isinstance(lin, dict):
+        raise ValueError(f"linear_attn_config must be an object, got {lin!r}")
+    for key in ("kda_layers", "full_attn_layers"):
+        got = lin.get(key, [])
+        if not isinstance(got, list) or not all(type(i) is int for i in got):
+            raise ValueError(
+                f"linear_attn_config.{key} must be a list of layer numbers, got {got!r}"
+            )
     raw.setdefault("kda_heads", lin.get("num_heads"))
     raw.setdefault("kda_head_dim", lin.get("head_dim"))
     raw.setdefault("conv_kernel", lin.get("short_conv_kernel_size"))
     raw.setdefault("mla_heads", raw.get("num_attention_heads"))
+    if raw.get("linear_per_full") is None and lin.get("full_attn_layers"):
+        raw["linear_per_full"] = min(lin["full_attn_layers"]) - 1  # checked against both lists
     names = {f.name for f in fields(KimiLinearConfig)}
+    missing = sorted(n for n in names - {"rms_norm_eps"} if raw.get(n) is None)
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
     cfg = KimiLinearConfig(**{k: v for k, v in raw.items() if k in names and v is not None})
     kda = [i + 1 for i, k in enumerate(cfg.kinds) if k == "linear"]
     full = [i + 1 for i, k in enumerate(cfg.kinds) if k == "full"]
@@ -75,9 +95,13 @@ def load_kimi_linear(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> KimiLinearForCausalLM:
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    cfg = config_from_hf(raw)
-    model = KimiLinearForCausalLM(cfg)
+    raw = read_config_json(path)
+    try:
+        model = KimiLinearForCausalLM(config_from_hf(raw))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     tensors = read_tensors(path)
     if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))

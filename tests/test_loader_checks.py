@@ -1,0 +1,125 @@
+"""config.json checks at load: what no model here can run is one CheckpointError naming the
+field (the CLI prints it as one line), never a silently different model or a deep traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mla_backends.models.deepseek_v3 import DeepseekV3Config
+from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
+from mla_backends.models.kimi_loader import load_kimi_linear, save_kimi_linear
+from mla_backends.models.loader import CheckpointError, load_model
+
+DSV3 = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
+
+BAD_DSV3: dict[str, tuple[dict[str, Any], str]] = {
+    # HF applies these; we dropped them and rotated unscaled (logits unlike HF's, no error)
+    "linear": ({"rope_scaling": {"type": "linear", "factor": 4.0}}, r"type 'linear' is not"),
+    "dynamic": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"'dynamic' is not"),
+    "llama3": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"'llama3' is not"),
+    "not-object": ({"rope_scaling": "yarn"}, r"rope_scaling must be an object or null"),
+    "bool-str": ({"rope_interleave": "false"}, r"rope_interleave must be true or false"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DSV3), ids=list(BAD_DSV3))
+def test_deepseek_config_refuses_what_it_would_run_differently(tmp_path: Path, case: str) -> None:
+    change, pattern = BAD_DSV3[case]
+    (tmp_path / "config.json").write_text(json.dumps({**DSV3, **change}))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(tmp_path)
+
+
+def test_deepseek_config_keeps_yarn_and_no_scaling() -> None:
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert DeepseekV3Config.from_hf({**DSV3, "rope_scaling": yarn}).rope_scaling == yarn
+    plain = {"rope_type": "default", "rope_theta": 5e4}
+    cfg = DeepseekV3Config.from_hf({**DSV3, "rope_parameters": plain})
+    assert cfg.rope_scaling == {} and cfg.rope_theta == 5e4
+
+
+@pytest.fixture
+def kimi(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    save_kimi_linear(KimiLinearForCausalLM(KimiLinearConfig(num_hidden_layers=12)), tmp_path)
+    return tmp_path
+
+
+def _edit(path: Path, **change: object) -> None:
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(change)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_kimi_config_missing_a_field_is_refused_not_defaulted(kimi: Path) -> None:
+    """The dataclass defaults are the tiny test model's: a config.json without
+    num_hidden_layers (and no layer lists) loaded 8 of 12 layers, the rest left as extras."""
+    raw = json.loads((kimi / "config.json").read_text())
+    del raw["num_hidden_layers"]
+    for key in ("kda_layers", "full_attn_layers"):
+        del raw["linear_attn_config"][key]
+    (kimi / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"config.json lacks \['num_hidden_layers'\]"):
+        load_kimi_linear(kimi)
+
+
+def test_kimi_config_takes_the_ratio_from_the_layer_lists(kimi: Path) -> None:
+    """Kimi-Linear's own config.json has the layer lists and no `linear_per_full`."""
+    raw = json.loads((kimi / "config.json").read_text())
+    del raw["linear_per_full"]
+    (kimi / "config.json").write_text(json.dumps(raw))
+    assert load_kimi_linear(kimi).cfg.kinds == KimiLinearConfig(num_hidden_layers=12).kinds
+    del raw["linear_attn_config"]["full_attn_layers"]
+    (kimi / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"lacks \['linear_per_full'\]"):
+        load_kimi_linear(kimi)
+
+
+BAD_KIMI: dict[str, tuple[dict[str, Any], str]] = {
+    "hidden-str": ({"hidden_size": "64"}, r"hidden_size must be an integer >= 1, got '64'"),
+    "conv-0": ({"conv_kernel": 0}, r"conv_kernel must be an integer >= 1, got 0"),
+    "rope-odd": ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim must be even"),
+    "eps-str": ({"rms_norm_eps": "x"}, r"rms_norm_eps must be a finite number > 0"),
+    "lists": ({"linear_attn_config": {"kda_layers": 3}}, r"kda_layers must be a list"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KIMI), ids=list(BAD_KIMI))
+def test_kimi_bad_config_values_are_one_checkpoint_error(kimi: Path, case: str) -> None:
+    change, pattern = BAD_KIMI[case]
+    _edit(kimi, **change)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_kimi_linear(kimi)
+
+
+def test_kimi_config_json_missing_or_unreadable_is_a_checkpoint_error(kimi: Path) -> None:
+    (kimi / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json: cannot read it as JSON"):
+        load_kimi_linear(kimi)
+    (kimi / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no config.json"):
+        load_kimi_linear(kimi)
