@@ -9,32 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from test_deepseek_v3 import TINY_HF
 
 from mla_backends.models.deepseek_v3 import DeepseekV3Config
 from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from mla_backends.models.kimi_loader import load_kimi_linear, save_kimi_linear
 from mla_backends.models.loader import CheckpointError, load_model
 
-DSV3 = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    qk_nope_head_dim=16,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-)
+DSV3 = TINY_HF  # the DeepSeek-V3 tests' tiny config
 
 BAD_DSV3: dict[str, tuple[dict[str, Any], str]] = {
     # HF applies these; we dropped them and rotated unscaled (logits unlike HF's, no error)
