@@ -211,6 +211,19 @@ class MLATokenToKVPool:
         return self.set_scale(layer, max(amax, 1e-12) / FP8_MAX)
 
     # ----------------------------------------------------------------- store / load
+    def check_store(
+        self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
+    ) -> int:
+        """A store's checks (the layer, integer slots [T], the rows' shapes, the FP8 warning),
+        shared by every path that writes rows: the layer as an index."""
+        layer = self.check_layer(layer)
+        self.warn_if_uncalibrated(layer)
+        t = loc.shape[0] if loc.dim() == 1 else -1
+        check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
+        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
+        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
+        return layer
+
     def set_mla_kv_buffer(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
     ) -> None:
@@ -218,12 +231,7 @@ class MLATokenToKVPool:
 
         k_nope [T, L], k_rope [T, R]. FP8 pools store `value / scale` (saturated at +-448).
         """
-        layer = self.check_layer(layer)
-        self.warn_if_uncalibrated(layer)
-        t = loc.shape[0] if loc.dim() == 1 else -1
-        check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
-        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
-        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
+        layer = self.check_store(layer, loc, k_nope, k_rope)
         buf = self.kv_buffer[layer]
         if buf.is_cuda and buf.stride(1) == 1:
             # one launch (concat, quantise, the slot rule, scatter) where torch takes two (bf16)

@@ -17,7 +17,6 @@ from mla_backends.arith import cumsum_indptr
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
-from mla_backends.checks import check_tensor
 from mla_backends.config import Config, ConfigError
 from mla_backends.indices import build_page_table, page_table_width
 
@@ -220,13 +219,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
     def store_kv(
         self, layer: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
     ) -> None:
-        # The pool's checks (`set_mla_kv_buffer`): the layer, integer slots, the FP8 warning
-        layer = self.pool.check_layer(layer)
-        self.pool.warn_if_uncalibrated(layer)
-        d, t = self.dims, loc.shape[0] if loc.dim() == 1 else -1
-        check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
-        check_tensor("k_nope", k_nope, (t, d.kv_lora_rank), None, self.device)
-        check_tensor("k_rope", k_rope, (t, d.qk_rope_head_dim), None, self.device)
+        layer = self.pool.check_store(layer, loc, k_nope, k_rope)  # as `set_mla_kv_buffer`
         self._k_store.store_latent_rows(
             self.pool.kv_buffer[layer],
             self.pool.scales[layer],
