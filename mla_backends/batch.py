@@ -199,6 +199,13 @@ class ForwardBatch:
         return int(self.seq_lens_cpu.max()) if self.batch_size else 0
 
     @cached_property
+    def rows_host(self) -> list[int]:
+        """The request rows as host ints, for per-request host loops (prefill). From the CPU
+        copy when the batch has one; else one device-to-host copy per batch, not per layer."""
+        src = self.req_pool_indices_cpu
+        return (src if src is not None else self.req_pool_indices).tolist()
+
+    @cached_property
     def extend_layout(self) -> RaggedLayout:
         """q = the new tokens, kv = the whole sequence (prefix + new): bottom-right causal."""
         return self._layout(self.seq_lens_cpu)

@@ -132,7 +132,7 @@ def batch_reference(
     expanded=True: q_nope [T, h, p] -> (out [T, h, v], lse [T, h]) via `mha_expanded`.
     expanded=False: q_nope is q_latent [T, h, l] -> (out [T, h, l], lse) via `absorbed`."""
     outs, lses, start = [], [], 0
-    rows = batch.req_pool_indices.tolist()
+    rows = batch.rows_host
     for b, (n, s) in enumerate(
         zip(batch.extend_seq_lens_cpu.tolist(), batch.seq_lens_cpu.tolist())
     ):

@@ -141,6 +141,39 @@ def test_incremental_equals_full_with_requests_joining_and_leaving(backend: str)
     _incremental_equals_full(model, lambda: _engine(model, backend), False, 1e-4)
 
 
+class _NoHostCopy(torch.Tensor):
+    """Stands for a tensor on the GPU: reading it on the host (a device-to-host sync) fails."""
+
+    def _refuse(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("host copy of the device tensor req_pool_indices")
+
+    tolist = item = cpu = numpy = _refuse
+
+
+def test_prefill_reads_the_request_rows_from_the_batchs_host_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The linear layers' per-request prefill loops (the torch recurrence, the short conv)
+    take the rows from the batch's CPU copy: a `.tolist()` of the device tensor was a host
+    sync in every linear layer of every prefill on a GPU."""
+    build = ForwardBatch.build.__func__  # type: ignore[attr-defined]
+
+    def device_only_rows(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+        b = build(cls, *args, **kwargs)
+        b.req_pool_indices = b.req_pool_indices.as_subclass(_NoHostCopy)
+        return b
+
+    monkeypatch.setattr(ForwardBatch, "build", classmethod(device_only_rows))
+    model = _model()
+    eng = _engine(model)
+    rows = eng.new_requests(2)
+    got = eng.extend(rows, [[1, 2, 3], [4, 5]])
+    monkeypatch.undo()
+    ref = _engine(model)
+    want = ref.extend(ref.new_requests(2), [[1, 2, 3], [4, 5]])
+    assert torch.equal(got, want)
+
+
 def test_engine_static_padded_decode_path_on_cpu() -> None:
     """The graph runner's padded static-buffer path (no capture) through the hybrid."""
     model = _model()

@@ -273,3 +273,46 @@ def test_state_reset_refuses_rows_outside_the_requests(row: int) -> None:
     with pytest.raises(ValueError, match=rf"rows \[{row}\] are not request rows \(1..4\)"):
         pool.reset([2, row])
     assert (pool.recurrent == 1).all()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fla"])
+def test_an_idle_batch_runs_no_kernel_and_touches_no_state(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An IDLE batch after an EXTEND one: fla's path took it for a prefill with the EXTEND
+    batch's varlen offsets still set."""
+    from mla_backends.linear import fla_ops
+
+    def no_kernel(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a linear kernel ran for an IDLE batch")
+
+    monkeypatch.setattr(fla_ops, "prefill", no_kernel)
+    pool = LinearStatePool(1, 4, H, K, V, 16, 4, "cpu")
+    pool.recurrent.normal_(generator=torch.Generator().manual_seed(6))
+    before = pool.recurrent.clone()
+    be = LinearAttentionBackend(pool)
+    be.kernels = kernels  # fla's constructor needs CUDA; the dispatch under test does not
+    be.init_forward_metadata(_batch(ForwardMode.EXTEND, [1, 2], [0, 0], [3, 2]))
+    be.init_forward_metadata(_batch(ForwardMode.IDLE, [], [], []))
+    o = be.forward(0, *_inputs(0, torch.Generator().manual_seed(7)))
+    assert o.shape == (0, H, V)
+    assert torch.equal(pool.recurrent, before)
+
+
+@pytest.mark.parametrize(
+    ("dk", "dv", "fits"), [(8, 8, True), (8, 6, False), (6, 8, False), (512, 8, False)]
+)
+def test_fla_is_chosen_only_for_head_dims_its_kernels_take(
+    dk: int, dv: int, fits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`auto` picked fla on any CUDA pool; our GDN decode kernel (no masks) then read past
+    non-power-of-two heads, and fla's chunk kernels assert on key dims past 256."""
+    from mla_backends.linear import backend as lb
+
+    monkeypatch.setattr(lb, "missing", lambda name: None)  # as if fla were installed
+    monkeypatch.setattr(lb, "_need_cuda", lambda pool: None)  # and the pool on a GPU
+    pool = LinearStatePool(1, 2, H, dk, dv, 16, 4, "cpu")
+    assert LinearAttentionBackend(pool).kernels == ("fla" if fits else "torch")
+    if not fits:
+        with pytest.raises(ValueError, match=rf"'fla': .* pool has K {dk}, V {dv}$"):
+            LinearAttentionBackend(pool, kernels="fla")

@@ -30,13 +30,13 @@ class LinearAttentionBackend:
     def __init__(
         self, pool: LinearStatePool, scale: float | None = None, kernels: str = "auto"
     ) -> None:
+        fla_unfit = missing("fla") or _need_cuda(pool) or _fla_dims(pool)
         if kernels == "auto":
-            on_gpu = pool.device.type == "cuda"
-            kernels = "fla" if on_gpu and missing("fla") is None else "torch"
+            kernels = "torch" if fla_unfit else "fla"
         if kernels not in ("torch", "fla"):
             raise ValueError(f"linear kernels must be 'torch', 'fla' or 'auto', got {kernels!r}")
-        if kernels == "fla" and (reason := missing("fla") or _need_cuda(pool)):
-            raise ValueError(f"linear kernels 'fla': {reason}")
+        if kernels == "fla" and fla_unfit:
+            raise ValueError(f"linear kernels 'fla': {fla_unfit}")
         self.kernels = kernels
         self.name = f"linear_{kernels}"
         self._gdn_decode: Callable[..., torch.Tensor] | None = None
@@ -57,6 +57,7 @@ class LinearAttentionBackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._batch = batch
+        self._cu = None  # Hazard: offsets left from an earlier EXTEND batch
         if self.kernels == "fla" and batch.mode is ForwardMode.EXTEND:
             n = batch.extend_seq_lens_cpu.to(torch.int64)
             cu = torch.zeros(n.numel() + 1, dtype=torch.int64)
@@ -99,6 +100,8 @@ class LinearAttentionBackend:
             raise ValueError(
                 f"g: expected shape [{t}, {h}] (GDN) or [{t}, {h}, {dk}] (KDA), got {list(g.shape)}"
             )
+        if t == 0:  # IDLE (or nothing new): no kernel, no state touched
+            return torch.empty(0, h, v.shape[-1], dtype=v.dtype, device=v.device)
         if batch.mode is ForwardMode.TARGET_VERIFY:
             return self._verify(layer, q, k, v, g, beta, batch).to(v.dtype)
         if batch.mode is ForwardMode.DECODE:
@@ -118,7 +121,7 @@ class LinearAttentionBackend:
             return o
         out = torch.empty(t, h, v.shape[-1], dtype=torch.float32, device=q.device)
         start = 0
-        for row, n in zip(batch.req_pool_indices.tolist(), batch.extend_seq_lens_cpu.tolist()):
+        for row, n in zip(batch.rows_host, batch.extend_seq_lens_cpu.tolist()):
             sl = slice(start, start + n)
             out[sl], rec[layer, row] = gated_delta_rule(
                 q[sl], k[sl], v[sl], g[sl], beta[sl], rec[layer, row], self.scale
@@ -217,3 +220,12 @@ class LinearAttentionBackend:
 
 def _need_cuda(pool: LinearStatePool) -> str | None:
     return None if pool.device.type == "cuda" else f"needs a CUDA device, pool is on {pool.device}"
+
+
+def _fla_dims(pool: LinearStatePool) -> str | None:
+    """fla's chunk kernels take key dims up to 256; our GDN decode kernel (`gdn_decode`, no
+    masks) needs power-of-two key and value dims."""
+    dk, dv = pool.recurrent.shape[-2:]
+    if dk > 256 or dk & (dk - 1) or dv & (dv - 1):
+        return f"needs power-of-two head dims with key dim <= 256, pool has K {dk}, V {dv}"
+    return None

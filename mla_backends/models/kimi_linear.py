@@ -143,7 +143,7 @@ class KDALayer(nn.Module):
             return out
         out = torch.empty_like(x)
         start = 0
-        for row, n in zip(batch.req_pool_indices.tolist(), batch.extend_seq_lens_cpu.tolist()):
+        for row, n in zip(batch.rows_host, batch.extend_seq_lens_cpu.tolist()):
             out[start : start + n], st.conv[row] = short_conv(
                 x[start : start + n], self.conv_weight, st.conv[row]
             )
