@@ -174,6 +174,50 @@ def test_prefill_reads_the_request_rows_from_the_batchs_host_copy(
     assert torch.equal(got, want)
 
 
+def test_a_batch_without_a_host_copy_reads_its_rows_once_not_per_layer() -> None:
+    """A batch with no CPU copy of its rows (`req_pool_indices_cpu` None): the prefill loops of
+    the 6 linear layers (recurrence and short conv, 12 loops) copy the rows to the host once."""
+    reads: list[int] = []
+
+    class Counted(torch.Tensor):
+        def tolist(self):  # type: ignore[no-untyped-def]
+            reads.append(1)
+            return super().tolist()
+
+    model = _model()
+    eng = _engine(model)
+    rows = eng.new_requests(2)
+    loc = eng.rt.allocator.alloc_extend(rows, [3, 2])
+    batch = ForwardBatch.build(ForwardMode.EXTEND, rows, [0, 0], [3, 2], loc, "cpu")
+    batch.req_pool_indices_cpu = None
+    batch.req_pool_indices = batch.req_pool_indices.as_subclass(Counted)
+    eng.backend.init_forward_metadata(batch)
+    got = model(torch.tensor([1, 2, 3, 4, 5]), batch, eng.backend)
+    assert len(reads) == 1, f"{len(reads)} host copies of the device rows"
+    ref = _engine(model)
+    assert torch.equal(got, ref.extend(ref.new_requests(2), [[1, 2, 3], [4, 5]]))
+
+
+def test_an_idle_batch_through_a_kda_layer_is_empty_and_touches_no_state() -> None:
+    """A KDA layer on an IDLE batch (no requests, no tokens) after a prefill: [0, hidden] out,
+    no recurrent or conv state touched (its `reshape(0, -1)` raised)."""
+    model = _model()
+    eng = _engine(model)
+    eng.extend(eng.new_requests(2), [[1, 2, 3], [4, 5]])
+    pool = eng.backend.linear.pool
+    rec, conv = pool.recurrent.clone(), pool.conv.clone()
+    idle = ForwardBatch.build(
+        ForwardMode.IDLE, [], [], [], torch.zeros(0, dtype=torch.int64), "cpu"
+    )
+    eng.backend.init_forward_metadata(idle)
+    layer = model.layers[0]
+    assert layer.kind == "linear"
+    with torch.no_grad():
+        out = layer.attn(torch.zeros(0, CFG.hidden_size), idle, eng.backend)
+    assert out.shape == (0, CFG.hidden_size)
+    assert torch.equal(pool.recurrent, rec) and torch.equal(pool.conv, conv)
+
+
 def test_engine_static_padded_decode_path_on_cpu() -> None:
     """The graph runner's padded static-buffer path (no capture) through the hybrid."""
     model = _model()

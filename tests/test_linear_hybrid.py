@@ -3,6 +3,8 @@ the fla kernels against it (prefill, then decode from the stored state; GDN and 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import GPU
@@ -275,44 +277,59 @@ def test_state_reset_refuses_rows_outside_the_requests(row: int) -> None:
     assert (pool.recurrent == 1).all()
 
 
+@pytest.mark.parametrize(
+    "before", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["after_extend", "after_decode"]
+)
 @pytest.mark.parametrize("kernels", ["torch", "fla"])
 def test_an_idle_batch_runs_no_kernel_and_touches_no_state(
-    kernels: str, monkeypatch: pytest.MonkeyPatch
+    kernels: str, before: ForwardMode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An IDLE batch after an EXTEND one: fla's path took it for a prefill with the EXTEND
-    batch's varlen offsets still set."""
+    """An IDLE batch (no requests, no tokens) after another batch, GDN and KDA inputs: an
+    empty [0, H, V] output from one branch shared by every kernel path (fla's took it for a
+    prefill with the EXTEND batch's varlen offsets still set)."""
     from mla_backends.linear import fla_ops
 
     def no_kernel(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("a linear kernel ran for an IDLE batch")
 
     monkeypatch.setattr(fla_ops, "prefill", no_kernel)
+    monkeypatch.setattr(fla_ops, "decode", no_kernel)
     pool = LinearStatePool(1, 4, H, K, V, 16, 4, "cpu")
     pool.recurrent.normal_(generator=torch.Generator().manual_seed(6))
-    before = pool.recurrent.clone()
+    before_state = pool.recurrent.clone()
     be = LinearAttentionBackend(pool)
     be.kernels = kernels  # fla's constructor needs CUDA; the dispatch under test does not
-    be.init_forward_metadata(_batch(ForwardMode.EXTEND, [1, 2], [0, 0], [3, 2]))
+    be._gdn_decode = no_kernel  # fla's GDN decode (Triton)
+    n = [3, 2] if before is ForwardMode.EXTEND else [1, 1]
+    be.init_forward_metadata(_batch(before, [1, 2], [0, 0], n))
     be.init_forward_metadata(_batch(ForwardMode.IDLE, [], [], []))
-    o = be.forward(0, *_inputs(0, torch.Generator().manual_seed(7)))
-    assert o.shape == (0, H, V)
-    assert torch.equal(pool.recurrent, before)
+    gen = torch.Generator().manual_seed(7)
+    for kda in (False, True):
+        o = be.forward(0, *_inputs(0, gen, kda))
+        assert o.shape == (0, H, V) and o.dtype == torch.float32
+    assert torch.equal(pool.recurrent, before_state)
 
 
 @pytest.mark.parametrize(
     ("dk", "dv", "fits"), [(8, 8, True), (8, 6, False), (6, 8, False), (512, 8, False)]
 )
 def test_fla_is_chosen_only_for_head_dims_its_kernels_take(
-    dk: int, dv: int, fits: bool, monkeypatch: pytest.MonkeyPatch
+    dk: int, dv: int, fits: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`auto` picked fla on any CUDA pool; our GDN decode kernel (no masks) then read past
-    non-power-of-two heads, and fla's chunk kernels assert on key dims past 256."""
+    """`auto` picked fla on any CUDA pool; our GDN decode kernel (`tl.arange`, no masks) needs
+    power-of-two K and V, fla's chunk kernels assert K <= 256. Unfit dims: auto runs torch and
+    warns why, kernels="fla" is refused naming the dims."""
     from mla_backends.linear import backend as lb
 
     monkeypatch.setattr(lb, "missing", lambda name: None)  # as if fla were installed
-    monkeypatch.setattr(lb, "_need_cuda", lambda pool: None)  # and the pool on a GPU
     pool = LinearStatePool(1, 2, H, dk, dv, 16, 4, "cpu")
-    assert LinearAttentionBackend(pool).kernels == ("fla" if fits else "torch")
+    pool.device = torch.device("cuda")  # as if on a GPU: the choice reads the device, not data
+    with caplog.at_level(logging.WARNING, logger=lb.__name__):
+        assert LinearAttentionBackend(pool).kernels == ("fla" if fits else "torch")
+    assert (
+        f"not fla: needs power-of-two head dims with key dim <= 256, pool has K {dk}, V {dv}"
+        in caplog.text
+    ) is not fits
     if not fits:
         with pytest.raises(ValueError, match=rf"'fla': .* pool has K {dk}, V {dv}$"):
             LinearAttentionBackend(pool, kernels="fla")

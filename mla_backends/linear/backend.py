@@ -9,11 +9,13 @@ input windows the model stages); `accept(num_accepted)` then stores, per request
 after its last accepted token, so rejected drafts leave nothing behind (verify runs the batched
 fp32 step maths on every device). Kernels: `torch` (the plain recurrence: the reference and
 the CPU path) or `fla` (chunked prefill, in-place recurrent decode; `fla_ops`); `auto` picks
-fla on a CUDA device when the package is importable.
+fla on a CUDA device when the package is importable and the head dims fit its kernels
+(`_fla_dims`), else torch, with a warning on a CUDA pool (the torch path is a per-token loop).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -25,6 +27,8 @@ from mla_backends.linear import fla_ops
 from mla_backends.linear.recurrence import gated_delta_rule
 from mla_backends.linear.state_pool import LinearStatePool
 
+logger = logging.getLogger(__name__)
+
 
 class LinearAttentionBackend:
     def __init__(
@@ -33,6 +37,10 @@ class LinearAttentionBackend:
         fla_unfit = missing("fla") or _need_cuda(pool) or _fla_dims(pool)
         if kernels == "auto":
             kernels = "torch" if fla_unfit else "fla"
+            if fla_unfit and pool.device.type == "cuda":
+                logger.warning(
+                    "linear kernels auto: torch on %s, not fla: %s", pool.device, fla_unfit
+                )
         if kernels not in ("torch", "fla"):
             raise ValueError(f"linear kernels must be 'torch', 'fla' or 'auto', got {kernels!r}")
         if kernels == "fla" and fla_unfit:

@@ -164,7 +164,7 @@ class KDALayer(nn.Module):
         o = backend.forward_linear(self.layer_id, q, k, v, g, beta)  # [T, H, V] fp32
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d).float().sigmoid()
         o = self.o_norm(o.to(x.dtype)) * gate.to(x.dtype)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(t, h * d))
 
 
 class HybridLayer(nn.Module):
