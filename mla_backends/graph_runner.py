@@ -3,9 +3,10 @@
 It captures `forward(batch, inputs) -> out` once per batch size, over static buffers sized for
 the largest, and replays a batch of `n` real requests on the smallest captured size `bs >= n`.
 The padding contract (DESIGN.md): `n` is passed explicitly (a real length-1 request looks like
-padding), padded rows use request row 0, seq_len = the backend's fill value, and output slots
-in the dummy page (slot 0); outputs are sliced to the real tokens. The runner calls only the
-backend's graph hooks; it knows nothing about any particular backend.
+padding), padded rows use request row 0, seq_len = the backend's fill value + q_len - 1 (each
+of their queries sees at least the fill's keys: none has zero), and output slots in the dummy
+page (slot 0); outputs are sliced to the real tokens. The runner calls only the backend's
+graph hooks; it knows nothing about any particular backend.
 
 `use_graphs=False` runs the same padded, static-buffer path eagerly (CPU tests of the padding
 logic and the backends' replay hooks).
@@ -66,10 +67,13 @@ class CudaGraphRunner:
         max_t = max_bs * q_len
         dev = self.device
         i32: dict[str, Any] = {"dtype": torch.int32, "device": dev}
+        # Hazard: seq_len = fill under q_len > 1 left a padded row's first queries no key
+        # (zero-key rows for CUTLASS / FlashMLA / TRT-LLM) and a negative prefix.
+        self._pad_seq = backend.cuda_graph_seq_len_fill_value + q_len - 1
         self._rows = torch.zeros(max_bs, **i32)
-        self._seq = torch.full((max_bs,), backend.cuda_graph_seq_len_fill_value, **i32)
+        self._seq = torch.full((max_bs,), self._pad_seq, **i32)
         self._ext = torch.full((max_bs,), q_len, **i32)
-        self._pre = torch.zeros(max_bs, **i32)
+        self._pre = torch.full((max_bs,), self._pad_seq - q_len, **i32)
         self._loc = torch.zeros(max_t, dtype=torch.int64, device=dev)
         self._pos = torch.zeros(max_t, dtype=torch.int64, device=dev)
         self._inputs = {
@@ -83,9 +87,8 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ batches
     def _static_batch(self, bs: int, real: ForwardBatch | None) -> ForwardBatch:
         """The batch over the static buffers' leading `bs` rows; CPU copies padded alike."""
-        fill = self.backend.cuda_graph_seq_len_fill_value
         n = 0 if real is None else real.batch_size
-        seq_cpu = torch.full((bs,), fill, dtype=torch.int32)
+        seq_cpu = torch.full((bs,), self._pad_seq, dtype=torch.int32)
         if real is not None:
             seq_cpu[:n] = real.seq_lens_cpu
         ext_cpu = torch.full((bs,), self.q_len, dtype=torch.int32)
@@ -107,13 +110,13 @@ class CudaGraphRunner:
     def _load(self, batch: ForwardBatch, inputs: dict[str, torch.Tensor], bs: int) -> None:
         """Copy n real requests into the static buffers; rows n..bs become padding. Device
         copies and fills only: no host sync."""
-        n, t, fill = batch.batch_size, batch.num_tokens, self.backend.cuda_graph_seq_len_fill_value
+        n, t = batch.batch_size, batch.num_tokens
         self._rows[:n].copy_(batch.req_pool_indices)
         self._rows[n:bs].zero_()  # request row 0: points at the dummy page
         self._seq[:n].copy_(batch.seq_lens)
-        self._seq[n:bs].fill_(fill)
+        self._seq[n:bs].fill_(self._pad_seq)
         self._pre[:n].copy_(batch.extend_prefix_lens)
-        self._pre[n:bs].fill_(fill - self.q_len)
+        self._pre[n:bs].fill_(self._pad_seq - self.q_len)
         self._loc[:t].copy_(batch.out_cache_loc)
         self._loc[t : bs * self.q_len].zero_()  # padded tokens write the dummy page's slot 0
         self._pos[:t].copy_(batch.positions)

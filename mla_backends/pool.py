@@ -11,10 +11,12 @@ V is the first L columns of the same rows; it is never stored twice.
 FP8 contract: one fp32 scale per layer, `stored = value / scale`, `value = stored * scale`,
 calibrated over the whole D-wide row (latent and rope together), and exactly representable
 in bf16 (`bf16_ceil`), so every backend, whatever precision it applies it in, reads the same
-values. Set it before storing rows: `calibrate_scale(layer, k_nope, k_rope)` on sample rows,
-or `set_scale(layer, scale)`. The default scale 1.0 saturates every value beyond +-448 (and
-rounds small ones coarsely); storing or attending over FP8 rows of a layer whose scale was
-never set warns once per layer (`UncalibratedScaleWarning`, a host-side flag: no sync).
+values. Set it before storing rows, and before any CUDA graph is captured over the pool (after
+one, `set_scale` is refused: captured kernels keep the scale they were launched with):
+`calibrate_scale(layer, k_nope, k_rope)` on sample rows, or `set_scale(layer, scale)`. The
+default scale 1.0 saturates every value beyond +-448 (and rounds small ones coarsely); storing
+or attending over FP8 rows of a layer whose scale was never set warns once per layer
+(`UncalibratedScaleWarning`, a host-side flag: no sync).
 
 Layer indices are checked at this boundary: a layer outside 0..num_layers-1 (-1 included,
 which Python indexing would read as the last layer) raises `LayerIndexError`.
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+F32_MAX = float(torch.finfo(torch.float32).max)
+F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal fp32: 2^-126
 
 
 class LayerIndexError(IndexError):
@@ -73,7 +77,10 @@ def bf16_ceil(x: float) -> float:
 
     Hazard: FlashInfer's FP8 MLA kernel multiplies by the scale in bf16; a scale that bf16
     cannot represent (0.037 -> 0.03711) biases every score and output by up to 0.4%. Scales
-    are therefore bf16 values, rounded up so calibrated rows never saturate."""
+    are therefore bf16 values, rounded up so calibrated rows never saturate. Beyond fp32's
+    range: inf (what bf16 would hold)."""
+    if not x <= F32_MAX:
+        return math.inf
     bits = struct.unpack("<I", struct.pack("<f", x))[0]
     return struct.unpack("<f", struct.pack("<I", (bits + 0xFFFF) & 0xFFFF0000))[0]
 
@@ -139,6 +146,7 @@ class MLATokenToKVPool:
         self.scales = torch.ones(num_layers, dtype=torch.float32, device=self.device)
         self._scale_set = [False] * num_layers
         self._scale_warned = [False] * num_layers
+        self._captured_by: str | None = None  # the backend whose graph capture froze the scales
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -185,17 +193,37 @@ class MLATokenToKVPool:
                 stacklevel=3,
             )
 
+    def freeze_scales(self, captured_by: str) -> None:
+        """A CUDA graph is being captured over this pool (`captured_by`: the backend): from now
+        on `set_scale` is refused. Hazard: captured kernels may hold a scale as a host float
+        launch argument (triton, FlashInfer), so replays would keep the old one while eager
+        calls and stores took the new one."""
+        self._captured_by = captured_by
+
     def set_scale(self, layer: int, scale: float) -> float:
-        """Set the layer scale; returns the scale actually used (rounded up to bf16)."""
+        """Set the layer scale; returns the scale actually used (rounded up to bf16). Refused
+        once a CUDA graph was captured over the pool (`freeze_scales`)."""
         layer = self.check_layer(layer)
-        if not (math.isfinite(scale) and scale > 0.0):  # inf would read every row back as NaN
-            raise ValueError(f"layer {layer}: kv scale must be finite and > 0, got {scale}")
+        if self._captured_by is not None:
+            raise RuntimeError(
+                f"layer {layer}: a CUDA graph of {self._captured_by} was captured over this pool "
+                "and keeps the scale it was captured with; set the scale before capture"
+            )
+        # Hazard: checked as stored, not as passed: bf16 rounds 3.4e38 up to inf and 1e-46 down
+        # to 0; the stores multiply by the fp32 reciprocal (inf below 2.9e-39). Both the scale
+        # and its reciprocal must be normal fp32 values (kernels may flush subnormals to 0).
+        used = bf16_ceil(scale) if scale > 0.0 else math.nan
+        if not F32_TINY <= used <= 1.0 / F32_TINY:
+            raise ValueError(
+                f"layer {layer}: kv scale must be finite and > 0, stored (rounded up to bf16) "
+                f"within [2^-126, 2^126] so it and 1/scale are normal fp32; got {scale:g} "
+                f"(stored: {used:g})"
+            )
         if not self.is_fp8 and scale != 1.0:
             raise ValueError(
                 f"layer {layer}: a non-unit kv scale needs an FP8 pool, got {self.dtype}"
             )
-        scale = bf16_ceil(scale)
-        self._scales_host[layer] = scale
+        self._scales_host[layer] = scale = used
         self.scales[layer] = scale
         self._scale_set[layer] = True
         return scale

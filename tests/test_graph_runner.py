@@ -10,12 +10,14 @@ padded rows never writing a real slot.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
 import torch
 from parity import graph_params
 
+from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import ShapeError
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward, build_case
@@ -201,8 +203,6 @@ def test_replay_refuses_a_batch_whose_tokens_are_not_q_len_a_request() -> None:
     """The static buffers hold q_len tokens a request: a batch of 2 requests carrying 3
     tokens (one request with 2) had its third token copied in and then dropped, the output
     sliced to 3 rows of 2, silently."""
-    import dataclasses
-
     stream, runner = _cpu_runner(sizes=(4,))
     runner.capture()
     batch, inputs = stream.step(2)
@@ -261,3 +261,66 @@ def test_runner_defaults_to_a_dispatch_backends_device() -> None:
     runner.capture()
     batch, inputs = stream.step(3)
     assert runner.replay(batch, inputs).shape[0] == 3
+
+
+def test_padded_verify_rows_see_a_key_for_every_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A q_len-3 runner padding 2 real requests to 4, and its capture (all padding): padded
+    rows carried the decode fill (seq_len 1) under 3 queries, so their first two queries saw
+    no key (the zero-key rows CUTLASS / FlashMLA / TRT-LLM are never asked to handle) and
+    their prefix was -2. Now every query of a padded row sees at least the fill's keys, the
+    length stays inside row 0 (the dummy page), and padded tokens still write only slot 0."""
+    case = Case("torch", ForwardMode.TARGET_VERIFY, kv_dtype="float32", dtype="float32", q_len=3)
+    stream = DecodeStream(case, "cpu", num_requests=12)
+    be = stream.rt.backend
+    runner = CudaGraphRunner(
+        be, partial(absorbed_forward, be), _specs(case), [4], q_len=3, use_graphs=False
+    )
+    seen: list[tuple[int, ForwardBatch]] = []
+    for hook in ("init_forward_metadata_capture", "init_forward_metadata_replay"):
+        orig = getattr(be, hook)
+
+        def spy(b: ForwardBatch, orig=orig) -> None:  # type: ignore[no-untyped-def]
+            seen.append((int((b.req_pool_indices != 0).sum()), _cloned(b)))
+            orig(b)
+
+        monkeypatch.setattr(be, hook, spy)
+    runner.capture()
+    batch, inputs = stream.step(2)
+    runner.replay(batch, inputs)
+    assert [n for n, _ in seen] == [0, 2]
+    fill, width = be.cuda_graph_seq_len_fill_value, be.req_to_token.shape[1]
+    for n, b in seen:
+        seq, pre = b.seq_lens[n:], b.extend_prefix_lens[n:]
+        assert (b.req_pool_indices[n:] == 0).all() and (b.out_cache_loc[n * 3 :] == 0).all()
+        assert ((seq - 3 + 1 >= fill) & (seq <= width)).all(), seq.tolist()
+        assert torch.equal(pre, seq - 3) and torch.equal(b.seq_lens_cpu[n:], seq)
+        assert torch.equal(b.extend_prefix_lens_cpu[n:], pre)
+
+
+def _cloned(b: ForwardBatch) -> ForwardBatch:
+    """A copy of a batch over the runner's static buffers (refilled by the next step)."""
+    fields = [f.name for f in dataclasses.fields(b) if f.init]
+    tensors = {k: v.clone() for k in fields if isinstance(v := getattr(b, k), torch.Tensor)}
+    return dataclasses.replace(b, **tensors)
+
+
+def test_set_scale_after_capture_is_refused() -> None:
+    """Captured kernels hold the FP8 scale as a host float (triton's and FlashInfer's launch
+    arguments): a scale set after capture changed eager calls and the stores but not the
+    replays, which read the new rows under the old scale. Now set_scale (and calibrate_scale)
+    refuses once a graph is captured over the pool, naming the fix; before capture it works."""
+    case = Case("torch", page_size=16, num_heads=16, kv_dtype="float8_e4m3fn", dtype="bfloat16")
+    stream = DecodeStream(case, "cpu", num_requests=4)
+    be, pool = stream.rt.backend, stream.rt.kv_pool
+    runner = CudaGraphRunner(
+        be, partial(absorbed_forward, be), _specs(case), [2], device="cpu", use_graphs=False
+    )
+    assert pool.set_scale(0, 0.25) == 0.25  # not captured yet
+    runner.capture()
+    with pytest.raises(RuntimeError, match=r"layer 0: .*captured.* set the scale before capture"):
+        pool.set_scale(0, 0.5)
+    k = torch.ones(1, 512), torch.ones(1, 64)
+    with pytest.raises(RuntimeError, match="set the scale before capture"):
+        pool.calibrate_scale(0, *k)
+    assert pool.scale(0) == 0.25 and float(pool.scales[0]) == 0.25
+    runner.replay(*stream.step(2))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +171,22 @@ def test_check_batch_refuses_a_batch_reading_fewer_tokens_than_the_row_stored() 
         rp.check_batch(short)
     padded = torch.cat([loc, torch.zeros(1, dtype=torch.int64)])
     rp.check_batch(ForwardBatch.build(ForwardMode.DECODE, [row, 0], [5, 0], [1, 1], padded, "cpu"))
+
+
+@pytest.mark.parametrize("bad", [3.39e38, 3.4e38, 1e39, 1e38, 1e-46, 1e-40])
+def test_scale_check_sees_the_stored_value_and_its_reciprocal(bad: float) -> None:
+    """The check ran on the float64 argument; what is stored is its bf16 ceiling and the
+    stores multiply by its fp32 reciprocal: 3.39e38 and 3.4e38 rounded up to inf (every row
+    read back NaN), 1e39 broke struct.pack (an OverflowError), 1e-46 rounded down to 0 and
+    1e-40 to a subnormal whose reciprocal is inf (rows stored as NaN or +-448); 1e38 has a
+    subnormal reciprocal. Now the scale and its reciprocal are normal fp32 values."""
+    pool = _pool(torch.float8_e4m3fn)
+    msg = rf"layer 0: kv scale must be .* got {re.escape(f'{bad:g}')} \(stored"
+    with pytest.raises(ValueError, match=msg):
+        pool.set_scale(0, bad)
+    assert pool.scale(0) == 1.0 and not pool.scale_is_set(0)
+    tiny = torch.finfo(torch.float32).tiny
+    for ok in (2.0**126, 8.5e37, tiny, 1.2e-38):  # the extremes: both ways normal in fp32
+        used = pool.set_scale(0, ok)
+        assert used == pool.scale(0) == float(pool.scales[0]) >= ok
+        assert tiny <= float(pool.scales[0].reciprocal()) < float("inf")

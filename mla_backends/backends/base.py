@@ -35,6 +35,7 @@ from mla_backends.backends.context import (  # re-exported: backends import them
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.checks import check_tensor, unit_stride
 from mla_backends.config import Config
+from mla_backends.pool import MLATokenToKVPool
 
 M = TypeVar("M")  # a backend's metadata dataclass
 S = TypeVar("S")  # a backend's CUDA-graph state dataclass
@@ -234,7 +235,8 @@ class MLABackend(ABC, Generic[M]):
 
     @property
     def cuda_graph_seq_len_fill_value(self) -> int:
-        """seq_len written into padded graph rows (request row 0, dummy page)."""
+        """seq_len of a padded decode graph row (request row 0, dummy page); a padded row of
+        q_len queries carries fill + q_len - 1, so each query sees at least fill keys."""
         return 1
 
     # ------------------------------------------------------------------ requests
@@ -327,6 +329,11 @@ class GraphHooks(ABC, Generic[M, S]):
         self.metadata = self._bind_graph(batch, self._sized_graph_state(batch), capture=True)
         self._metadata_for = batch
         self._graph_captured = True
+        # Hazard: captured kernels may hold the FP8 scale as a host float: a later set_scale
+        # would reach eager calls and stores but not the replays. The pool refuses it now.
+        pool = getattr(self, "pool", None)  # MLA and sparse backends over a latent pool
+        if isinstance(pool, MLATokenToKVPool):
+            pool.freeze_scales(self.name)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.metadata = self._bind_graph(batch, self._sized_graph_state(batch), capture=False)
