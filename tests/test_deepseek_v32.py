@@ -304,6 +304,43 @@ def test_fp8_row_pool_model_torch_equals_triton(tmp_path: Path) -> None:
     assert _rel(outs[0][:17], want) <= 2**-4
 
 
+def test_fp8_row_dense_slots_are_built_once_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense batch over FP8 rows runs the sparse backend over every visible key: those
+    slots are built once per batch (`DSABackend.init_forward_metadata`) and read by every
+    layer (each layer rebuilt them: two indexing kernels and a table gather a layer); another
+    batch's slots, or slots of a sparse batch, are refused."""
+    from mla_backends.sparse import dsa as dsa_mod
+
+    model = DeepseekV32ForCausalLM(
+        DeepseekV32Config.from_hf(dict(TINY_HF, kv_lora_rank=128, num_hidden_layers=2))
+    ).eval()
+    eng, dsa = _engine(model, fp8_rows=True)
+    built: list[int] = []
+    real = dsa_mod.dense_indices
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dsa_mod, "dense_indices", counted)
+    a, b = eng.new_requests(2)
+    eng.extend([a], [[3, 1, 4, 1, 5]])
+    assert dsa.use_dense() and dsa.dense is None and len(built) == 1  # two layers, one build
+    eng.extend([b], [list(range(20, 32))])  # 12 > topk keys: sparse, no dense slots
+    assert not dsa.use_dense() and len(built) == 1
+    batches = [_decode_batch(eng, r) for r in (a, b)]
+    dsa.init_forward_metadata(batches[0])  # 6 keys: dense
+    assert len(built) == 2
+    slots = dsa.dense_slots(batches[0])
+    assert dsa.dense_slots(batches[0]) is slots
+    assert torch.equal(slots, real(dsa.sparse.req_to_token, batches[0], TOPK))
+    with pytest.raises(RuntimeError, match="no dense slots for this batch"):
+        dsa.dense_slots(batches[1])
+    dsa.init_forward_metadata(batches[1])  # 13 keys: sparse
+    with pytest.raises(RuntimeError, match="no dense slots for this batch"):
+        dsa.dense_slots(batches[1])
+
+
 def test_missing_indexer_tensor_is_named(hf_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file
 

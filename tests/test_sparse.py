@@ -967,6 +967,44 @@ def test_sparse_launch_takes_gluon_only_where_it_can(monkeypatch: pytest.MonkeyP
     assert not tb.gluon_here(torch.device("cpu"))
 
 
+def test_triton_sparse_launch_is_built_once_per_token_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer of a batch asks the `triton` backend for the same launch: the rule's
+    (`launch_config`) is built once per token count and Gluon route state, not again each
+    layer; a route closed mid-process (`gluon_failed`) gets the `tl.dot` launch; a caller
+    changing the launch it got changes no later one. Off the interpreter's fixed config, as
+    on a GPU (no kernel runs here)."""
+    from mla_backends.sparse import triton_backend as tb
+
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    dims = MLADims(64, 128, 16, 16, 16)
+    case = SparseCase("triton", kv_lens=(5, 40), dims=dims, check_support=False)
+    be = build(case, "cpu").backend
+    assert isinstance(be, tb.TritonSparseBackend) and not be._gluon_device  # a CPU
+    be._gluon_device = True  # as on an SM90 with a bf16 pool
+    route: list[str | None] = [None]
+    monkeypatch.setattr(be, "_gluon_error", lambda: route[0])
+    calls: list[tuple[int, bool]] = []
+    real = tb.launch_config
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((args[2], args[5]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "launch_config", counted)
+    first = [be._launch(2) for _ in range(3)]  # three layers of one batch
+    assert calls == [(2, True)] and first[0]["gluon"] == 1
+    assert first[0] == first[1] == first[2]
+    first[0]["splits"] = 999  # a caller's own copy
+    assert be._launch(2) == first[1] and len(calls) == 1
+    assert be._launch(5)["splits"] == real(64, False, 5, case.topk, be._sms, True)["splits"]
+    route[0] = "AttributeError: async_copy_global_to_shared"  # the Gluon route closes
+    closed = be._launch(2)
+    assert "gluon" not in closed and calls == [(2, True), (5, True), (2, False)]
+    assert closed == real(64, False, 2, case.topk, be._sms, False)
+
+
 def test_topk_slots_refuses_non_fp32_logits() -> None:
     from mla_backends.sparse.topk_kernel import topk_slots
 

@@ -8,8 +8,10 @@ captured decode graphs. Run on an H100 / H200:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -417,9 +419,12 @@ def test_gluon_indexer_logits_match_the_triton_kernel(heads: int, programs: int 
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6 * want[fin].abs().max())
 
 
-def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def _graph_setup(  # type: ignore[no-untyped-def]
+    backend: str, pool: str, h: int, seed: int = 0, lengths: Sequence[int] | None = None
+):
     """Pools, indexer and sparse backend over requests with random prompts (latent rows and
-    index K stored), for the graph tests."""
+    index K stored), for the graph tests; `lengths`: one request a prompt of each length
+    (else six of random lengths)."""
     from mla_backends.allocator import PagedTokenAllocator
     from mla_backends.pool import MLATokenToKVPool, ReqToTokenPool
     from mla_backends.sparse.base import SparseContext, create_sparse_backend
@@ -428,7 +433,7 @@ def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignor
 
     dims, dev = _dims(h), torch.device("cuda")
     rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
-    n_req, max_ctx, ps = 6, 4096, 64
+    n_req, max_ctx, ps = len(lengths) if lengths else 6, 4096, 64
     pages = n_req * max_ctx // ps + 1
     if pool == "fp8_row":
         latent = Fp8RowPool(1, pages, ps, 512, 64, dev)
@@ -447,8 +452,8 @@ def _graph_setup(backend: str, pool: str, h: int, seed: int = 0):  # type: ignor
     ctx = SparseContext(dims, latent, req, TOPK, torch.bfloat16)
     sparse = create_sparse_backend(backend, ctx)
     rows = req.alloc(n_req)
-    for r in rows:
-        n = rng.randint(1, 3500)
+    for i, r in enumerate(rows):
+        n = lengths[i] if lengths else rng.randint(1, 3500)
         loc = alloc.alloc_extend([r], [n])
         ang = torch.rand(n, 32, generator=gen, device=dev) * 6
         indexer.store(
@@ -559,6 +564,91 @@ def test_graph_replay_equals_eager_without_host_sync(
             torch.cuda.set_sync_debug_mode("default")
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         assert err <= 2e-2, f"step {i}: {err}"
+
+
+@contextlib.contextmanager
+def _no_host_sync() -> Iterator[None]:
+    """Any synchronizing CUDA call in the block raises (`set_sync_debug_mode("error")`),
+    from an idle GPU."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+STEP_CASES = [("triton", "bfloat16"), ("triton", "fp8_row"), ("flashmla", "bfloat16")]
+STEP_CASES += [("flashmla", "fp8_row"), ("flashinfer_mla", "bfloat16")]
+
+
+@pytest.mark.parametrize("q_len", [1, 2], ids=["decode", "verify"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("backend, pool", STEP_CASES, ids=[f"{b}-{p}" for b, p in STEP_CASES])
+def test_eager_dsa_step_does_not_sync(backend: str, pool: str, heads: int, q_len: int) -> None:
+    """An eager DSA decode (or verify) step as a V3.2 layer runs it through `DSABackend`: the
+    batch's metadata (indexer and sparse backend), the index K store, the indexer (q prep,
+    logits, top-k) on its own stream, the latent store and sparse attention, with any host
+    sync raising (`set_sync_debug_mode("error")`), after one warm-up step of the same shape.
+    Contexts of about 2050 and 3500 keys, past top-k, beside one of 40-odd. The batch is
+    built before (its host-to-device copies are the scheduler's). The selection holds
+    min(topk, pos + 1) distinct slots of each token's request; out and LSE match the fp64
+    reference over it."""
+    _need(backend)
+    from mla_backends.sparse.dsa import DSABackend
+    from mla_backends.sparse.reference import sparse_reference
+    from mla_backends.testing import TOLERANCES, compare
+
+    # widths (longest context) 3498 / 3499 (decode) and 3499 / 3501 (verify): none a multiple
+    # of 16, so the measured step's Triton launches specialise as the warm-up's did
+    indexer, sparse, alloc, rows, gen, _ = _graph_setup(backend, pool, heads, 1, (3497, 2049, 40))
+    dsa = DSABackend(None, indexer, sparse)
+    assert dsa.side is not None  # the indexer on its own stream, as a model runs it
+    mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
+    inputs = dict(INPUTS, q_nope=InputSpec((heads, 512), torch.bfloat16))
+    inputs["q_rope"] = InputSpec((heads, 64), torch.bfloat16)
+
+    def new_batch() -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        prefix = [alloc.seq_len(r) for r in rows]
+        loc = alloc.alloc_extend(rows, [q_len] * len(rows))
+        batch = ForwardBatch.build(mode, rows, prefix, [q_len] * len(rows), loc, "cuda")
+        x = {
+            k: torch.randn(batch.num_tokens, *s.shape, generator=gen, device="cuda").to(s.dtype)
+            for k, s in inputs.items()
+        }
+        return batch, x
+
+    def step(batch: ForwardBatch, x: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+        dsa.init_forward_metadata(batch)
+        dsa.indexer.store(0, x["k_idx"], x["cos"], x["sin"], batch.out_cache_loc)
+        selected = dsa.begin_select(0, lambda: (x["q_idx"], x["w"]), x["cos"], x["sin"])
+        dsa.store_kv(0, batch.out_cache_loc, x["k_nope"], x["k_rope"])
+        slots = selected()
+        out, lse = dsa.sparse.forward_sparse(0, x["q_nope"], x["q_rope"], slots, batch, True)
+        return out, lse, slots
+
+    step(*new_batch())  # warm-up: compiles, plans, allocator pools
+    with _no_host_sync(), pytest.raises(RuntimeError, match="synchronizing"):
+        torch.ones(1, device="cuda").item()  # the mode is on: a sync would raise
+    batch, x = new_batch()
+    with _no_host_sync():
+        out, lse, slots = step(batch, x)
+    torch.cuda.synchronize()
+    assert not dsa.use_dense()
+
+    valid = slots >= 0
+    r2t, pos = indexer.req_to_token.cpu(), batch.positions.cpu()
+    assert valid.sum(1).cpu().tolist() == (pos + 1).clamp(max=TOPK).tolist()
+    for t, row in enumerate(torch.tensor(rows).repeat_interleave(q_len).tolist()):
+        got = slots[t][valid[t]].cpu()
+        assert got.unique().numel() == got.numel(), t
+        assert torch.isin(got, r2t[row, : int(pos[t]) + 1]).all(), t
+    ref_out, ref_lse = sparse_reference(sparse.pool, 0, x["q_nope"], x["q_rope"], slots,
+                                        sparse.scale)  # fmt: skip
+    atol, rtol, lse_tol = TOLERANCES["bfloat16"]
+    _, bad_out = compare("out", out, ref_out, atol, rtol)
+    _, bad_lse = compare("lse", lse, ref_lse, lse_tol, 0.0)
+    assert not bad_out and not bad_lse, (bad_out, bad_lse)
 
 
 @pytest.mark.parametrize(

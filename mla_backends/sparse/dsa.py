@@ -59,6 +59,9 @@ class DSABackend:
         if a.data_ptr() != b.data_ptr() or a.shape != b.shape:
             raise ValueError("the indexer and the sparse backend read different request tables")
         self._dense_batch = False
+        # FP8 rows' dense batches: every visible key's slot per query token, built once per
+        # batch (`init_forward_metadata`) for every layer, and the batch it was built for
+        self._dense_slots: tuple[ForwardBatch, torch.Tensor] | None = None
         # The indexer's own stream on a GPU (`begin_select`), None: it runs inline.
         dev = indexer.cache.device
         self.side: torch.cuda.Stream | None = None
@@ -141,6 +144,7 @@ class DSABackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         dense = runs_dense(batch, self.topk)
+        self._dense_slots = None
         if dense and self.dense is not None:
             self.dense.init_forward_metadata(batch)  # checks the batch against the table
         else:
@@ -149,6 +153,9 @@ class DSABackend:
             self.check_batch(batch)
             self.indexer.init_forward_metadata(batch)
             self.sparse.init_forward_metadata(batch)
+            if dense:  # FP8 rows: the sparse backend over every visible key (`dense_slots`)
+                slots = dense_indices(self.sparse.req_to_token, batch, self.topk)
+                self._dense_slots = (batch, slots)
         self._dense_batch = dense
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -156,12 +163,12 @@ class DSABackend:
         self.sparse.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self._dense_batch = False
+        self._dense_batch, self._dense_slots = False, None
         self.indexer.init_forward_metadata_capture(batch)
         self.sparse.init_forward_metadata_capture(batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        self._dense_batch = False
+        self._dense_batch, self._dense_slots = False, None
         self.indexer.init_forward_metadata_replay(batch)
         self.sparse.init_forward_metadata_replay(batch)
 
@@ -236,5 +243,13 @@ class DSABackend:
         return join
 
     def dense_slots(self, batch: ForwardBatch) -> torch.Tensor:
-        """Every visible key's slot per query token: the sparse backend's dense path."""
-        return dense_indices(self.sparse.req_to_token, batch, self.topk)
+        """[T, topk] int32: every visible key's slot per query token, the sparse backend's
+        dense path (FP8 rows), built once for every layer by `init_forward_metadata`."""
+        built = self._dense_slots
+        if built is None or built[0] is not batch:
+            # Hazard: another batch's slots attend over another request's keys, silently.
+            raise RuntimeError(
+                "DSA: no dense slots for this batch: init_forward_metadata was not called for "
+                "it, or it is not a dense batch over FP8 rows"
+            )
+        return built[1]

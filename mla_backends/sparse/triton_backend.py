@@ -69,15 +69,25 @@ def launch_splits(cfg: dict[str, int], heads: int, tokens: int, topk: int, sms: 
     return choose_splits(programs, topk, sms, cfg["block_n"], cap)
 
 
+def sm90_gpu(device: torch.device) -> bool:
+    """Whether `device` is an SM90 GPU outside the Triton interpreter: where a Gluon kernel
+    may run at all (`gluon_here` adds the route's state, which may change)."""
+    return (
+        device.type == "cuda"
+        and not interpreting()
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
 def gluon_here(device: torch.device) -> bool:
     """Whether sparse calls on `device` may take the Gluon kernel: an SM90 GPU and the Gluon
     route open (`mla_attention.gluon_error`); the call's own tensors decide the rest."""
-    if device.type != "cuda" or interpreting():
+    if not sm90_gpu(device):
         return False
     # imported here: this module loads without triton (its refusal says it is missing)
     from mla_backends.kernels.mla_attention import gluon_error
 
-    return gluon_error() is None and torch.cuda.get_device_capability(device) == (9, 0)
+    return gluon_error() is None
 
 
 def launch_config(
@@ -123,15 +133,21 @@ class TritonSparseBackend(SparseMLABackend):
 
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
+        from mla_backends.kernels.mla_attention import gluon_error
         from mla_backends.sparse import triton_kernel
 
-        self._kernel = triton_kernel
+        self._kernel, self._gluon_error = triton_kernel, gluon_error
         self._interp = interpreting()
         self._sms = num_sms(self.device)
         self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
         # bf16 / fp16 pools and FP8 rows may take a Gluon kernel (`gluon_here`, then each
         # kernel's `usable`); e4m3 pools under a per-layer scale stay on `tl.dot`
-        self._gluon_pool = self._fmt is not None or not getattr(ctx.pool, "is_fp8", False)
+        gluon_pool = self._fmt is not None or not getattr(ctx.pool, "is_fp8", False)
+        # `gluon_here` but the route's state, asked once (the device does not change)
+        self._gluon_device = gluon_pool and sm90_gpu(self.device)
+        # the rule's launch per (query tokens, Gluon route open): every layer of a batch asks
+        # for the same one (`launch_config` alone is ~5 us of Python, plus the SM query)
+        self._launches: dict[tuple[int, bool], dict[str, int]] = {}
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
         # the `tl.dot` kernel's merge inside its launch (`triton_kernel.merges_here`: batch
@@ -142,10 +158,17 @@ class TritonSparseBackend(SparseMLABackend):
         self.merge_here = True
 
     def _launch(self, tokens: int) -> dict[str, int]:
+        """The launch of a call over `tokens` query tokens: a sweep's `launch`, else the
+        rule's (`launch_config`), computed once per token count and route state."""
         h = self.dims.num_heads
         if self.launch is None or self._interp:
-            gluon = self._gluon_pool and gluon_here(self.device)
-            return launch_config(h, self._fmt is not None, tokens, self.topk, self._sms, gluon)
+            gluon = self._gluon_device and self._gluon_error() is None
+            cfg = self._launches.get((tokens, gluon))
+            if cfg is None:
+                fp8 = self._fmt is not None
+                cfg = launch_config(h, fp8, tokens, self.topk, self._sms, gluon)
+                self._launches[tokens, gluon] = cfg
+            return dict(cfg)  # callers may change theirs (scripts/profile_step.py does)
         cfg = dict(self.launch)  # a sweep's config (with "splits": that split count)
         if "splits" not in cfg:
             cfg["splits"] = launch_splits(cfg, h, tokens, self.topk, self._sms)
