@@ -198,7 +198,10 @@ def test_a_batch_without_a_host_copy_reads_its_rows_once_not_per_layer() -> None
     assert torch.equal(got, ref.extend(ref.new_requests(2), [[1, 2, 3], [4, 5]]))
 
 
-def test_an_idle_batch_through_a_kda_layer_is_empty_and_touches_no_state() -> None:
+@pytest.mark.parametrize("mode", [ForwardMode.IDLE, ForwardMode.TARGET_VERIFY])
+def test_an_idle_batch_through_a_kda_layer_is_empty_and_touches_no_state(
+    mode: ForwardMode,
+) -> None:
     """A KDA layer on an IDLE batch (no requests, no tokens) after a prefill: [0, hidden] out,
     no recurrent or conv state touched (its `reshape(0, -1)` raised)."""
     model = _model()
@@ -206,9 +209,7 @@ def test_an_idle_batch_through_a_kda_layer_is_empty_and_touches_no_state() -> No
     eng.extend(eng.new_requests(2), [[1, 2, 3], [4, 5]])
     pool = eng.backend.linear.pool
     rec, conv = pool.recurrent.clone(), pool.conv.clone()
-    idle = ForwardBatch.build(
-        ForwardMode.IDLE, [], [], [], torch.zeros(0, dtype=torch.int64), "cpu"
-    )
+    idle = ForwardBatch.build(mode, [], [], [], torch.zeros(0, dtype=torch.int64), "cpu")
     eng.backend.init_forward_metadata(idle)
     layer = model.layers[0]
     assert layer.kind == "linear"

@@ -127,7 +127,7 @@ class KDALayer(nn.Module):
         if batch.mode is ForwardMode.TARGET_VERIFY:  # T drafts each, the state kept aside
             b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
             rows = batch.req_pool_indices.long()
-            win = torch.cat([st.conv[rows].to(x.dtype), x.view(b, t, -1).mT], dim=2)
+            win = torch.cat([st.conv[rows].to(x.dtype), x.view(b, t, x.shape[-1]).mT], dim=2)
             st.stage_verify_conv(win)  # [B, C, W - 1 + T]
             out = F.silu(
                 (
@@ -135,7 +135,7 @@ class KDALayer(nn.Module):
                     * self.conv_weight.to(x.dtype)[:, None]
                 ).sum(-1)
             )
-            return out.mT.reshape(b * t, -1)
+            return out.mT.reshape(b * t, x.shape[-1])  # b may be 0: no -1
         if batch.mode is ForwardMode.DECODE:  # all requests at once: no host loop, capturable
             rows = batch.req_pool_indices.long()
             out, state = short_conv_step(x, self.conv_weight, st.conv[rows])
