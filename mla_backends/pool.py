@@ -78,8 +78,11 @@ def bf16_ceil(x: float) -> float:
     Hazard: FlashInfer's FP8 MLA kernel multiplies by the scale in bf16; a scale that bf16
     cannot represent (0.037 -> 0.03711) biases every score and output by up to 0.4%. Scales
     are therefore bf16 values, rounded up so calibrated rows never saturate. Beyond fp32's
-    range: inf (what bf16 would hold)."""
-    if not x <= F32_MAX:
+    range: inf (what bf16 would hold). Hazard: the bit trick rounds a negative value down, NaN
+    compares false everywhere: both are refused."""
+    if not x > 0.0:
+        raise ValueError(f"bf16_ceil: x must be > 0, got {x!r}")
+    if x > F32_MAX:
         return math.inf
     bits = struct.unpack("<I", struct.pack("<f", x))[0]
     return struct.unpack("<f", struct.pack("<I", (bits + 0xFFFF) & 0xFFFF0000))[0]
@@ -206,8 +209,9 @@ class MLATokenToKVPool:
         layer = self.check_layer(layer)
         if self._captured_by is not None:
             raise RuntimeError(
-                f"layer {layer}: a CUDA graph of {self._captured_by} was captured over this pool "
-                "and keeps the scale it was captured with; set the scale before capture"
+                f"layer {layer}: {self._captured_by} prepared a CUDA-graph capture over this pool "
+                "(init_forward_metadata_capture), and a captured graph keeps the scale it was "
+                "captured with; set the scale before capture"
             )
         # Hazard: checked as stored, not as passed: bf16 rounds 3.4e38 up to inf and 1e-46 down
         # to 0; the stores multiply by the fp32 reciprocal (inf below 2.9e-39). Both the scale

@@ -69,6 +69,14 @@ def test_scales_are_bf16_values_rounded_up(x: float) -> None:
     assert bf16_ceil(r) == r and r <= x * (1 + 2.0**-7)
 
 
+@pytest.mark.parametrize("x", [0.0, -1.0, -1e39, float("nan"), float("-inf")])
+def test_bf16_ceil_refuses_what_it_cannot_round_up(x: float) -> None:
+    from mla_backends.pool import bf16_ceil
+
+    with pytest.raises(ValueError, match="must be > 0"):
+        bf16_ceil(x)
+
+
 def test_non_unit_scale_requires_fp8_and_positive() -> None:
     with pytest.raises(ValueError, match="needs an FP8 pool"):
         _pool(torch.bfloat16).set_scale(0, 0.5)
