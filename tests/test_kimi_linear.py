@@ -148,6 +148,12 @@ class _NoHostCopy(torch.Tensor):
         raise AssertionError("host copy of the device tensor req_pool_indices")
 
     tolist = item = cpu = numpy = _refuse
+    __iter__ = __int__ = __index__ = __bool__ = __float__ = _refuse
+
+    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        if any(str(a) == "cpu" for a in (*args, kwargs.get("device"))):
+            self._refuse()
+        return super().to(*args, **kwargs)
 
 
 def test_prefill_reads_the_request_rows_from_the_batchs_host_copy(
