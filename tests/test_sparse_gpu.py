@@ -594,14 +594,37 @@ def test_eager_dsa_step_does_not_sync(backend: str, pool: str, heads: int, q_len
     built before (its host-to-device copies are the scheduler's). The selection holds
     min(topk, pos + 1) distinct slots of each token's request; out and LSE match the fp64
     reference over it."""
+    # widths (longest context) 3498 / 3499 (decode) and 3499 / 3501 (verify): none a multiple
+    # of 16, so the measured step's Triton launches specialise as the warm-up's did
+    _dsa_step_without_sync(backend, pool, heads, q_len, (3497, 2049, 40), dense=False)
+
+
+DENSE_STEP_CASES = [(b, p) for b, p in STEP_CASES if p == "fp8_row"]
+
+
+@pytest.mark.parametrize("q_len", [1, 2], ids=["decode", "verify"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(
+    "backend, pool", DENSE_STEP_CASES, ids=[f"{b}-{p}" for b, p in DENSE_STEP_CASES]
+)
+def test_eager_dense_dsa_step_over_fp8_rows_does_not_sync(
+    backend: str, pool: str, heads: int, q_len: int
+) -> None:
+    """The same for a batch the dense/sparse rule sends dense over FP8 rows (every context
+    shorter than top-k): no indexer; the sparse backend over every visible key's slot, built
+    once per batch by `DSABackend.init_forward_metadata` (`dense_slots`)."""
+    _dsa_step_without_sync(backend, pool, heads, q_len, (1500, 301, 40), dense=True)
+
+
+def _dsa_step_without_sync(
+    backend: str, pool: str, heads: int, q_len: int, lengths: tuple[int, ...], dense: bool
+) -> None:
     _need(backend)
     from mla_backends.sparse.dsa import DSABackend
     from mla_backends.sparse.reference import sparse_reference
     from mla_backends.testing import TOLERANCES, compare
 
-    # widths (longest context) 3498 / 3499 (decode) and 3499 / 3501 (verify): none a multiple
-    # of 16, so the measured step's Triton launches specialise as the warm-up's did
-    indexer, sparse, alloc, rows, gen, _ = _graph_setup(backend, pool, heads, 1, (3497, 2049, 40))
+    indexer, sparse, alloc, rows, gen, _ = _graph_setup(backend, pool, heads, 1, lengths)
     dsa = DSABackend(None, indexer, sparse)
     assert dsa.side is not None  # the indexer on its own stream, as a model runs it
     mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
@@ -621,7 +644,11 @@ def test_eager_dsa_step_does_not_sync(backend: str, pool: str, heads: int, q_len
     def step(batch: ForwardBatch, x: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
         dsa.init_forward_metadata(batch)
         dsa.indexer.store(0, x["k_idx"], x["cos"], x["sin"], batch.out_cache_loc)
-        selected = dsa.begin_select(0, lambda: (x["q_idx"], x["w"]), x["cos"], x["sin"])
+        if dsa.use_dense():  # as `models/deepseek_v32.py` takes a dense batch over FP8 rows
+            slots = dsa.dense_slots(batch)
+            selected = lambda: slots  # noqa: E731
+        else:
+            selected = dsa.begin_select(0, lambda: (x["q_idx"], x["w"]), x["cos"], x["sin"])
         dsa.store_kv(0, batch.out_cache_loc, x["k_nope"], x["k_rope"])
         slots = selected()
         out, lse = dsa.sparse.forward_sparse(0, x["q_nope"], x["q_rope"], slots, batch, True)
@@ -634,7 +661,7 @@ def test_eager_dsa_step_does_not_sync(backend: str, pool: str, heads: int, q_len
     with _no_host_sync():
         out, lse, slots = step(batch, x)
     torch.cuda.synchronize()
-    assert not dsa.use_dense()
+    assert dsa.use_dense() is dense
 
     valid = slots >= 0
     r2t, pos = indexer.req_to_token.cpu(), batch.positions.cpu()
