@@ -75,7 +75,11 @@ class CudaGraphRunner:
         self._ext = torch.full((max_bs,), q_len, **i32)
         self._pre = torch.full((max_bs,), self._pad_seq - q_len, **i32)
         self._loc = torch.zeros(max_t, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(max_t, dtype=torch.int64, device=dev)
+        # A padded row's tokens sit at positions prefix + i, as their lengths say (sparse
+        # paths count a token's keys from its position).
+        pad_pos = torch.arange(q_len, dtype=torch.int64, device=dev) + self._pad_seq - q_len
+        self._pad_pos = pad_pos.repeat(max_bs)
+        self._pos = self._pad_pos.clone()
         self._inputs = {
             k: torch.zeros(max_t, *s.shape, dtype=s.dtype, device=dev) for k, s in inputs.items()
         }
@@ -120,7 +124,7 @@ class CudaGraphRunner:
         self._loc[:t].copy_(batch.out_cache_loc)
         self._loc[t : bs * self.q_len].zero_()  # padded tokens write the dummy page's slot 0
         self._pos[:t].copy_(batch.positions)
-        self._pos[t : bs * self.q_len].zero_()
+        self._pos[t : bs * self.q_len].copy_(self._pad_pos[t : bs * self.q_len])
         for k, buf in self._inputs.items():
             buf[:t].copy_(inputs[k])  # shapes checked by `_check_inputs`: copy_ broadcasts
             buf[t : bs * self.q_len].zero_()

@@ -268,7 +268,8 @@ def test_padded_verify_rows_see_a_key_for_every_query(monkeypatch: pytest.Monkey
     rows carried the decode fill (seq_len 1) under 3 queries, so their first two queries saw
     no key (the zero-key rows CUTLASS / FlashMLA / TRT-LLM are never asked to handle) and
     their prefix was -2. Now every query of a padded row sees at least the fill's keys, the
-    length stays inside row 0 (the dummy page), and padded tokens still write only slot 0."""
+    length stays inside row 0 (the dummy page), padded tokens still write only slot 0, and
+    their positions (0 before) agree with the lengths."""
     case = Case("torch", ForwardMode.TARGET_VERIFY, kv_dtype="float32", dtype="float32", q_len=3)
     stream = DecodeStream(case, "cpu", num_requests=12)
     be = stream.rt.backend
@@ -295,6 +296,8 @@ def test_padded_verify_rows_see_a_key_for_every_query(monkeypatch: pytest.Monkey
         assert ((seq - 3 + 1 >= fill) & (seq <= width)).all(), seq.tolist()
         assert torch.equal(pre, seq - 3) and torch.equal(b.seq_lens_cpu[n:], seq)
         assert torch.equal(b.extend_prefix_lens_cpu[n:], pre)
+        pos = b.positions[n * 3 :].view(-1, 3)  # prefix + i, as the lengths say
+        assert torch.equal(pos, pre[:, None] + torch.arange(3)), pos.tolist()
 
 
 def _cloned(b: ForwardBatch) -> ForwardBatch:
