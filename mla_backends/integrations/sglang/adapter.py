@@ -50,6 +50,7 @@ from mla_backends.integrations.sglang.settings import SettingsError, server_refu
 # Keyword arguments DeepSeek passes only to other backends (TRT-LLM fused rope, DSA top-k,
 # attention sinks); refused rather than silently ignored.
 _UNSUPPORTED_KWARGS = ("cos_sin_cache", "is_neox", "llama_4_scaling", "topk_indices", "sinks")
+_TOKEN_KWARGS = ("q_rope", "k_rope")  # one row a token, like q
 
 
 @dataclass
@@ -211,18 +212,25 @@ class MLABackendAdapter(AttentionBackend):
             raise BatchError(f"{self.binding.sgl_name} does not take {bad}")
         md, d = self._metadata(), self.dims
         idx = self._layer_index(layer)
+        rows, n = q.shape[0], md.batch.num_tokens
         if (
             layer.tp_k_head_num == 1
             and layer.qk_head_dim == d.kv_dim
             and layer.v_head_dim == d.kv_lora_rank
         ):
-            return self._absorbed(q, k, idx, md, save_kv_cache, kwargs)
+            if rows > n:  # SGLang's DP padding (`batches.eager_batch`): real tokens only
+                q, k = q[:n], None if k is None else k[:n]
+                kwargs = {a: _head(b, n) if a in _TOKEN_KWARGS else b for a, b in kwargs.items()}
+            return _pad_rows(self._absorbed(q, k, idx, md, save_kv_cache, kwargs), rows)
         if (
             layer.tp_k_head_num == d.num_heads
             and layer.qk_head_dim == d.qk_head_dim
             and layer.v_head_dim == d.v_head_dim
         ):
-            return self._mha(q, k, v, md, forward_batch, save_kv_cache)
+            out = self._mha(q[:n], k, v, md, forward_batch, save_kv_cache)
+            if isinstance(out, tuple):
+                return _pad_rows(out[0], rows), _pad_rows(out[1], rows)
+            return _pad_rows(out, rows)
         raise BatchError(
             f"layer {layer.layer_id}: head_dim {layer.qk_head_dim}, {layer.tp_k_head_num} KV "
             f"heads, v {layer.v_head_dim} is neither the absorbed ({d.kv_dim}, 1, "
@@ -298,9 +306,24 @@ class MLABackendAdapter(AttentionBackend):
             if md.new_tokens is None:
                 raise BatchError(f"MHA-mode attention in a {md.batch.mode.name} batch")
             layout, causal = md.new_tokens, True
+            k, v = k[: layout.num_kv], v[: layout.num_kv]  # the new tokens, padding cut
         if bool(getattr(fb, "mha_return_lse", False)):
             out, lse = self.backend.forward_mha(q3, k, v, layout, causal, return_lse=True)
             return out, lse.contiguous()
         out = self.backend.forward_mha(q3, k, v, layout, causal)
         assert isinstance(out, torch.Tensor)
         return flat_heads(out)
+
+
+def _head(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if x is None else x[:n]
+
+
+def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """Output (or LSE) over the real tokens -> `rows` token rows, SGLang's padded count;
+    zeros in the padding, as SGLang's own padded paths leave it (no NaN into the MoE)."""
+    if out.shape[0] == rows:
+        return out
+    full = out.new_zeros((rows, *out.shape[1:]))
+    full[: out.shape[0]].copy_(out)
+    return full

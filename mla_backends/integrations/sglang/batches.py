@@ -40,11 +40,24 @@ def _mode(fb: Any) -> ForwardMode:
 
 
 def _q_len(fb: Any, mode: ForwardMode) -> int:
-    """Query tokens per request in DECODE (1) and TARGET_VERIFY (the draft count). From shapes
-    only: `input_ids` holds batch_size * q_len tokens, padded rows included."""
+    """Query tokens per request in DECODE (1) and TARGET_VERIFY (the draft count: the spec
+    input's `draft_token_num`, else from shapes, `input_ids` holding batch_size * q_len
+    tokens). Hazard: under DP attention SGLang pads a verify batch's tokens to a multiple of
+    the attention-TP size, so the shape alone can name a wrong draft count."""
     if mode is ForwardMode.DECODE:
         return 1
     bs, n = int(fb.batch_size), fb.input_ids.numel()
+    spec = getattr(fb, "spec_info", None)
+    if getattr(spec, "ragged_verify_layout", None) is not None:
+        raise BatchError(
+            "TARGET_VERIFY with a ragged verify layout (per-request draft counts, "
+            "SGLANG_RAGGED_VERIFY_MODE=compact) is not served by mla-backends; use static"
+        )
+    draft = getattr(spec, "draft_token_num", None)
+    if isinstance(draft, int) and draft > 0:
+        if n < bs * draft:
+            raise BatchError(f"TARGET_VERIFY with {n} tokens for {bs} requests x {draft} drafts")
+        return draft
     if bs == 0 or n % bs:
         raise BatchError(f"TARGET_VERIFY with {n} tokens over {bs} requests: not uniform")
     return n // bs
@@ -101,8 +114,13 @@ def eager_batch(fb: Any) -> ForwardBatch:
         ext = torch.full((bs,), q, dtype=torch.int32, device=dev)
         ext_cpu = torch.full((bs,), q, dtype=torch.int32)
         pre, pre_cpu = seq - q, seq_cpu - q
-    if loc.numel() != int(ext_cpu.sum()):
-        raise BatchError(f"out_cache_loc has {loc.numel()} slots for {int(ext_cpu.sum())} tokens")
+    n = int(ext_cpu.sum())
+    if loc.numel() < n:
+        raise BatchError(f"out_cache_loc has {loc.numel()} slots for {n} tokens")
+    # Hazard: under DP attention (or attention-TP scattered input) SGLang pads the tokens of an
+    # eager batch to a multiple of the attention-TP size (to the DP maximum under MAX_LEN);
+    # the padding trails the real tokens and writes slot 0, so ours ends at the real ones
+    loc = loc[:n]
     return ForwardBatch(
         mode=mode,
         req_pool_indices=rows,
@@ -113,7 +131,7 @@ def eager_batch(fb: Any) -> ForwardBatch:
         extend_seq_lens=ext,
         extend_seq_lens_cpu=ext_cpu,
         out_cache_loc=loc,
-        positions=fb.positions,
+        positions=fb.positions[:n],
         num_draft_tokens=draft,
     )
 

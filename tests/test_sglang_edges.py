@@ -1,0 +1,184 @@
+"""Batches SGLang 0.5.17 legitimately sends the adapter at the edges of its serving modes
+(sglang 0.5.17 on CPU, tests/sglang_cpu/requirements.txt):
+
+- DP attention: the eager forward pads a batch's tokens to a multiple of the attention-TP
+  size (`ForwardBatch.prepare_mlp_sync_batch` -> `_pad_inputs_to_size`, SGLang's own method
+  here) while `extend_seq_lens` keep the real counts; padded q rows are NaN-poisoned;
+- a verify batch padded so that its tokens divide evenly by a wrong draft count;
+- ragged verify layouts (per-request draft counts) and short verify batches, refused in
+  one line.
+Skipped, with the reason, where sglang cannot be imported.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from sglang_cpu.env import load_sglang
+
+try:
+    load_sglang()
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.plugins import load_plugins
+    from sglang_cpu import kit_support as ks
+except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+    pytest.skip(f"sglang unavailable: {' '.join(str(e).split())[:160]}", allow_module_level=True)
+
+from test_sglang_cpu import SMALL, _adapter, _extend_batch, _mha_layer, _mqa_layer  # noqa: E402
+
+from mla_backends.integrations.sglang.batches import BatchError  # noqa: E402
+
+BACKENDS = ["mlab_torch", pytest.param("mlab_triton", marks=pytest.mark.interp)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin() -> Any:
+    load_plugins()
+    undo = ks.use_torch_kv_writer()
+    yield
+    undo()
+
+
+def _dp_pad(fb: Any, runner: Any, adapter: Any, num_tokens: int, bs: int) -> None:
+    """SGLang's DP-attention padding of an eager batch, by SGLang's own method."""
+    runner.attn_backend = adapter
+    fb.batch_size = bs
+    SGLBatch._pad_inputs_to_size(fb, runner, num_tokens, bs)
+
+
+def _poisoned(real: torch.Tensor, rows: int) -> torch.Tensor:
+    pad = torch.full((rows - real.shape[0], *real.shape[1:]), float("nan"), dtype=real.dtype)
+    return torch.cat([real, pad])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dp_padded_extend_attends_the_real_tokens(backend: str) -> None:
+    """EXTEND of 7 tokens padded to 8 (attention TP 4): both DeepSeek layer shapes give the
+    unpadded call's output on the real rows and zeros on the padded one; the padded token
+    writes no slot. The adapter once refused it ('out_cache_loc has 8 slots for 7 tokens')."""
+    adapter, runner = _adapter(backend, page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (0, 7), (5, 2), seed=7)
+    t, rows = 7, 8
+    gen = torch.Generator().manual_seed(8)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    q_nope, q_rope = rnd(t, d.num_heads, d.kv_lora_rank), rnd(t, d.num_heads, d.qk_rope_head_dim)
+    k_nope, k_rope = rnd(t, 1, d.kv_lora_rank), rnd(t, 1, d.qk_rope_head_dim)
+    q_mha, k_mha = rnd(t, d.num_heads, d.qk_head_dim), rnd(t, d.num_heads, d.qk_head_dim)
+    v_mha = rnd(t, d.num_heads, d.v_head_dim)
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    buf.copy_(torch.randn(buf.shape, generator=gen).bfloat16())
+    start = buf.clone()
+    mqa, mha = _mqa_layer(adapter), _mha_layer(adapter)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        want = mqa(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope).clone()
+        want_mha = mha(q_mha, k_mha, v_mha, fb, save_kv_cache=False).clone()
+        stored = buf.clone()
+        buf.copy_(start)
+        _dp_pad(fb, runner, adapter, rows, 2)
+        assert fb.out_cache_loc.numel() == rows and sum(fb.extend_seq_lens_cpu) == t
+        adapter.init_forward_metadata(fb)
+        got = mqa(
+            _poisoned(q_nope, rows),
+            _poisoned(k_nope, rows),
+            _poisoned(k_nope, rows),
+            fb,
+            q_rope=_poisoned(q_rope, rows),
+            k_rope=_poisoned(k_rope, rows),
+        )
+        got_mha = mha(
+            _poisoned(q_mha, rows), _poisoned(k_mha, rows), _poisoned(v_mha, rows), fb, False
+        )
+    assert got.shape == (rows, *want.shape[1:]) and got_mha.shape[0] == rows
+    assert torch.equal(got[:t], want) and torch.equal(got[t:], torch.zeros_like(got[t:]))
+    assert torch.equal(got_mha[:t], want_mha) and not got_mha[t:].any()
+    assert torch.equal(buf, stored)  # the real rows stored, slot 0 (padding) untouched
+
+
+def test_dp_padded_chunked_prefix_returns_padded_lse() -> None:
+    """Chunked-prefix MHA on a DP-padded batch: q padded, the chunk's k / v not; out and LSE
+    come back with the padded row count (SGLang's merge_state takes them row for row)."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (4, 9), (3, 2), seed=9)
+    t, rows = 5, 8
+    fb.prefix_chunk_seq_lens_cpu = [torch.tensor([4, 9])]
+    fb.prefix_chunk_cu_seq_lens = [torch.tensor([0, 4, 13], dtype=torch.int32)]
+    fb.num_prefix_chunks = 1
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(t, d.num_heads, d.qk_head_dim, generator=gen).bfloat16()
+    k = torch.randn(13, d.num_heads, d.qk_head_dim, generator=gen).bfloat16()
+    v = torch.randn(13, d.num_heads, d.v_head_dim, generator=gen).bfloat16()
+    layer = _mha_layer(adapter)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        fb.attn_attend_prefix_cache, fb.prefix_chunk_idx, fb.mha_return_lse = True, 0, True
+        adapter.init_forward_metadata(fb)
+        want, want_lse = layer(q, k, v, fb, save_kv_cache=False)
+        _dp_pad(fb, runner, adapter, rows, 2)
+        adapter.init_forward_metadata(fb)
+        got, lse = layer(_poisoned(q, rows), k, v, fb, save_kv_cache=False)
+    assert got.shape[0] == rows and lse.shape == (rows, d.num_heads)
+    assert torch.equal(got[:t], want) and torch.equal(lse[:t], want_lse)
+    assert not got[t:].any() and not lse[t:].any()
+
+
+def _verify_batch(runner: Any, q_len: int) -> Any:
+    """TARGET_VERIFY of 2 requests x q_len chain drafts, with EAGLE's verify input (its
+    draft_token_num) and SGLang's verify lengths (the drafts excluded)."""
+    fb = _extend_batch(runner, 16, (9, 20), (q_len, q_len), seed=11)
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    fb.seq_lens, fb.seq_lens_cpu = fb.seq_lens - q_len, fb.seq_lens_cpu - q_len
+    fb.spec_info = SimpleNamespace(
+        draft_token_num=q_len, ragged_verify_layout=None, is_draft_input=lambda: False
+    )
+    return fb
+
+
+def test_dp_padded_verify_keeps_the_draft_count() -> None:
+    """2 requests x 3 drafts, padded from 6 to 8 tokens (attention TP 4): 8 tokens over 2
+    requests divide evenly, and the adapter once took 4 drafts a request from the shapes,
+    attending request 1's first draft over request 0's rows. The draft count is EAGLE's."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _verify_batch(runner, 3)
+    gen = torch.Generator().manual_seed(12)
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    buf.copy_(torch.randn(buf.shape, generator=gen).bfloat16())
+    q = torch.randn(6, d.num_heads * d.kv_dim, generator=gen).bfloat16()
+    layer = _mqa_layer(adapter)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        want = layer(q, None, None, fb, save_kv_cache=False).clone()
+        _dp_pad(fb, runner, adapter, 8, 2)
+        adapter.init_forward_metadata(fb)
+        b = adapter.forward_metadata.batch
+        got = layer(_poisoned(q, 8), None, None, fb, save_kv_cache=False)
+    assert b.num_draft_tokens == 3 and b.seq_lens_cpu.tolist() == [12, 23]
+    assert torch.equal(got[:6], want) and not got[6:].any()
+
+
+def test_ragged_verify_layout_is_refused() -> None:
+    """DSPARK's compact ragged verify (per-request draft counts) in one line; it once took a
+    uniform count from the shapes (here 2 + 4 tokens over 2 requests: 3 each, silently)."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _verify_batch(runner, 3)
+    fb.spec_info.ragged_verify_layout = object()
+    with pytest.raises(BatchError, match="ragged verify layout .* not served"):
+        adapter.init_forward_metadata(fb)
+
+
+def test_verify_with_fewer_tokens_than_drafts_is_refused() -> None:
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _verify_batch(runner, 3)
+    fb.spec_info.draft_token_num = 4
+    with pytest.raises(BatchError, match="6 tokens for 2 requests x 4 drafts"):
+        adapter.init_forward_metadata(fb)
