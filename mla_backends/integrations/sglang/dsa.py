@@ -23,6 +23,7 @@ indexer needs `deep_gemm`, which the GPU hosts of this project lack (docs/SGLANG
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -59,6 +60,17 @@ def auto_rows(q_all: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int) -> i
     return AUTO_ROWS_GLUON if gluon else AUTO_ROWS
 
 
+@functools.lru_cache(maxsize=64)
+def _launch(device: torch.device, heads: int, tokens: int, topk: int) -> dict[str, int]:
+    """`launch_config` of a call, once per token count (every layer of a batch shares it), not
+    once per layer call. Shared: callers must not mutate it (`triton_kernel.attend` copies).
+    A Gluon route closed later is still safe: `attend` then takes the `tl.dot` fallback."""
+    from mla_backends.kernels.common import num_sms
+    from mla_backends.sparse.triton_backend import gluon_here, launch_config
+
+    return launch_config(heads, False, tokens, topk, num_sms(device), gluon_here(device))
+
+
 def forward_sparse(
     backend: Any,
     q_all: torch.Tensor,
@@ -71,9 +83,7 @@ def forward_sparse(
     """SGLang's `_forward_flashmla_sparse` (same arguments, `backend` its `self`) through our
     `triton` sparse kernel: attention of each query token over the pool rows its row of
     page_table_1 names -> [T, H, v_head_dim] in q_all's dtype."""
-    from mla_backends.kernels.common import num_sms
     from mla_backends.sparse import triton_kernel
-    from mla_backends.sparse.triton_backend import gluon_here, launch_config
 
     if q_all.dim() != 3:
         raise ValueError(f"q_all must be [tokens, heads, L + R], got {tuple(q_all.shape)}")
@@ -91,8 +101,7 @@ def forward_sparse(
             f"page_table_1 must be [tokens = {t}, topk], got {tuple(page_table_1.shape)}"
         )
     indices = page_table_1.to(torch.int32)  # a no-op for SGLang's int32 table
-    dev = q_all.device
-    launch = launch_config(h, False, t, indices.shape[1], num_sms(dev), gluon_here(dev))
+    launch = _launch(q_all.device, h, t, indices.shape[1])
     kv = kv_cache.view(-1, width)  # the pool itself: a copy would be the whole layer
     q_nope, q_rope = q_all[..., :v_head_dim], q_all[..., v_head_dim:]
     return triton_kernel.attend(q_nope, q_rope, kv, indices, sm_scale, 1.0, launch)[0]
