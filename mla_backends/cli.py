@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 
-from mla_backends.config import ConfigError, load_config
+from mla_backends.config import Config, ConfigError, load_config
 
 USAGE_ERROR = 2
 
@@ -34,16 +34,31 @@ def out_of_memory(
     the values that set the size (e.g. "--batch 64, --kv-len 131072"), not a traceback."""
     try:
         yield
-    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-        # The CPU allocator raises a plain RuntimeError; match its words only, so that other
-        # RuntimeErrors (say, "CUDA-graph state not allocated") keep their tracebacks. Python's
-        # own MemoryError (a host list too long) has no message; ours (OutOfPagesError) have.
-        if isinstance(e, MemoryError):
-            if e.args:
-                raise
-        elif not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+    except (RuntimeError, MemoryError, OverflowError, TypeError) as e:
+        if not _too_large(e):
             raise
         raise UsageError(f"{options}: out of memory on {device}; {fix}") from e
+
+
+# What torch says of a size it cannot allocate: the CPU allocator's plain RuntimeError, and
+# sizes past int64 (a size, or the product of a shape's sizes)
+_SIZE_ERRORS = (
+    "can't allocate memory",
+    "Overflow when unpacking long",
+    "Storage size calculation overflowed",
+)
+
+
+def _too_large(e: BaseException) -> bool:
+    """Whether `e` says an allocation is too large. Other RuntimeErrors (say, "CUDA-graph state
+    not allocated") and TypeErrors keep their tracebacks. Python's own MemoryError (a host list
+    too long) has no message; ours (OutOfPagesError) have. OverflowError: a host list or range
+    past the C index range."""
+    if isinstance(e, (torch.OutOfMemoryError, OverflowError)):
+        return True
+    if isinstance(e, MemoryError):
+        return not e.args
+    return any(words in str(e) for words in _SIZE_ERRORS)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -116,6 +131,16 @@ def add_config_argument(p: argparse.ArgumentParser, help_extra: str = "") -> Non
     )
 
 
+def _model_sizes(source: str | None, config: Config) -> str:
+    """The config's model dims, as an out-of-memory error names them."""
+    m = config.model
+    return (
+        f"{source or 'the shipped default'}: model num_heads {m.num_heads}, kv_lora_rank "
+        f"{m.kv_lora_rank}, qk_rope_head_dim {m.qk_rope_head_dim}, qk_nope_head_dim "
+        f"{m.qk_nope_head_dim}, v_head_dim {m.v_head_dim}"
+    )
+
+
 def _verify(args: argparse.Namespace) -> int:
     from mla_backends.verify import (
         config_summary,
@@ -132,7 +157,8 @@ def _verify(args: argparse.Namespace) -> int:
         f"config {args.config or 'default (shipped)'}: {config.model}, page {config.page_size}, "
         f"kv {config.kv_dtype}, device {config.torch_device}"
     )
-    rows = verify(config, seed=args.seed)
+    with out_of_memory(_model_sizes(args.config, config), config.torch_device):
+        rows = verify(config, seed=args.seed)
     print(format_table(rows))
     for name, reason in not_runnable(config).items():
         print(f"not run here: {name}: {reason}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 PAGE_SIZES = (1, 16, 32, 64, 128)
+# The request table maps (request, position) to an int32 pool slot (pool.ReqToTokenPool)
+MAX_SLOTS = 2**31 - 1
 DCP_HEADS = ("replicated", "tp")
 SPARSE_BACKENDS = ("auto", "flashmla", "flashinfer_mla", "triton", "torch")  # sparse/base.py
 TOPK_PATHS = ("auto", "launches")  # sparse/topk_kernel.py
@@ -41,12 +44,34 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the file, key and allowed values."""
 
 
+class PoolSizeError(ConfigError):
+    """A pool too large for int32 slot ids; where a command sizes the pool from its own
+    options (bench), it names those options instead of num_pages."""
+
+
+def _string_number_hint(value: object) -> str:
+    """Why a number in the YAML arrived as a string: quoted, or an exponent PyYAML's YAML 1.1
+    rules do not take (`1e3`, `1.0e308`: a float needs a dot and a signed exponent)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    if isinstance(yaml.safe_load(value), (int, float)):
+        return "; write the number without quotes"
+    return "; YAML reads an exponent without a dot and a sign as text: write e.g. 1.0e+3"
+
+
 def check_int(owner: str, name: str, value: object, low: int) -> None:
     """ConfigError (a ValueError) unless `value` is an int >= low; `owner` prefixes the name."""
     # bool is an int subclass and YAML reads `1.0` as a float: both are refused, not coerced.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(
             f"{owner}{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
+            + _string_number_hint(value)
         )
     if value < low:
         raise ConfigError(f"{owner}{name} must be an integer >= {low}, got {value}")
@@ -64,6 +89,7 @@ def _check_number(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise ConfigError(
             f"{owner}{name} must be a finite number, got {value!r} ({type(value).__name__})"
+            + _string_number_hint(value)
         )
 
 
@@ -213,6 +239,13 @@ class Config:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(ACT_DTYPES)}")
         for name in ("num_layers", "num_pages", "max_requests", "max_context_len"):
             check_int("", name, getattr(self, name), 1)
+        slots = (self.num_pages + 1) * self.page_size
+        if slots > MAX_SLOTS:
+            raise PoolSizeError(
+                f"num_pages={self.num_pages} with page_size={self.page_size}: {slots} pool "
+                f"slots, past the request table's int32 slot ids (2**31 - 1); at most "
+                f"{MAX_SLOTS // self.page_size - 1} pages of {self.page_size} tokens"
+            )
         sizes = self.cuda_graph_batch_sizes
         if (
             not isinstance(sizes, (tuple, list))
@@ -261,6 +294,11 @@ class Config:
         return torch.device(self.device)
 
 
+def _unknown_keys(raw: dict[Any, Any], allowed: set[str]) -> list[Any]:
+    # YAML keys need not be strings (`1: 2`, `~: 3`): sorting them mixed was a TypeError
+    return sorted(set(raw) - allowed, key=repr)
+
+
 def _model_from_yaml(value: Any, where: str) -> MLADims:
     if isinstance(value, str):
         if value not in NAMED_DIMS:
@@ -274,7 +312,7 @@ def _model_from_yaml(value: Any, where: str) -> MLADims:
                 f"{where}: model.base={base_name!r} is not one of {sorted(NAMED_DIMS)}"
             )
         allowed = {f.name for f in dataclasses.fields(MLADims)}
-        unknown = sorted(set(value) - allowed)
+        unknown = _unknown_keys(value, allowed)
         if unknown:
             raise ConfigError(
                 f"{where}: unknown key(s) model.{unknown}; allowed: {sorted(allowed)}"
@@ -292,7 +330,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "<dict>", resolve: bool =
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: top level must be a mapping, got {type(raw).__name__}")
     allowed = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(raw) - allowed)
+    unknown = _unknown_keys(raw, allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
     raw = dict(raw)
@@ -324,10 +362,15 @@ def config_source(path: str | Path | None) -> Path | Traversable:
     if path is None:
         return shipped["default"]
     p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{p}: is a directory; --config takes a YAML file")
-    if p.is_file():
-        return p
+    try:
+        if p.is_dir():
+            raise ConfigError(f"{p}: is a directory; --config takes a YAML file")
+        if p.is_file():
+            return p
+        if os.path.lexists(p):  # a device, a FIFO (reading one would block), a broken link
+            raise ConfigError(f"{p}: is not a regular file; --config takes a YAML file")
+    except OSError as e:  # a name too long for the file system
+        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
     name = p.name[:-5] if p.name.endswith(".yaml") else p.name
     if p.parent == Path(".") and name in shipped:
         return shipped[name]

@@ -218,6 +218,11 @@ def test_runtime_build_resolves_auto_and_a_triton_cpu_runtime_fails_when_built(
     rt = Runtime.build(Config(model=TINY, prefill_backend="auto", decode_backend="auto"))
     assert "auto" not in (rt.config.prefill_backend, rt.config.decode_backend)
     assert rt.backend is not None
+    # Hazard: Triton reads TRITON_INTERPRET when a kernel module is first imported; imported
+    # here without it, the kernels stayed compiled-only for every later test of the process
+    # ("0 active drivers" in test_errors' triton cases). Import them first.
+    from mla_backends.kernels import mha_prefill, mla_attention, store  # noqa: F401
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = Config(model=TINY, prefill_backend="torch", decode_backend="triton", device="cpu")
     with pytest.raises(ConfigError, match=r"triton backend on a CPU: .*TRITON_INTERPRET=1"):

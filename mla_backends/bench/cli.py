@@ -8,10 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mla_backends.bench import anchors, fi_plan, grid, hopper, linear, metadata, prefill, stack
-from mla_backends.bench.options import SUITES, Options, backend_list, peer_list, shape_list
+from mla_backends.bench.options import (
+    SUITES,
+    Options,
+    backend_list,
+    peer_list,
+    shape_list,
+    shape_text,
+)
 from mla_backends.bench.report import check_out
-from mla_backends.cli import add_config_argument, int_at_least, int_list
-from mla_backends.config import Config, load_config
+from mla_backends.cli import UsageError, add_config_argument, int_at_least, int_list
+from mla_backends.config import Config, PoolSizeError, load_config
 
 # Kernel packages, triton and matplotlib are imported inside the suites' calls, never here.
 RUN: dict[str, Callable[[Options, Config], None]] = {
@@ -139,5 +146,25 @@ def run(args: argparse.Namespace) -> int:
     opts.check_applies()
     config = load_config(opts.config)
     check_out(Path(opts.out))
-    RUN[opts.suite](opts, config)
+    try:
+        RUN[opts.suite](opts, config)
+    except PoolSizeError as e:  # the suites size each pool from the options, not num_pages
+        raise UsageError(f"{_size_options(opts)}: {e}") from None
     return 0
+
+
+def _size_options(opts: Options) -> str:
+    """The options given that size a suite's pools, as an error names them."""
+    given = [
+        f"--{name.replace('_', '-')} {_text(getattr(opts, name))}"
+        for name in ("heads", "q_len", "batch", "kv_len", "shapes", "prompt", "steps")
+        if getattr(opts, name) is not None
+    ]
+    return ", ".join(given) or f"--suite {opts.suite}"
+
+
+def _text(value: object) -> str:
+    """An option's value as given: `1,8`, `16:1:64:4096`, `1024`."""
+    if not isinstance(value, list):
+        return str(value)
+    return ",".join(shape_text(v) if isinstance(v, tuple) else str(v) for v in value)

@@ -99,7 +99,15 @@ def backend_list(text: str) -> list[str]:
     for n in names:
         if n not in known:
             raise argparse.ArgumentTypeError(f"unknown backend {n!r}; known: {', '.join(known)}")
+    _refuse_repeats(text, names)
     return names
+
+
+def _refuse_repeats(text: str, names: list[str]) -> None:
+    # a name given twice was timed twice, its rows side by side under one name
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(repeated)} given twice")
 
 
 def peer_list(text: str) -> list[str]:
@@ -114,6 +122,7 @@ def peer_list(text: str) -> list[str]:
             raise argparse.ArgumentTypeError(
                 f"unknown peer {n!r}; known: {', '.join(DECODE_PEERS)}, or none"
             )
+    _refuse_repeats(text, names)
     return names
 
 

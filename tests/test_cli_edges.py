@@ -1,0 +1,187 @@
+"""Bad input at the edges of the command line and the YAML config, as a serving engineer's
+typos and guesses meet it: keys that are not strings, config paths that are not files, numbers
+YAML reads as text, sizes past int32 slot ids or int64, a model too large for `verify`, a
+backend named twice. Each is one line on stderr naming the file / key / option, exit status 2,
+no traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import Cli
+
+from mla_backends.config import MAX_SLOTS, ConfigError, load_config
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "device: cpu\n")
+    return str(path)
+
+
+def _one_line(cli: Cli, *argv: str) -> str:
+    """The single stderr line of a refused command (exit 2, no traceback)."""
+    proc = cli(*argv, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        # sorting the unknown keys mixed str and int: a TypeError traceback
+        (
+            "1: 2\npagesize: 3\n",
+            r"c.yaml: unknown key\(s\) \['pagesize', 1\]; allowed: .*page_size",
+        ),
+        (
+            "model: {base: tiny, 1: 2, heads: 3}\n",
+            r"c.yaml: unknown key\(s\) model.\['heads', 1\]; allowed: .*num_heads",
+        ),
+    ],
+    ids=["top-level", "model"],
+)
+def test_keys_that_are_not_strings_are_named(
+    cli: Cli, tmp_path: Path, text: str, pattern: str
+) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(_write(tmp_path, text))
+    line = _one_line(cli, "run", "--config", _write(tmp_path, text))
+    assert re.search("run: config error: .*" + pattern, line), line
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_a_config_path_that_is_not_a_regular_file_says_so(
+    cli: Cli, tmp_path: Path, kind: str
+) -> None:
+    """/dev/null or a FIFO exists: "no such config file" sent the user looking for a typo."""
+    if kind == "device":
+        path = os.devnull
+    else:
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+    line = _one_line(cli, "verify", "--config", path)
+    assert line == (
+        f"mla-backends verify: config error: {path}: is not a regular file; --config takes a "
+        "YAML file"
+    )
+
+
+def test_a_config_name_too_long_for_the_file_system_is_one_line(cli: Cli) -> None:
+    """Path.is_dir raised OSError (ENAMETOOLONG): a traceback."""
+    name = "x" * 300
+    line = _one_line(cli, "run", "--config", name)
+    assert line == f"mla-backends run: config error: {name}: cannot read: File name too long"
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        (
+            "model: {base: tiny, rope_scaling_factor: 1.0e308}\n",
+            r"model.rope_scaling_factor must be a finite number, got '1.0e308' \(str\); YAML "
+            r"reads an exponent without a dot and a sign as text: write e.g. 1.0e\+3",
+        ),
+        (
+            "num_pages: 1e3\n",
+            r"num_pages must be an integer >= 1, got '1e3' \(str\); YAML reads an exponent",
+        ),
+        (
+            "max_requests: '8'\n",
+            r"max_requests must be an integer >= 1, got '8' \(str\); write the number without "
+            r"quotes",
+        ),
+    ],
+    ids=["float-exponent", "int-exponent", "quoted"],
+)
+def test_a_number_yaml_read_as_text_says_why(tmp_path: Path, text: str, pattern: str) -> None:
+    """PyYAML reads `1.0e308` (no signed exponent) as a string: "got '1.0e308' (str)" read as
+    if the user had quoted it."""
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(_write(tmp_path, text))
+
+
+def test_a_pool_past_int32_slot_ids_is_refused_at_load(cli: Cli, tmp_path: Path) -> None:
+    """The request table holds int32 slots: a larger pool wrapped its slot ids silently where
+    memory allowed it, and past int64 was a TypeError traceback."""
+    most = MAX_SLOTS // 16 - 1
+    assert load_config(_write(tmp_path, f"num_pages: {most}\n"), resolve=False).num_pages == most
+    with pytest.raises(ConfigError, match=rf"num_pages={most + 1} with page_size=16: .*at most"):
+        load_config(_write(tmp_path, f"num_pages: {most + 1}\n"), resolve=False)
+    line = _one_line(cli, "run", "--config", _write(tmp_path, f"num_pages: {10**30}\n"))
+    assert re.fullmatch(
+        rf"mla-backends run: config error: .*c.yaml: num_pages={10**30} with page_size=16: "
+        rf"{(10**30 + 1) * 16} pool slots, past the request table's int32 slot ids "
+        rf"\(2\*\*31 - 1\); at most {most} pages of 16 tokens",
+        line,
+    ), line
+
+
+def test_sizes_past_int64_are_out_of_memory_in_one_line(cli: Cli, tmp_path: Path) -> None:
+    """torch refuses such sizes with a TypeError ("Overflow when unpacking long") or a
+    RuntimeError ("Storage size calculation overflowed"): both were tracebacks."""
+    line = _one_line(cli, "run", "--config", _write(tmp_path, f"max_requests: {10**30}\n"))
+    assert re.fullmatch(
+        rf"mla-backends run: error: .*c.yaml: num_pages 256, max_requests {10**30}, "
+        r"max_context_len 2048: out of memory on cpu; give smaller values",
+        line,
+    ), line
+    out = str(tmp_path / "out")
+    args = ("bench", "--suite", "linear", "--batch", "1", "--out", out)
+    line = _one_line(cli, *args, "--head-dim", str(10**8))
+    assert line == (
+        f"mla-backends bench: error: --batch 1, --heads 32, --head-dim {10**8}: out of memory "
+        "on cpu; give smaller values"
+    )
+
+
+def test_bench_pool_past_int32_slot_ids_names_the_options(cli: Cli, tmp_path: Path) -> None:
+    """The grid sizes each pool from --batch and --kv-len: the refusal names those, not a
+    num_pages the user never wrote (it was an OverflowError traceback)."""
+    argv = ["bench", "--backends", "torch", "--out", str(tmp_path / "out")]
+    line = _one_line(cli, *argv, "--batch", str(10**15), "--kv-len", str(10**14))
+    assert re.fullmatch(
+        rf"mla-backends bench: error: --batch {10**15}, --kv-len {10**14}: num_pages=\d+ with "
+        r"page_size=16: \d+ pool slots, past the request table's int32 slot ids .*",
+        line,
+    ), line
+
+
+def test_verify_of_a_model_too_large_for_memory_is_one_line(cli: Cli, tmp_path: Path) -> None:
+    """`verify` allocated the config's model dims outside any memory check: a traceback."""
+    cfg = _write(tmp_path, "model: {base: tiny-kernel, kv_lora_rank: 1000000000000}\n")
+    line = _one_line(cli, "verify", "--config", cfg)
+    assert re.fullmatch(
+        r"mla-backends verify: error: .*c.yaml: model num_heads 4, kv_lora_rank 1000000000000, "
+        r"qk_rope_head_dim 16, qk_nope_head_dim 24, v_head_dim 12: out of memory on cpu; give "
+        r"smaller values",
+        line,
+    ), line
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--backends", "torch,torch"],
+            "argument --backends: 'torch,torch': torch given twice",
+        ),
+        (
+            ["--suite", "anchors", "--peers", "raw_flashmla, raw_flashmla"],
+            "argument --peers: 'raw_flashmla, raw_flashmla': raw_flashmla given twice",
+        ),
+    ],
+    ids=["backends", "peers"],
+)
+def test_bench_names_given_twice_are_refused(
+    cli: Cli, tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """A backend named twice was timed twice, its rows side by side under one name."""
+    line = _one_line(cli, "bench", *argv, "--out", str(tmp_path / "out"))
+    assert line == f"mla-backends bench: error: {message} (see mla-backends bench --help)"
