@@ -7,8 +7,9 @@ Contracts that differ, each converted here:
 - Integer dtypes: SGLang serves int64 request rows and lengths (the kit int32); ours are int32.
 - CUDA-graph replay: SGLang passes a SimpleNamespace whose `out_cache_loc` is the live,
   unpadded tensor and whose `num_padding` says how many trailing rows are padding (the kit
-  passes none: 0). Padded rows arrive with request row 0 and seq_len = our fill value; their
-  tokens are pointed at slot 0 (the dummy page) here, so they never write a real slot.
+  and two-batch overlap's child views pass none: the live slots say it). Padded rows arrive
+  with request row 0 and seq_len = our fill value; their tokens are pointed at slot 0 (the
+  dummy page) here, so they never write a real slot.
 No function here reads a device tensor back to the host: sizes come from tensor shapes and
 the CPU copies SGLang carries (`seq_lens_cpu`, `extend_*_cpu`).
 """
@@ -175,9 +176,7 @@ class GraphBuffers:
                 f"{self.rows.numel()} requests / {self.loc.numel()} tokens"
             )
         live = write_loc(fb)
-        pad = int(getattr(fb, "num_padding", 0) or 0)
-        if live.numel() != (bs - pad) * q:
-            raise BatchError(f"{live.numel()} live slots for {bs - pad} requests x {q} tokens")
+        _check_live(fb, bs, q, live.numel())
         return mode, bs, q, live
 
     def load(self, fb: Any) -> ForwardBatch:
@@ -210,6 +209,18 @@ class GraphBuffers:
             positions=self.pos[:t],
             num_draft_tokens=q if mode is ForwardMode.TARGET_VERIFY else 0,
         )
+
+
+def _check_live(fb: Any, bs: int, q: int, live: int) -> None:
+    """A graph batch's `live` write slots are those of its leading requests (the rest are
+    padding). SGLang's replay view says how many trail (`num_padding`). Hazard: a
+    two-batch-overlap child's replay view (`tbo_backend._build_tbo_child_replay_fb_view`)
+    carries no `num_padding`, only its slice of the live slots, so that slice says it; a
+    capture batch (and the kit's view) carries every slot."""
+    pad = getattr(fb, "num_padding", None)
+    real = live // q if pad is None else bs - int(pad)
+    if live != real * q or not 0 <= real <= bs:
+        raise BatchError(f"{live} live slots for {real} of {bs} requests x {q} tokens")
 
 
 def _indptr(lens_dev: torch.Tensor, lens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -198,8 +198,11 @@ def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
 def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
     """What no backend of ours serves, from SGLang's server flags alone (the launching
     process's check and the factory ask the same): decode context parallelism (`dcp`, SGLang's
-    --dcp-size > 1), a full prefill CUDA graph (breakable, SGLang's default on CUDA, runs our
-    attention eagerly between its pieces; full would send EXTEND batches to the graph hooks),
+    --dcp-size > 1), two-batch overlap over mixed chunks (SGLang 0.5.17's
+    `two_batch_overlap` cuts a MIXED batch's requests at the balanced split and its tokens at
+    the two-chunk one, and re-derives the lengths for EXTEND only), a full prefill CUDA graph
+    (breakable, SGLang's default on CUDA, runs our attention eagerly between its pieces; full
+    would send EXTEND batches to the graph hooks),
     tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
     --speculative-ngram-max-bfs-breadth into that top-k, so the message names NGRAM's flag)
     and our names as an EAGLE draft's attention backend (`_draft_refusal`)."""
@@ -207,6 +210,14 @@ def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
         return (
             f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
             "SGLang; start without --dcp-size"
+        )
+    if getattr(server_args, "enable_two_batch_overlap", False) and getattr(
+        server_args, "enable_mixed_chunk", False
+    ):
+        return (
+            f"{sgl_name}: --enable-two-batch-overlap with --enable-mixed-chunk: SGLang splits "
+            "a MIXED batch's requests and tokens at different points, so a sub-batch's tokens "
+            "are not its requests'; drop --enable-mixed-chunk"
         )
     if _prefill_graph_backend(server_args) == "full":
         return (
