@@ -239,6 +239,17 @@ def test_run_from_an_empty_folder_checks_against_the_fp64_reference(cli: Cli) ->
     assert ": agree;" in proc.stdout
 
 
+def test_run_over_an_fp8_pool_sets_its_scale_and_says_so(tmp_path: Path, cli: Cli) -> None:
+    """`run` with an FP8 KV pool stored under a scale never set: one multi-line
+    UncalibratedScaleWarning a layer on stderr. It sets SGLang's convention, 1.0 a layer,
+    and says so in its summary line."""
+    cfg = _yaml(tmp_path, "kv_dtype: float8_e4m3fn\n")
+    proc = cli("run", "--config", cfg, "--requests", "2", "--max-new", "2", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "UncalibratedScaleWarning" not in proc.stderr, proc.stderr
+    assert "kv float8_e4m3fn at scale 1.0 a layer" in proc.stdout, proc.stdout
+
+
 def test_run_catches_a_backend_that_is_wrong(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`run` compares with the fp64 reference, not with itself: the torch backend with a
     softmax scale off by 10 % disagrees."""

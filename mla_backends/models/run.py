@@ -184,6 +184,9 @@ def _serve(
     served run and followed by the reference run. feed: the tokens to decode from (the
     served run's), so both runs see the same inputs; its own greedy picks are still returned."""
     rt = Runtime.build(config)
+    if rt.kv_pool.is_fp8:  # SGLang's convention for checkpoints without KV scales
+        for layer in range(rt.kv_pool.num_layers):
+            rt.kv_pool.set_scale(layer, 1.0)
     backend: AttentionBackend | None = None
     sparse_name: str | None = None
     if reference:
@@ -281,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
         f"backends: prefill={config.prefill_backend} decode={config.decode_backend}"
         + (f" sparse={served.sparse}" if served.sparse is not None else "")
         + f", page {config.page_size}, kv {config.kv_dtype}"
+        + (
+            " at scale 1.0 a layer (values beyond +-448 saturate)"
+            if "float8" in config.kv_dtype
+            else ""
+        )
     )
     print(
         f"{len(prompts)} requests, prompt lengths {[len(p) for p in prompts]}, "
