@@ -54,6 +54,11 @@ BAD_INPUTS = [
         r"c.yaml: model.base='deepseek-v4' is not one of \['deepseek-v3', 'tiny', 'tiny-kernel'\]",
     ),
     (
+        "run-with-dcp",
+        lambda t: ["run", "--config", _yaml(t, "dcp_size: 2\n")],
+        r"run: config error: .*c.yaml: dcp_size=2: run serves from one process; use dcp_size: 1",
+    ),
+    (
         "graph-sizes-not-a-list",
         lambda t: ["verify", "--config", _yaml(t, "cuda_graph_batch_sizes: 4\n")],
         r"c.yaml: cuda_graph_batch_sizes must be a list of positive integers, e.g. \[1, 2, 4, 8\], "

@@ -226,6 +226,11 @@ def run(args: argparse.Namespace) -> int:
     base = load_config(args.config, resolve=False)
     where, src = args.config or "default config", args.config or "the shipped default"
     check_device(base, where)  # before the model is built there
+    if base.dcp_size > 1:
+        raise ConfigError(
+            f"{where}: dcp_size={base.dcp_size}: run serves from one process; use dcp_size: 1 "
+            "(decode context parallelism runs one process a rank: mla_backends.dcp)"
+        )
     # The config's max_context_len stands as written: a request that outgrows it is refused
     # here, in one line, rather than the limit raised behind the user's back.
     allowed = max_requests(base, args.max_new)
