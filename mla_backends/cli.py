@@ -46,15 +46,18 @@ _SIZE_ERRORS = (
     "can't allocate memory",
     "Overflow when unpacking long",
     "Storage size calculation overflowed",
+    # OverflowError: a size past the C index range (a host list, a range, a shape)
+    "into an index-sized integer",
+    "too large to convert to C",
 )
 
 
 def _too_large(e: BaseException) -> bool:
     """Whether `e` says an allocation is too large. Other RuntimeErrors (say, "CUDA-graph state
     not allocated") and TypeErrors keep their tracebacks. Python's own MemoryError (a host list
-    too long) has no message; ours (OutOfPagesError) have. OverflowError: a host list or range
-    past the C index range."""
-    if isinstance(e, (torch.OutOfMemoryError, OverflowError)):
+    too long) has no message; ours (OutOfPagesError) have. OverflowError only by its words: a
+    float overflow (`math.exp(1000)`, `int(inf)`) is a bug to show, not a size."""
+    if isinstance(e, torch.OutOfMemoryError):
         return True
     if isinstance(e, MemoryError):
         return not e.args

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 PAGE_SIZES = (1, 16, 32, 64, 128)
-# The request table maps (request, position) to an int32 pool slot (pool.ReqToTokenPool)
+# The request table maps (request, position) to an int32 pool slot id (pool.ReqToTokenPool):
+# the largest id
 MAX_SLOTS = 2**31 - 1
 DCP_HEADS = ("replicated", "tp")
 SPARSE_BACKENDS = ("auto", "flashmla", "flashinfer_mla", "triton", "torch")  # sparse/base.py
@@ -49,9 +50,10 @@ class PoolSizeError(ConfigError):
     options (bench), it names those options instead of num_pages."""
 
 
-def _string_number_hint(value: object) -> str:
+def _string_number_hint(value: object, integer: bool = False) -> str:
     """Why a number in the YAML arrived as a string: quoted, or an exponent PyYAML's YAML 1.1
-    rules do not take (`1e3`, `1.0e308`: a float needs a dot and a signed exponent)."""
+    rules do not take (`1e3`, `1.0e308`: a float needs a dot and a signed exponent). For an
+    `integer` key the advice is digits: `1.0e+3` would load as a float, refused there too."""
     if not isinstance(value, str):
         return ""
     try:
@@ -60,7 +62,13 @@ def _string_number_hint(value: object) -> str:
         return ""
     if not math.isfinite(number):
         return ""
-    if isinstance(yaml.safe_load(value), (int, float)):
+    loaded = yaml.safe_load(value)
+    if integer:
+        if isinstance(loaded, int) and not isinstance(loaded, bool):
+            return "; write the number without quotes"
+        digits = int(number) if number.is_integer() else 1000
+        return f"; an integer key takes digits, e.g. {digits}"
+    if isinstance(loaded, (int, float)):
         return "; write the number without quotes"
     return "; YAML reads an exponent without a dot and a sign as text: write e.g. 1.0e+3"
 
@@ -71,7 +79,7 @@ def check_int(owner: str, name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(
             f"{owner}{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
-            + _string_number_hint(value)
+            + _string_number_hint(value, integer=True)
         )
     if value < low:
         raise ConfigError(f"{owner}{name} must be an integer >= {low}, got {value}")
@@ -239,12 +247,12 @@ class Config:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(ACT_DTYPES)}")
         for name in ("num_layers", "num_pages", "max_requests", "max_context_len"):
             check_int("", name, getattr(self, name), 1)
-        slots = (self.num_pages + 1) * self.page_size
-        if slots > MAX_SLOTS:
+        slots = (self.num_pages + 1) * self.page_size  # ids 0 .. slots - 1
+        if slots - 1 > MAX_SLOTS:
             raise PoolSizeError(
                 f"num_pages={self.num_pages} with page_size={self.page_size}: {slots} pool "
                 f"slots, past the request table's int32 slot ids (2**31 - 1); at most "
-                f"{MAX_SLOTS // self.page_size - 1} pages of {self.page_size} tokens"
+                f"{(MAX_SLOTS + 1) // self.page_size - 1} pages of {self.page_size} tokens"
             )
         sizes = self.cuda_graph_batch_sizes
         if (

@@ -90,7 +90,13 @@ def test_a_config_name_too_long_for_the_file_system_is_one_line(cli: Cli) -> Non
         ),
         (
             "num_pages: 1e3\n",
-            r"num_pages must be an integer >= 1, got '1e3' \(str\); YAML reads an exponent",
+            r"num_pages must be an integer >= 1, got '1e3' \(str\); an integer key takes "
+            r"digits, e.g. 1000$",
+        ),
+        (
+            "num_pages: '1.0e+3'\n",
+            r"num_pages must be an integer >= 1, got '1.0e\+3' \(str\); an integer key takes "
+            r"digits, e.g. 1000$",
         ),
         (
             "max_requests: '8'\n",
@@ -98,7 +104,7 @@ def test_a_config_name_too_long_for_the_file_system_is_one_line(cli: Cli) -> Non
             r"quotes",
         ),
     ],
-    ids=["float-exponent", "int-exponent", "quoted"],
+    ids=["float-exponent", "int-exponent", "int-quoted-float", "quoted"],
 )
 def test_a_number_yaml_read_as_text_says_why(tmp_path: Path, text: str, pattern: str) -> None:
     """PyYAML reads `1.0e308` (no signed exponent) as a string: "got '1.0e308' (str)" read as
@@ -110,7 +116,7 @@ def test_a_number_yaml_read_as_text_says_why(tmp_path: Path, text: str, pattern:
 def test_a_pool_past_int32_slot_ids_is_refused_at_load(cli: Cli, tmp_path: Path) -> None:
     """The request table holds int32 slots: a larger pool wrapped its slot ids silently where
     memory allowed it, and past int64 was a TypeError traceback."""
-    most = MAX_SLOTS // 16 - 1
+    most = (MAX_SLOTS + 1) // 16 - 1  # slot ids 0 .. (most + 1) * 16 - 1 = MAX_SLOTS
     assert load_config(_write(tmp_path, f"num_pages: {most}\n"), resolve=False).num_pages == most
     with pytest.raises(ConfigError, match=rf"num_pages={most + 1} with page_size=16: .*at most"):
         load_config(_write(tmp_path, f"num_pages: {most + 1}\n"), resolve=False)
@@ -185,3 +191,18 @@ def test_bench_names_given_twice_are_refused(
     """A backend named twice was timed twice, its rows side by side under one name."""
     line = _one_line(cli, "bench", *argv, "--out", str(tmp_path / "out"))
     assert line == f"mla-backends bench: error: {message} (see mla-backends bench --help)"
+
+
+def test_out_of_memory_keeps_a_float_overflow_as_the_bug_it_is() -> None:
+    """`out_of_memory` turns a size past the C index range into one line, but a float overflow
+    inside the run (a numeric bug) keeps its traceback: it was reported as out of memory."""
+    import math
+
+    from mla_backends.cli import UsageError, out_of_memory
+
+    with pytest.raises(OverflowError, match="math range"):
+        with out_of_memory("--x 1", "cpu"):
+            math.exp(1000)
+    with pytest.raises(UsageError, match="out of memory on cpu"):
+        with out_of_memory("--x 1", "cpu"):
+            list(range(2**70))[:1]
