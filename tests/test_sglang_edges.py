@@ -182,3 +182,39 @@ def test_verify_with_fewer_tokens_than_drafts_is_refused() -> None:
     fb.spec_info.draft_token_num = 4
     with pytest.raises(BatchError, match="6 tokens for 2 requests x 4 drafts"):
         adapter.init_forward_metadata(fb)
+
+
+def test_surplus_slots_outside_sglangs_padding_are_refused() -> None:
+    """Slots past the requests' token counts are cut only where SGLang padded the batch
+    (`_pad_inputs_to_size` records `_original_num_tokens`): elsewhere the surplus is a real
+    token whose KV the cut would drop silently."""
+    from mla_backends.integrations.sglang.batches import eager_batch
+
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _extend_batch(runner, 16, (0, 7), (5, 2), seed=7)
+    fb.out_cache_loc = torch.cat([fb.out_cache_loc, fb.out_cache_loc[-1:] + 1])
+    with pytest.raises(BatchError, match="8 slots for 7 tokens and the batch is not SGLang's"):
+        eager_batch(fb)
+    fb = _extend_batch(runner, 16, (0, 7), (5, 2), seed=7)
+    _dp_pad(fb, runner, adapter, 8, 2)
+    assert eager_batch(fb).out_cache_loc.numel() == 7
+
+
+@pytest.mark.parametrize(
+    "mode, refused", [("compact", True), ("cap-accept", True), ("static", False)]
+)
+def test_ragged_verify_mode_is_refused_at_start_up(
+    mode: str, refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DSPARK builds a ragged verify layout in every SGLANG_RAGGED_VERIFY_MODE but static: the
+    launch stops with the setting to use, not at the first verify batch."""
+    from mla_backends.integrations.sglang.settings import server_refusal
+
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", mode)
+    args = SimpleNamespace(speculative_algorithm="DSPARK")
+    why = server_refusal("mlab_torch", args, dcp=False)
+    if refused:
+        assert why is not None and f"SGLANG_RAGGED_VERIFY_MODE={mode}" in why, why
+        assert why.endswith("set SGLANG_RAGGED_VERIFY_MODE=static")
+    else:
+        assert why is None or "RAGGED" not in why, why

@@ -321,7 +321,8 @@ def _head(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
     """Output (or LSE) over the real tokens -> `rows` token rows, SGLang's padded count;
-    zeros in the padding, as SGLang's own padded paths leave it (no NaN into the MoE)."""
+    zeros in the padding (SGLang's base backend leaves it uninitialised): no NaN or stale
+    memory reaches the MoE, whose outputs for those rows SGLang drops."""
     if out.shape[0] == rows:
         return out
     full = out.new_zeros((rows, *out.shape[1:]))

@@ -51,8 +51,9 @@ def _q_len(fb: Any, mode: ForwardMode) -> int:
     spec = getattr(fb, "spec_info", None)
     if getattr(spec, "ragged_verify_layout", None) is not None:
         raise BatchError(
-            "TARGET_VERIFY with a ragged verify layout (per-request draft counts, "
-            "SGLANG_RAGGED_VERIFY_MODE=compact) is not served by mla-backends; use static"
+            "TARGET_VERIFY with a ragged verify layout (per-request draft counts: "
+            "SGLANG_RAGGED_VERIFY_MODE other than static) is not served by mla-backends; set "
+            "SGLANG_RAGGED_VERIFY_MODE=static"
         )
     draft = getattr(spec, "draft_token_num", None)
     if isinstance(draft, int) and draft > 0:
@@ -116,11 +117,7 @@ def eager_batch(fb: Any) -> ForwardBatch:
         ext_cpu = torch.full((bs,), q, dtype=torch.int32)
         pre, pre_cpu = seq - q, seq_cpu - q
     n = int(ext_cpu.sum())
-    if loc.numel() < n:
-        raise BatchError(f"out_cache_loc has {loc.numel()} slots for {n} tokens")
-    # Hazard: under DP attention (or attention-TP scattered input) SGLang pads the tokens of an
-    # eager batch to a multiple of the attention-TP size (to the DP maximum under MAX_LEN);
-    # the padding trails the real tokens and writes slot 0, so ours ends at the real ones
+    _check_token_padding(fb, loc.numel(), n)
     loc = loc[:n]
     return ForwardBatch(
         mode=mode,
@@ -221,6 +218,25 @@ def _check_live(fb: Any, bs: int, q: int, live: int) -> None:
     real = live // q if pad is None else bs - int(pad)
     if live != real * q or not 0 <= real <= bs:
         raise BatchError(f"{live} live slots for {real} of {bs} requests x {q} tokens")
+
+
+def _check_token_padding(fb: Any, slots: int, n: int) -> None:
+    """An eager batch's `slots` write slots for its `n` tokens. Hazard: under DP attention
+    SGLang pads the tokens to a multiple of the attention-TP size (to the DP maximum under
+    MAX_LEN): whole padded requests in DECODE / TARGET_VERIFY (request row 0, the fill
+    length, attended as requests and dropped by SGLang), and trailing tokens past the
+    requests' counts, which ours cuts (they would write slot 0). Surplus slots are accepted
+    only where SGLang says it padded (`_original_num_tokens`, set by `_pad_inputs_to_size`,
+    reset by two-batch overlap's split): elsewhere a surplus slot is a real token whose KV
+    would be dropped silently."""
+    if slots == n:
+        return
+    original = getattr(fb, "_original_num_tokens", None)
+    if slots < n or original is None or int(original) > n:
+        raise BatchError(
+            f"out_cache_loc has {slots} slots for {n} tokens"
+            + ("" if slots < n else " and the batch is not SGLang's padded one")
+        )
 
 
 def _indptr(lens_dev: torch.Tensor, lens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

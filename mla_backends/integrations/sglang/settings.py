@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import torch
@@ -198,7 +199,8 @@ def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
 def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
     """What no backend of ours serves, from SGLang's server flags alone (the launching
     process's check and the factory ask the same): decode context parallelism (`dcp`, SGLang's
-    --dcp-size > 1), two-batch overlap over mixed chunks (SGLang 0.5.17's
+    --dcp-size > 1), ragged verify layouts (DSPARK / DFLASH under SGLANG_RAGGED_VERIFY_MODE
+    other than static), two-batch overlap over mixed chunks (SGLang 0.5.17's
     `two_batch_overlap` cuts a MIXED batch's requests at the balanced split and its tokens at
     the two-chunk one, and re-derives the lengths for EXTEND only), a full prefill CUDA graph
     (breakable, SGLang's default on CUDA, runs our attention eagerly between its pieces; full
@@ -210,6 +212,13 @@ def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
         return (
             f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
             "SGLang; start without --dcp-size"
+        )
+    ragged = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static").strip().lower()
+    if _spec_algorithm(server_args) in ("DSPARK", "DFLASH") and ragged != "static":
+        return (
+            f"{sgl_name}: SGLANG_RAGGED_VERIFY_MODE={ragged} sends verify batches with "
+            "per-request draft counts, which our verify metadata does not take; set "
+            "SGLANG_RAGGED_VERIFY_MODE=static"
         )
     if getattr(server_args, "enable_two_batch_overlap", False) and getattr(
         server_args, "enable_mixed_chunk", False
