@@ -4,6 +4,8 @@ padded decode rows never touch a real request's state."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -150,9 +152,12 @@ class _NoHostCopy(torch.Tensor):
     tolist = item = cpu = numpy = _refuse
     __iter__ = __int__ = __index__ = __bool__ = __float__ = _refuse
 
-    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-        if any(str(a) == "cpu" for a in (*args, kwargs.get("device"))):
-            self._refuse()
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        for a in (*args, kwargs.get("device")):
+            if isinstance(a, torch.Tensor):
+                a = a.device
+            if isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu":
+                self._refuse()
         return super().to(*args, **kwargs)
 
 

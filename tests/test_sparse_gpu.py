@@ -645,8 +645,8 @@ def _dsa_step_without_sync(
         dsa.init_forward_metadata(batch)
         dsa.indexer.store(0, x["k_idx"], x["cos"], x["sin"], batch.out_cache_loc)
         if dsa.use_dense():  # as `models/deepseek_v32.py` takes a dense batch over FP8 rows
-            slots = dsa.dense_slots(batch)
-            selected = lambda: slots  # noqa: E731
+            dense_slots = dsa.dense_slots(batch)
+            selected = lambda: dense_slots  # noqa: E731
         else:
             selected = dsa.begin_select(0, lambda: (x["q_idx"], x["w"]), x["cos"], x["sin"])
         dsa.store_kv(0, batch.out_cache_loc, x["k_nope"], x["k_rope"])

@@ -28,12 +28,13 @@ from mla_backends.cli import (
     int_at_least,
     out_of_memory,
 )
-from mla_backends.config import Config, ConfigError, load_config
+from mla_backends.config import KV_DTYPES, Config, ConfigError, load_config
 from mla_backends.models.choices import Selections
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from mla_backends.models.deepseek_v32 import DeepseekV32ForCausalLM
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import load_model
+from mla_backends.pool import FP8_DTYPES, FP8_MAX
 from mla_backends.runtime import Runtime
 from mla_backends.sparse.base import SparseBackendUnavailable
 from mla_backends.sparse.dsa import DSABackend
@@ -290,8 +291,8 @@ def run(args: argparse.Namespace) -> int:
         + (f" sparse={served.sparse}" if served.sparse is not None else "")
         + f", page {config.page_size}, kv {config.kv_dtype}"
         + (
-            " at scale 1.0 a layer (values beyond +-448 saturate)"
-            if "float8" in config.kv_dtype
+            f" at scale 1.0 a layer (values beyond +-{FP8_MAX:g} saturate)"
+            if KV_DTYPES[config.kv_dtype] in FP8_DTYPES
             else ""
         )
     )
