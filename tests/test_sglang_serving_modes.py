@@ -279,11 +279,7 @@ def test_tbo_graph_replay_children_take_padded_views(
     bs, q = 4, q_len
     mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
     fill = plain.get_cuda_graph_seq_len_fill_value()
-    d = plain.dims
-    gen = torch.Generator().manual_seed(24)
-    buf = runner.token_to_kv_pool.kv_buffer[0]
-    buf.copy_(torch.randn(buf.shape, generator=gen).bfloat16())
-    q_all = torch.randn(bs * q, d.num_heads * d.kv_dim, generator=gen).bfloat16()
+    q_all = _random_pool_and_queries(runner, plain, bs * q, 24)
     layer = _mqa_layer(plain)
     s = _static(8, q)
     with torch.no_grad():
@@ -369,11 +365,7 @@ def test_breakable_decode_graph_keeps_attention_in_the_segment(
     adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL, batch=8)
     q, bs = q_len, 4
     mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
-    d = adapter.dims
-    gen = torch.Generator().manual_seed(25)
-    buf = runner.token_to_kv_pool.kv_buffer[0]
-    buf.copy_(torch.randn(buf.shape, generator=gen).bfloat16())
-    q_all = torch.randn(bs * q, d.num_heads * d.kv_dim, generator=gen).bfloat16()
+    q_all = _random_pool_and_queries(runner, adapter, bs * q, 25)
     layer = _mqa_layer(adapter)
     s = _static(bs, q)
     fb = _live(runner, 3, q, mode)
@@ -428,3 +420,12 @@ def test_tbo_with_mixed_chunk_is_refused_at_start_up(
     runner.server_args = sa
     with pytest.raises(SettingsError, match=refusal):
         ATTENTION_BACKENDS["mlab_torch"](runner)
+
+
+def _random_pool_and_queries(runner: Any, adapter: Any, tokens: int, seed: int) -> torch.Tensor:
+    """Random rows in SGLang's layer-0 KV buffer, and random [tokens, H * kv_dim] queries."""
+    d = adapter.dims
+    gen = torch.Generator().manual_seed(seed)
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    buf.copy_(torch.randn(buf.shape, generator=gen).bfloat16())
+    return torch.randn(tokens, d.num_heads * d.kv_dim, generator=gen).bfloat16()
