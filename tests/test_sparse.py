@@ -985,24 +985,23 @@ def test_triton_sparse_launch_is_built_once_per_token_count(
     be._gluon_device = True  # as on an SM90 with a bf16 pool
     route: list[str | None] = [None]
     monkeypatch.setattr(be, "_gluon_error", lambda: route[0])
-    calls: list[tuple[int, bool]] = []
-    real = tb.launch_config
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append((args[2], args[5]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tb, "launch_config", counted)
+    rule = tb._launch_rule
+    rule.cache_clear()
     first = [be._launch(2) for _ in range(3)]  # three layers of one batch
-    assert calls == [(2, True)] and first[0]["gluon"] == 1
+    assert rule.cache_info().misses == 1 and first[0]["gluon"] == 1
     assert first[0] == first[1] == first[2]
     first[0]["splits"] = 999  # a caller's own copy
-    assert be._launch(2) == first[1] and len(calls) == 1
-    assert be._launch(5)["splits"] == real(64, False, 5, case.topk, be._sms, True)["splits"]
+    assert be._launch(2) == first[1] and rule.cache_info().misses == 1
+    assert (
+        be._launch(5)["splits"]
+        == tb.launch_config(64, False, 5, case.topk, be._sms, True)["splits"]
+    )
+    assert rule.cache_info().misses == 2
     route[0] = "AttributeError: async_copy_global_to_shared"  # the Gluon route closes
     closed = be._launch(2)
-    assert "gluon" not in closed and calls == [(2, True), (5, True), (2, False)]
-    assert closed == real(64, False, 2, case.topk, be._sms, False)
+    assert "gluon" not in closed and rule.cache_info().misses == 3
+    assert closed == tb.launch_config(64, False, 2, case.topk, be._sms, False)
+    rule.cache_clear()
 
 
 def test_topk_slots_refuses_non_fp32_logits() -> None:

@@ -5,6 +5,7 @@ the call; everywhere else, and as their fallback, the `tl.dot` kernel (`triton_k
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -97,9 +98,20 @@ def launch_config(
     query tokens of `heads` heads, `topk` indices each, bf16 rows or FP8 rows, on `sms` SMs.
     gluon: the call may take a Gluon kernel (an SM90, a bf16 / fp16 or FP8-row pool, the
     Gluon route open; the caller says): then "gluon" is set for H a multiple of 64, with the
-    `tl.dot` kernel's 64-row tiles and split count ("tl_splits") as its fallback."""
+    `tl.dot` kernel's 64-row tiles and split count ("tl_splits") as its fallback. A fresh
+    dict each call (callers may change theirs); the rule runs once per argument set
+    (`_launch_rule`): every layer of a batch asks for the same launch, and the rule is ~5 us
+    of Python, paid per layer call before."""
     if interpreting():
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
+    return dict(_launch_rule(heads, fp8_rows, tokens, topk, sms, gluon))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_rule(
+    heads: int, fp8_rows: bool, tokens: int, topk: int, sms: int, gluon: bool
+) -> dict[str, int]:
+    """`launch_config` off the interpreter. Shared by every caller: never mutate it."""
     cfg = dict(LAUNCH[(16 if heads <= 16 else 64, fp8_rows)])
     splits = launch_splits(cfg, heads, tokens, topk, sms)
     if gluon and heads % 64 == 0:
@@ -145,9 +157,6 @@ class TritonSparseBackend(SparseMLABackend):
         gluon_pool = self._fmt is not None or not getattr(ctx.pool, "is_fp8", False)
         # `gluon_here` but the route's state, asked once (the device does not change)
         self._gluon_device = gluon_pool and sm90_gpu(self.device)
-        # the rule's launch per (query tokens, Gluon route open): every layer of a batch asks
-        # for the same one (`launch_config` alone is ~5 us of Python, plus the SM query)
-        self._launches: dict[tuple[int, bool], dict[str, int]] = {}
         # a launch config instead of LAUNCH's (with "splits": that split count, else the rule)
         self.launch: dict[str, int] | None = None
         # the `tl.dot` kernel's merge inside its launch (`triton_kernel.merges_here`: batch
@@ -159,16 +168,11 @@ class TritonSparseBackend(SparseMLABackend):
 
     def _launch(self, tokens: int) -> dict[str, int]:
         """The launch of a call over `tokens` query tokens: a sweep's `launch`, else the
-        rule's (`launch_config`), computed once per token count and route state."""
+        rule's (`launch_config`, with the Gluon route's state now)."""
         h = self.dims.num_heads
         if self.launch is None or self._interp:
             gluon = self._gluon_device and self._gluon_error() is None
-            cfg = self._launches.get((tokens, gluon))
-            if cfg is None:
-                fp8 = self._fmt is not None
-                cfg = launch_config(h, fp8, tokens, self.topk, self._sms, gluon)
-                self._launches[tokens, gluon] = cfg
-            return dict(cfg)  # callers may change theirs (scripts/profile_step.py does)
+            return launch_config(h, self._fmt is not None, tokens, self.topk, self._sms, gluon)
         cfg = dict(self.launch)  # a sweep's config (with "splits": that split count)
         if "splits" not in cfg:
             cfg["splits"] = launch_splits(cfg, h, tokens, self.topk, self._sms)

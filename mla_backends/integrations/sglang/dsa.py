@@ -60,15 +60,23 @@ def auto_rows(q_all: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int) -> i
     return AUTO_ROWS_GLUON if gluon else AUTO_ROWS
 
 
-@functools.lru_cache(maxsize=64)
-def _launch(device: torch.device, heads: int, tokens: int, topk: int) -> dict[str, int]:
-    """`launch_config` of a call, once per token count (every layer of a batch shares it), not
-    once per layer call. Shared: callers must not mutate it (`triton_kernel.attend` copies).
-    A Gluon route closed later is still safe: `attend` then takes the `tl.dot` fallback."""
+@functools.lru_cache(maxsize=16)
+def _device_facts(device: torch.device) -> tuple[int, bool]:
+    """SMs of `device` and whether it is an SM90 outside the interpreter (`sm90_gpu`): asked
+    once a device, as the `triton` sparse backend asks them once."""
     from mla_backends.kernels.common import num_sms
-    from mla_backends.sparse.triton_backend import gluon_here, launch_config
+    from mla_backends.sparse.triton_backend import sm90_gpu
 
-    return launch_config(heads, False, tokens, topk, num_sms(device), gluon_here(device))
+    return num_sms(device), sm90_gpu(device)
+
+
+def _launch(device: torch.device, heads: int, tokens: int, topk: int) -> dict[str, int]:
+    """`launch_config` of a call (bf16 / fp16 pools), with the Gluon route's state now."""
+    from mla_backends.kernels.mla_attention import gluon_error
+    from mla_backends.sparse.triton_backend import launch_config
+
+    sms, sm90 = _device_facts(device)
+    return launch_config(heads, False, tokens, topk, sms, sm90 and gluon_error() is None)
 
 
 def forward_sparse(
