@@ -184,6 +184,25 @@ def test_bench_out_and_prefill_memory_fail_before_any_timing(
     one_line = r"mla-backends bench: error: --out .*afile: cannot make this folder \(.*\)\n"
     assert rc == 2 and re.fullmatch(one_line, err.getvalue()), err.getvalue()
 
+    def no_timing(*args: object) -> None:
+        raise AssertionError("the suite ran before its output file was checked")
+
+    # a folder where the suite's file goes: the run's results would be lost at its end
+    from mla_backends.bench import cli as bench_cli
+
+    for suite, name, extra in (
+        ("grid", "grid.json", []),
+        ("hopper", "hopper-fp8.md", ["--part", "fp8"]),
+    ):
+        taken = tmp_path / f"taken-{suite}"
+        (taken / name).mkdir(parents=True)
+        monkeypatch.setitem(bench_cli.RUN, suite, no_timing)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["bench", "--config", cfg, "--suite", suite, *extra, "--out", str(taken)])
+        one_line = rf"mla-backends bench: error: --out .*: .*{name} is not a file, .*\n"
+        assert rc == 2 and re.fullmatch(one_line, err.getvalue()), err.getvalue()
+
     def no_memory(x: object) -> object:
         raise RuntimeError(
             "DefaultCPUAllocator: can't allocate memory: you tried to allocate 34 GB"
@@ -197,6 +216,18 @@ def test_bench_out_and_prefill_memory_fail_before_any_timing(
     assert f"--prefill-tokens {prefill.CPU_TOKENS}: out of memory on cpu" in err_text
     assert prefill.default_tokens(torch.device("cpu"), 8192) == prefill.CPU_TOKENS
     assert prefill.default_tokens(torch.device("cuda"), 8192) == 8192
+
+
+def test_each_suites_out_files_are_the_ones_it_writes() -> None:
+    """`OUT_FILES` (checked before timing) names what each suite's `write` call writes."""
+    import inspect
+
+    from mla_backends.bench import cli as bench_cli
+
+    for suite, names in bench_cli.OUT_FILES.items():
+        source = inspect.getsource(sys.modules[bench_cli.RUN[suite].__module__])
+        for name in names:
+            assert name in source, (suite, name)
 
 
 def test_suites_sharing_an_out_folder_keep_each_others_results(

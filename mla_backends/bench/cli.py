@@ -13,6 +13,7 @@ from mla_backends.bench.options import (
     Options,
     backend_list,
     peer_list,
+    pick,
     shape_list,
     shape_text,
 )
@@ -145,12 +146,32 @@ def run(args: argparse.Namespace) -> int:
     opts = Options.from_args(args)
     opts.check_applies()
     config = load_config(opts.config)
-    check_out(Path(opts.out))
+    check_out(Path(opts.out), out_files(opts))
     try:
         RUN[opts.suite](opts, config)
     except PoolSizeError as e:  # the suites size each pool from the options, not num_pages
         raise UsageError(f"{_size_options(opts)}: {e}") from None
     return 0
+
+
+# The files each suite writes under --out (each suite's `write` call), checked before timing
+OUT_FILES: dict[str, tuple[str, ...]] = {
+    "grid": ("grid.json", "roofline.png"),
+    "anchors": ("anchors.json",),
+    "prefill": ("prefill.json",),
+    "stack": ("stack.json", "stack.md"),
+    "linear": ("linear.json", "linear.md"),
+    "fi-plan": ("fi-plan.json",),
+    "metadata": ("metadata.json",),
+    "hopper": ("hopper-{part}.json", "hopper-{part}.md"),
+}
+assert set(OUT_FILES) == set(SUITES)
+
+
+def out_files(opts: Options) -> list[str]:
+    """The files `opts.suite` writes under --out (hopper's named after its --part)."""
+    part = pick(opts.part, "small")
+    return [name.format(part=part) for name in OUT_FILES[opts.suite]]
 
 
 def _size_options(opts: Options) -> str:

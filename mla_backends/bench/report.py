@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from mla_backends.bench.peers import RAW_PEER
@@ -36,15 +36,22 @@ def progress(total: int) -> Callable[[str], None]:
     return step
 
 
-def check_out(out: Path) -> None:
-    """UsageError unless `out` is, or can be made, a folder this process may write: checked
-    before any timing, so that a long run's results are never lost at its end."""
+def check_out(out: Path, names: Iterable[str] = ()) -> None:
+    """UsageError unless `out` is, or can be made, a folder this process may write, and each
+    of `names` (the suite's files) is absent there or a file it may replace: checked before
+    any timing, so that a long run's results are never lost at its end."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {out}: cannot make this folder ({e.strerror})") from e
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out}: this folder is not writable")
+    for name in names:
+        path = out / name
+        if path.is_dir() or (path.exists() and not path.is_file()):
+            raise UsageError(f"--out {out}: {path} is not a file, the run could not write it")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise UsageError(f"--out {out}: {path} is not writable")
 
 
 def write(out: Path, files: Mapping[str, object]) -> list[Path]:
