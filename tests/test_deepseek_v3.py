@@ -550,3 +550,6 @@ def test_run_resolves_backends_for_the_checkpoints_dims(cli: Cli, tmp_path: Path
     proc = cli("run", "--config", str(cfg), "--requests", "1", "--max-new", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "decode=triton" in proc.stdout and ": agree" in proc.stdout
+    # and says so: the config's own dims are not what ran
+    said = [ln for ln in proc.stdout.splitlines() if "the model's dims replace" in ln]
+    assert len(said) == 1 and said[0].endswith("num_layers 2 -> 3"), proc.stdout

@@ -222,6 +222,18 @@ def _serve(
     return Served(steps, tokens / (time.perf_counter() - t0), out, sparse_name)
 
 
+def _replaced_dims(base: Config, served: Config) -> str:
+    """Where the model's dims (`served`) differ from the config's (`base`): `num_heads 128 ->
+    16, num_layers 61 -> 2`, or empty. The run serves the model's; a reader of the config
+    should not take its own for what ran."""
+    pairs = [
+        (f.name, getattr(base.model, f.name), getattr(served.model, f.name))
+        for f in dataclasses.fields(served.model)
+    ]
+    pairs.append(("num_layers", base.num_layers, served.num_layers))
+    return ", ".join(f"{name} {old} -> {new}" for name, old, new in pairs if old != new)
+
+
 def run(args: argparse.Namespace) -> int:
     # Backends are resolved (and refused) once the checkpoint's dims replace the config's.
     base = load_config(args.config, resolve=False)
@@ -286,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
         f"model {path if args.model else 'random:' + args.random}: {c.num_hidden_layers} "
         f"layers, {c.num_attention_heads} heads, device {config.torch_device}"
     )
+    replaced = _replaced_dims(base, config)
+    if replaced:
+        print(f"the model's dims replace the config's ({src}): {replaced}")
     print(
         f"backends: prefill={config.prefill_backend} decode={config.decode_backend}"
         + (f" sparse={served.sparse}" if served.sparse is not None else "")
@@ -297,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     print(
-        f"{len(prompts)} requests, prompt lengths {[len(p) for p in prompts]}, "
+        f"{len(prompts)} request{'s' * (len(prompts) != 1)}, prompt lengths "
+        f"{[len(p) for p in prompts]}, "
         f"{args.max_new} new tokens each: {served.tokens_per_s:.1f} tokens/s"
     )
     tol = AGREE[config.dtype]
