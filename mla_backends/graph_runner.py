@@ -26,6 +26,7 @@ import torch
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import check_tensor
+from mla_backends.pool import MLATokenToKVPool
 
 Forward = Callable[[ForwardBatch, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -143,7 +144,12 @@ class CudaGraphRunner:
     def capture(self) -> None:
         for bs in reversed(self.batch_sizes):  # largest first: the pool sees its peak early
             batch = self._static_batch(bs, None)
+            pool = getattr(self.backend, "pool", None)
+            frozen = pool.scales_frozen_by if isinstance(pool, MLATokenToKVPool) else None
             self.backend.init_forward_metadata_capture(batch)
+            if not self.use_graphs and isinstance(pool, MLATokenToKVPool):
+                # the hook froze the pool's FP8 scales for a graph; eager runs read them per call
+                pool.freeze_scales(frozen)
             self._pointers[bs] = self.pointer_snapshot()
             inputs = {k: v[: bs * self.q_len] for k, v in self._inputs.items()}
             if not self.use_graphs:

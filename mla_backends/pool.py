@@ -196,12 +196,18 @@ class MLATokenToKVPool:
                 stacklevel=3,
             )
 
-    def freeze_scales(self, captured_by: str) -> None:
+    def freeze_scales(self, captured_by: str | None) -> None:
         """A CUDA graph is being captured over this pool (`captured_by`: the backend): from now
         on `set_scale` is refused. Hazard: captured kernels may hold a scale as a host float
         launch argument (triton, FlashInfer), so replays would keep the old one while eager
-        calls and stores took the new one."""
+        calls and stores took the new one. None: no graph holds a scale (`scales_frozen_by`
+        before an eager "capture": `CudaGraphRunner(use_graphs=False)`)."""
         self._captured_by = captured_by
+
+    @property
+    def scales_frozen_by(self) -> str | None:
+        """The backend whose graph capture froze the scales, or None."""
+        return self._captured_by
 
     def set_scale(self, layer: int, scale: float) -> float:
         """Set the layer scale; returns the scale actually used (rounded up to bf16). Refused

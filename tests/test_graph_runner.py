@@ -311,19 +311,25 @@ def test_set_scale_after_capture_is_refused() -> None:
     """Captured kernels hold the FP8 scale as a host float (triton's and FlashInfer's launch
     arguments): a scale set after capture changed eager calls and the stores but not the
     replays, which read the new rows under the old scale. Now set_scale (and calibrate_scale)
-    refuses once a graph is captured over the pool, naming the fix; before capture it works."""
+    refuses once a graph capture over the pool was prepared (the backend's hook, as SGLang
+    calls it), naming the fix; before it works. A runner that captures nothing
+    (use_graphs=False: eager runs read the scale each call) leaves it settable (it froze it)."""
     case = Case("torch", page_size=16, num_heads=16, kv_dtype="float8_e4m3fn", dtype="bfloat16")
     stream = DecodeStream(case, "cpu", num_requests=4)
     be, pool = stream.rt.backend, stream.rt.kv_pool
     runner = CudaGraphRunner(
         be, partial(absorbed_forward, be), _specs(case), [2], device="cpu", use_graphs=False
     )
-    assert pool.set_scale(0, 0.25) == 0.25  # not captured yet
-    runner.capture()
+    assert pool.set_scale(0, 0.125) == 0.125  # not captured yet
+    runner.capture()  # eager: no graph
+    assert pool.set_scale(0, 0.25) == 0.25 and pool.scales_frozen_by is None
+    be.init_forward_metadata_capture(runner._static_batch(2, None))  # a graph's capture
     with pytest.raises(RuntimeError, match=r"layer 0: .*captured.* set the scale before capture"):
         pool.set_scale(0, 0.5)
     k = torch.ones(1, 512), torch.ones(1, 64)
     with pytest.raises(RuntimeError, match="set the scale before capture"):
         pool.calibrate_scale(0, *k)
     assert pool.scale(0) == 0.25 and float(pool.scales[0]) == 0.25
+    runner.capture()  # an eager runner keeps the earlier graph's freeze
+    assert pool.scales_frozen_by == be.name
     runner.replay(*stream.step(2))
