@@ -100,8 +100,8 @@ def launch_config(
     Gluon route open; the caller says): then "gluon" is set for H a multiple of 64, with the
     `tl.dot` kernel's 64-row tiles and split count ("tl_splits") as its fallback. A fresh
     dict each call (callers may change theirs); the rule runs once per argument set
-    (`_launch_rule`): every layer of a batch asks for the same launch, and the rule is ~5 us
-    of Python, paid per layer call before."""
+    (`_launch_rule`): every layer of a batch asks for the same launch, and the rule alone is
+    ~5 us of Python a call."""
     if interpreting():
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, "splits": 2}
     return dict(_launch_rule(heads, fp8_rows, tokens, topk, sms, gluon))
