@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -143,7 +144,30 @@ def verify(config: Config, seed: int = 0) -> list[Row]:
     from mla_backends.sparse.verify import verify_sparse  # DeepSeek-V3.2 sparse attention
 
     rows += verify_sparse(config.torch_device, config.model.num_heads, seed)
+    if config.dcp_size > 1:
+        rows += _dcp_rows(config, seed)
     return rows
+
+
+def _dcp_rows(config: Config, seed: int) -> list[Row]:
+    """The config's backends over dcp_size ranks (`mla_backends.dcp.verify`), a row a case."""
+    from mla_backends.dcp import verify as dcp
+    from mla_backends.dcp.launch import RankFailed
+
+    dtype = next(
+        (k for k, pair in DTYPE_PAIRS.items() if pair == (config.dtype, config.kv_dtype)),
+        f"{config.dtype}/{config.kv_dtype}",
+    )
+    try:
+        results = dcp.verify_dcp(config, seed)
+    except RankFailed as e:  # a rank raised: one failing row with its last line, not a traceback
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        return [Row(dcp.label(config), "a rank raised", dtype, math.nan, math.nan, False, last)]
+    return [
+        Row(dcp.label(config), dcp.mode_name(r["case"]), dtype, r["out_err"], r["lse_err"],
+            r["ok"], r["detail"])
+        for r in results
+    ]  # fmt: skip
 
 
 def config_summary(config: Config, rows: list[Row]) -> list[str]:
@@ -156,36 +180,37 @@ def config_summary(config: Config, rows: list[Row]) -> list[str]:
     sparse_rows = [r for r in rows if r.backend.startswith("sparse:")]
     if sparse != "auto":
         sparse_rows = [r for r in sparse_rows if r.backend == f"sparse:{sparse}"]
+    groups: list[tuple[str, list[Row], str | None]] = [
+        ("backends " + " / ".join(names), [r for r in rows if r.backend in names], None),
+        (f"sparse_backend {sparse}", sparse_rows, None),
+    ]
+    if config.dcp_size > 1:
+        from mla_backends.dcp import verify as dcp
+
+        dcp_rows = [r for r in rows if r.backend == dcp.label(config)]
+        what = f"dcp_size {config.dcp_size} ({config.dcp_heads} heads) over {config.decode_backend}"
+        groups.append((what, dcp_rows, dcp.unrunnable(config)))
     lines = []
-    for label, picks in (
-        ("backends " + " / ".join(names), [r for r in rows if r.backend in names]),
-        (f"sparse_backend {sparse}", sparse_rows),
-    ):
+    for label, picks, why_not in groups:
         failed = sum(not r.ok for r in picks)
         verdict = (
             f"{failed} of {len(picks)} rows FAIL"
             if failed
             else f"{len(picks)} of {len(picks)} rows pass"
             if picks
-            else "NOT CHECKED: no row of it ran here"
+            else f"NOT CHECKED: {why_not or 'no row of it ran here'}"
         )
         lines.append(f"this config's {label}: {verdict}")
-    if config.dcp_size > 1:
-        lines.append(
-            f"not checked by verify: dcp_size {config.dcp_size} (decode context parallelism "
-            "runs on several GPUs: tests/test_dcp.py, `scripts/gpu_check.sh dcp`); verify runs "
-            "each backend on one device"
-        )
     return lines
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'backend':<16}{'mode':<18}{'dtype':<10}{'out err':>11}{'lse err':>11}  verdict"
+    head = f"{'backend':<16}{'mode':<24}{'dtype':<10}{'out err':>11}{'lse err':>11}  verdict"
     lines = [head, "-" * len(head)]
     for r in rows:
         verdict = "PASS" if r.ok else f"FAIL {r.detail}"
         lines.append(
-            f"{r.backend:<16}{r.mode:<18}{r.dtype:<10}"
+            f"{r.backend:<16}{r.mode:<24}{r.dtype:<10}"
             f"{r.out_err:>11.2e}{r.lse_err:>11.2e}  {verdict}"
         )
     return "\n".join(lines)

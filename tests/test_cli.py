@@ -284,8 +284,9 @@ def test_verify_gives_its_verdict_on_the_configs_own_choices(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """verify runs every backend, so its table alone read as "this config is fine": it now
-    says how the config's own backends fared, fails when none of their rows ran, and names
-    the DCP setting it does not exercise (it accepted and ignored dcp_size)."""
+    says how the config's own backends fared and fails when none of their rows ran; a config
+    with dcp_size > 1 gets its backends checked over that many ranks (it accepted and
+    ignored dcp_size, then named it as not checked)."""
     import dataclasses
 
     from mla_backends import verify as V
@@ -309,7 +310,9 @@ def test_verify_gives_its_verdict_on_the_configs_own_choices(
     )
     assert lines[0] == "this config's backends torch: 1 of 2 rows FAIL"
     assert lines[1] == "this config's sparse_backend triton: NOT CHECKED: no row of it ran here"
-    assert lines[2].startswith("not checked by verify: dcp_size 2")
+    assert lines[2] == (
+        "this config's dcp_size 2 (replicated heads) over torch: NOT CHECKED: no row of it ran here"
+    )
     # the command fails when the config's backend had no row, though every row passed
     yaml = tmp_path / "c.yaml"
     yaml.write_text("device: cpu\ndecode_backend: torch\nprefill_backend: torch\n")
@@ -322,7 +325,77 @@ def test_verify_gives_its_verdict_on_the_configs_own_choices(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"this config's backends \S+: (\d+) of \1 rows pass", proc.stdout)
     assert re.search(r"this config's sparse_backend torch: (\d+) of \1 rows pass", proc.stdout)
-    assert "not checked by verify: dcp_size 2" in proc.stdout
+    # two gloo ranks against one process and fp64: decode, verify, extend, the graph path
+    said = re.search(r"this config's dcp_size 2 \(replicated heads\) over (\S+): 4 of 4 rows pass",
+                     proc.stdout)  # fmt: skip
+    assert said, proc.stdout
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"dcp2:{said[1]} ")]
+    assert [ln.split()[1] for ln in rows] == [
+        "decode-replicated", "verify-replicated", "extend-replicated", "decode-graph-replicated"
+    ] and all(ln.endswith("PASS") for ln in rows), rows  # fmt: skip
+
+
+def test_verify_of_a_dcp_config_reports_a_failing_rank_as_a_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A DCP case that fails on one rank fails its row (the worst error of the ranks, each
+    failing rank named); a rank that raises is one FAIL row with its last line, exit 1, not a
+    traceback; a GPU config short of GPUs is NOT CHECKED, saying how many it needs."""
+    import dataclasses
+    import math
+
+    from mla_backends import verify as V
+    from mla_backends.cli import main
+    from mla_backends.config import load_config
+    from mla_backends.dcp import verify as D
+    from mla_backends.dcp.launch import RankFailed
+
+    cfg = dataclasses.replace(
+        load_config(None, resolve=False), decode_backend="torch", prefill_backend="torch",
+        dcp_size=2, dcp_heads="tp",
+    )  # fmt: skip
+    cases = D.dcp_cases(cfg)
+    assert {c.num_heads for c in cases} == {2 * cfg.model.num_heads}  # the group's heads
+
+    def rank_results(rank: int, bad: int) -> list[dict[str, object]]:
+        return [
+            {"id": c.id, "rank": rank, "ok": not (rank == 1 and i == bad),
+             "errors": {"out vs single": 0.1 * rank + i, "lse vs reference": 0.01 * rank,
+                        "layout": 0.0},
+             "detail": "out vs single: too far" if rank == 1 and i == bad else ""}
+            for i, c in enumerate(cases)
+        ]  # fmt: skip
+
+    monkeypatch.setattr(D, "spawn", lambda *a: [rank_results(0, 2), rank_results(1, 2)])
+    got = D.verify_dcp(cfg)
+    assert [r["ok"] for r in got] == [True, True, False, True]
+    assert got[2]["detail"] == "rank 1: out vs single: too far"
+    assert got[3]["out_err"] == 0.1 + 3 and got[3]["lse_err"] == 0.01
+    assert [D.mode_name(r["case"]) for r in got][:2] == ["decode-tp", "verify-tp"]
+
+    def raised(*a: object) -> list[object]:
+        raise RankFailed("rank1: Traceback (most recent call last):\n  ...\nValueError: boom")
+
+    monkeypatch.setattr(D, "spawn", raised)
+    (row,) = V._dcp_rows(cfg, 0)
+    assert not row.ok and row.detail == "ValueError: boom" and math.isnan(row.out_err)
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("device: cpu\ndcp_size: 2\ndecode_backend: torch\nprefill_backend: torch\n")
+    monkeypatch.setattr(V, "verify", lambda config, seed=0: [V.Row("torch", "decode", "bf16",
+                        0.0, 0.0, True, ""), *V._dcp_rows(config, 0)])  # fmt: skip
+    assert main(["verify", "--config", str(yaml)]) == 1
+    out = capsys.readouterr().out
+    assert "dcp2:torch      a rank raised" in out and "FAIL ValueError: boom" in out
+    assert "dcp_size 2 (replicated heads) over torch: 1 of 1 rows FAIL" in out
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = dataclasses.replace(cfg, device="cuda")
+    assert D.unrunnable(gpu) == "dcp_size 2 needs 2 GPUs (one NCCL rank each), found 1"
+    assert D.verify_dcp(gpu) == []
+    assert V.config_summary(gpu, [])[-1] == (
+        "this config's dcp_size 2 (tp heads) over torch: NOT CHECKED: dcp_size 2 needs 2 GPUs "
+        "(one NCCL rank each), found 1"
+    )
 
 
 def test_cli_values_parse_with_named_ranges() -> None:
