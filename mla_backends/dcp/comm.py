@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 from mla_backends.merge import merge_states
 
+# torch 2.13 renamed all_gather_into_tensor (same arguments; the old name warns FutureWarning
+# on every rank); older torch has only the old name.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class DCPGroup:
     """A process group seen as DCP ranks 0..N-1 (ranks in group order)."""
@@ -24,7 +28,7 @@ class DCPGroup:
         """x [*s] on every rank -> [N, *s], rank-major."""
         x = x.contiguous().view(1, *x.shape)  # gloo wants [N * d0, ...]: gather [1, ...] rows
         out = torch.empty(self.size, *x.shape[1:], dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        _ALL_GATHER(out, x, group=self.group)
         return out
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
