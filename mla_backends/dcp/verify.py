@@ -35,11 +35,6 @@ def unrunnable(config: Config) -> str | None:
     return None
 
 
-def dist_device(config: Config) -> str:
-    """`parity_worker`'s device: "cpu", or "cuda" (each rank its own GPU)."""
-    return config.torch_device.type
-
-
 def dcp_cases(config: Config, seed: int = 0) -> list[DCPCase]:
     """Decode, verify and extend (extend through the config's prefill backend), then a
     decode stream through the graph runner (captured graphs on a GPU, its static buffers
@@ -68,8 +63,10 @@ def verify_dcp(config: Config, seed: int = 0) -> list[dict[str, Any]]:
     if unrunnable(config) is not None:
         return []
     cases = dcp_cases(config, seed)
-    dist_backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
-    per_rank = spawn(parity_worker, config.dcp_size, dist_backend, (cases, dist_device(config)))
+    dev = config.torch_device.type  # "cuda": each rank takes its own GPU
+    per_rank = spawn(
+        parity_worker, config.dcp_size, "nccl" if dev == "cuda" else "gloo", (cases, dev)
+    )
     merged = []
     for i, case in enumerate(cases):
         results = [rank[i] for rank in per_rank]
