@@ -145,6 +145,8 @@ def _model_sizes(source: str | None, config: Config) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from mla_backends.backends.registry import resolve_backends
+    from mla_backends.config import config_source
     from mla_backends.verify import (
         config_summary,
         format_table,
@@ -153,8 +155,13 @@ def _verify(args: argparse.Namespace) -> int:
         verify,
     )
 
-    config = load_config(args.config)
-    if use_triton_interpreter(config.torch_device):
+    # Hazard: the interpreter is set before the backends are resolved: a config naming
+    # `triton` on a CPU was refused ("runs only under TRITON_INTERPRET=1") by the very check
+    # that then runs it interpreted.
+    raw = load_config(args.config, resolve=False)
+    interpreted = use_triton_interpreter(raw.torch_device)
+    config = resolve_backends(raw, str(config_source(args.config)))
+    if interpreted:
         print("triton kernels run under the Triton interpreter on this CPU (TRITON_INTERPRET=1)")
     print(
         f"config {args.config or 'default (shipped)'}: {config.model}, page {config.page_size}, "

@@ -437,3 +437,21 @@ def test_config_loading_and_run_import_no_triton(tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0 and "no triton" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.interp
+def test_verify_of_a_config_naming_triton_on_a_cpu_runs_it_interpreted(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """verify runs the Triton kernels under the interpreter on a CPU, but set it only after
+    resolving the config's backends: a config naming `triton` was refused there ("runs only
+    under TRITON_INTERPRET=1") by the check whose condition verify itself then met."""
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(
+        "device: cpu\nprefill_backend: triton\ndecode_backend: triton\nmodel: tiny-kernel\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = cli("verify", "--config", str(yaml), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("triton kernels run under the Triton interpreter")
+    assert re.search(r"this config's backends triton: (\d+) of \1 rows pass", proc.stdout)
