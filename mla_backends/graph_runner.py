@@ -18,6 +18,7 @@ import bisect
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import check_tensor
-from mla_backends.pool import MLATokenToKVPool
+from mla_backends.pool import no_scale_freeze
 
 Forward = Callable[[ForwardBatch, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -144,12 +145,9 @@ class CudaGraphRunner:
     def capture(self) -> None:
         for bs in reversed(self.batch_sizes):  # largest first: the pool sees its peak early
             batch = self._static_batch(bs, None)
-            pool = getattr(self.backend, "pool", None)
-            frozen = pool.scales_frozen_by if isinstance(pool, MLATokenToKVPool) else None
-            self.backend.init_forward_metadata_capture(batch)
-            if not self.use_graphs and isinstance(pool, MLATokenToKVPool):
-                # the hook froze the pool's FP8 scales for a graph; eager runs read them per call
-                pool.freeze_scales(frozen)
+            # eager: no graph holds the FP8 scales, every run reads them per call
+            with nullcontext() if self.use_graphs else no_scale_freeze():
+                self.backend.init_forward_metadata_capture(batch)
             self._pointers[bs] = self.pointer_snapshot()
             inputs = {k: v[: bs * self.q_len] for k, v in self._inputs.items()}
             if not self.use_graphs:

@@ -24,11 +24,13 @@ which Python indexing would read as the last layer) raises `LayerIndexError`.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import operator
 import struct
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -98,6 +100,23 @@ def slots_or_dummy(loc: torch.Tensor, num_slots: int) -> torch.Tensor:
         return safe_slots(loc, num_slots)
     loc = loc.long()
     return torch.where((loc >= 0) & (loc < num_slots), loc, torch.zeros_like(loc))
+
+
+# False inside `no_scale_freeze`: a capture prepared there freezes no pool's scales.
+_FREEZE: contextvars.ContextVar[bool] = contextvars.ContextVar("mla_scale_freeze", default=True)
+
+
+@contextmanager
+def no_scale_freeze() -> Iterator[None]:
+    """Capture hooks called inside freeze no pool's FP8 scales (`freeze_scales`): for a
+    caller that captures no graph over them (`CudaGraphRunner(use_graphs=False)` runs its
+    static-buffer path eagerly, reading the scales each call), whatever backend or wrapper
+    the hooks pass through."""
+    token = _FREEZE.set(False)
+    try:
+        yield
+    finally:
+        _FREEZE.reset(token)
 
 
 class MLATokenToKVPool:
@@ -196,13 +215,14 @@ class MLATokenToKVPool:
                 stacklevel=3,
             )
 
-    def freeze_scales(self, captured_by: str | None) -> None:
+    def freeze_scales(self, captured_by: str) -> None:
         """A CUDA graph is being captured over this pool (`captured_by`: the backend): from now
         on `set_scale` is refused. Hazard: captured kernels may hold a scale as a host float
         launch argument (triton, FlashInfer), so replays would keep the old one while eager
-        calls and stores took the new one. None: no graph holds a scale (`scales_frozen_by`
-        before an eager "capture": `CudaGraphRunner(use_graphs=False)`)."""
-        self._captured_by = captured_by
+        calls and stores took the new one. A no-op inside `no_scale_freeze` (no graph is
+        captured there)."""
+        if _FREEZE.get():
+            self._captured_by = captured_by
 
     @property
     def scales_frozen_by(self) -> str | None:

@@ -333,3 +333,17 @@ def test_set_scale_after_capture_is_refused() -> None:
     runner.capture()  # an eager runner keeps the earlier graph's freeze
     assert pool.scales_frozen_by == be.name
     runner.replay(*stream.step(2))
+
+    # through a wrapper too (a dispatch backend has no `pool` of its own; an eager runner
+    # over it froze the scales before)
+    from mla_backends.backends.dispatch import DispatchBackend
+
+    fresh = DecodeStream(case, "cpu", num_requests=4)
+    both, pool = fresh.rt.backend, fresh.rt.kv_pool
+    wrapped = DispatchBackend(both, both)
+    eager = CudaGraphRunner(
+        wrapped, partial(absorbed_forward, wrapped), _specs(case), [2], device="cpu",
+        use_graphs=False,
+    )  # fmt: skip
+    eager.capture()
+    assert pool.scales_frozen_by is None and pool.set_scale(0, 0.5) == 0.5
