@@ -43,8 +43,9 @@ class Runtime:
                 "process group of that size"
             )
         # "auto" resolved here too (a Config built in Python never went through load_config
-        # and kept it: a KeyError); named backends are the caller's (load_config checks them)
-        config = resolve_backends(config, "Runtime.build", check=False)
+        # and kept it: a KeyError); a named backend that cannot run this config here fails
+        # now, with its reason, not in a kernel at the first call
+        config = resolve_backends(config, "Runtime.build", roles=False)
         dev, dims = config.torch_device, config.model
         pool = MLATokenToKVPool(
             config.num_layers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -212,8 +213,10 @@ def test_runtime_build_resolves_auto_and_a_triton_cpu_runtime_fails_when_built(
 ) -> None:
     """A Config built in Python keeps "auto" (only load_config resolved it): Runtime.build
     resolves it (it was a KeyError); the triton backend on a CPU outside the interpreter is a
-    ConfigError when built (it was Triton's "0 active drivers" at the first launch)."""
+    ConfigError when built (it was Triton's "0 active drivers" at the first launch), and so
+    is one whose kernels cannot take the config's dims."""
     from mla_backends import TINY, Config, Runtime
+    from mla_backends.config import TINY_KERNEL
 
     rt = Runtime.build(Config(model=TINY, prefill_backend="auto", decode_backend="auto"))
     assert "auto" not in (rt.config.prefill_backend, rt.config.decode_backend)
@@ -225,5 +228,23 @@ def test_runtime_build_resolves_auto_and_a_triton_cpu_runtime_fails_when_built(
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = Config(model=TINY, prefill_backend="torch", decode_backend="triton", device="cpu")
-    with pytest.raises(ConfigError, match=r"triton backend on a CPU: .*TRITON_INTERPRET=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"decode_backend='triton' cannot run here: triton on a "
+        r"CPU runs only under TRITON_INTERPRET=1",
+    ):
         Runtime.build(cfg)
+    # a named backend whose kernels cannot take the config's dims fails when built with the
+    # reason `supports` gives (it built, then raised 7 frames into Triton at the first call)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    odd = dataclasses.replace(TINY_KERNEL, kv_lora_rank=48)
+    for decode in ("triton", "auto"):
+        with pytest.raises(
+            ConfigError,
+            match=r"Runtime.build: prefill_backend='triton' cannot "
+            r"run here: triton MLA kernels need kv_lora_rank .*powers of two",
+        ):
+            Runtime.build(Config(model=odd, prefill_backend="triton", decode_backend=decode))
+    # one that can run the config builds as named
+    rt = Runtime.build(Config(model=TINY_KERNEL, prefill_backend="triton", decode_backend="triton"))
+    assert rt.config.decode_backend == "triton"

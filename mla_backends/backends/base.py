@@ -64,10 +64,11 @@ class MLABackend(ABC, Generic[M]):
 
     # ------------------------------------------------------------------ capability
     @classmethod
-    def supports(cls, config: Config, cap: Capability, role: str) -> str | None:
-        """None if this backend can serve `role` for `config` on `cap`, else the reason."""
+    def supports(cls, config: Config, cap: Capability, role: str | None) -> str | None:
+        """None if this backend can serve `role` for `config` on `cap`, else the reason (role
+        None: every check but the role's)."""
         c = cls.caps
-        if role not in c.roles:
+        if role is not None and role not in c.roles:
             return f"{cls.name} has no {role} path (it serves: {', '.join(c.roles)})"
         if config.page_size not in c.page_sizes:
             return f"{cls.name} needs page_size in {c.page_sizes}, config has {config.page_size}"

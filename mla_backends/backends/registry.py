@@ -74,8 +74,9 @@ def get_backend_class(name: str) -> type[MLABackend]:
     return lookup_class(_REGISTRY, _MODULES, "backend", name, available_backends)
 
 
-def why_not(name: str, config: Config, cap: Capability, role: str) -> str | None:
-    """Reason the backend cannot serve `role` for `config` on `cap`, or None."""
+def why_not(name: str, config: Config, cap: Capability, role: str | None) -> str | None:
+    """Reason the backend cannot serve `role` for `config` on `cap`, or None (role None:
+    anything but the role: page size, dtypes, dims, packages, hardware)."""
     try:
         cls = get_backend_class(name)
     except (KeyError, ImportError) as e:
@@ -95,11 +96,11 @@ def check_device(config: Config, where: str = "<config>") -> None:
         )
 
 
-def resolve_backends(config: Config, where: str = "<config>", check: bool = True) -> Config:
+def resolve_backends(config: Config, where: str = "<config>", roles: bool = True) -> Config:
     """Resolve "auto" and check both choices against this machine, once, at config load.
-    `check=False` (`Runtime.build`): "auto" resolved, unknown names refused, but a named
-    backend is taken as the caller's choice (a decode-only runtime naming a decode backend
-    for both roles, a kernel swapped for its emulation in the SM100 contract tests)."""
+    `roles=False` (`Runtime.build`): a named backend is checked against the config and the
+    machine but not against its role (a decode-only runtime may name a decode backend for
+    both roles and never prefill)."""
     import dataclasses
 
     from mla_backends.backends.base import Capability
@@ -122,7 +123,7 @@ def resolve_backends(config: Config, where: str = "<config>", check: bool = True
         if name not in _MODULES and name not in _REGISTRY:
             allowed = ["auto", *_MODULES]
             raise ConfigError(f"{where}: {key}={name!r} is unknown; allowed: {allowed}")
-        reason = why_not(name, config, cap, role) if check else None
+        reason = why_not(name, config, cap, role if roles else None)
         if reason is not None:
             ok = [n for n in available_backends() if why_not(n, config, cap, role) is None]
             raise ConfigError(
