@@ -119,6 +119,9 @@ def no_scale_freeze() -> Iterator[None]:
         _FREEZE.reset(token)
 
 
+STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # rows to store
+
+
 class MLATokenToKVPool:
     """Per-layer latent KV buffers plus the per-layer FP8 scales."""
 
@@ -168,6 +171,7 @@ class MLATokenToKVPool:
         self.scales = torch.ones(num_layers, dtype=torch.float32, device=self.device)
         self._scale_set = [False] * num_layers
         self._scale_warned = [False] * num_layers
+        self._stored = [False] * num_layers  # a layer's rows were stored under its scale
         self._captured_by: str | None = None  # the backend whose graph capture froze the scales
 
     # ----------------------------------------------------------------- accounting
@@ -231,7 +235,9 @@ class MLATokenToKVPool:
 
     def set_scale(self, layer: int, scale: float) -> float:
         """Set the layer scale; returns the scale actually used (rounded up to bf16). Refused
-        once a CUDA graph was captured over the pool (`freeze_scales`)."""
+        once a CUDA graph was captured over the pool (`freeze_scales`), and once the layer
+        stored rows under another scale (rows are not requantised: every stored row would be
+        read under the new one)."""
         layer = self.check_layer(layer)
         if self._captured_by is not None:
             raise RuntimeError(
@@ -252,6 +258,12 @@ class MLATokenToKVPool:
         if not self.is_fp8 and scale != 1.0:
             raise ValueError(
                 f"layer {layer}: a non-unit kv scale needs an FP8 pool, got {self.dtype}"
+            )
+        if self._stored[layer] and used != self._scales_host[layer]:
+            raise RuntimeError(
+                f"layer {layer}: rows are stored under scale {self._scales_host[layer]:g}, and "
+                f"the pool does not requantise them: under {used:g} every one would be read "
+                "wrong; set the scale before storing"
             )
         self._scales_host[layer] = scale = used
         self.scales[layer] = scale
@@ -278,8 +290,10 @@ class MLATokenToKVPool:
         self.warn_if_uncalibrated(layer)
         t = loc.shape[0] if loc.dim() == 1 else -1
         check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
-        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
-        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
+        # Hazard: integer rows were cast and stored as if they were values, silently
+        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), STORE_DTYPES, self.device)
+        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), STORE_DTYPES, self.device)
+        self._stored[layer] = True
         return layer
 
     def set_mla_kv_buffer(

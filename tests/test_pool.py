@@ -85,6 +85,41 @@ def test_non_unit_scale_requires_fp8_and_positive() -> None:
             _pool(torch.float8_e4m3fn).set_scale(0, bad)
 
 
+def test_a_layers_scale_is_fixed_once_it_stored_rows() -> None:
+    """Rows are stored as value / scale and not requantised: a new scale after a store read
+    every stored row under it (8x too large here), silently. Refused once the layer stored,
+    per layer; the same scale again, and other layers, stay settable."""
+    pool = _pool(torch.float8_e4m3fn)
+    assert pool.set_scale(0, 2.0**-6) == 2.0**-6 and pool.set_scale(0, 2.0**-5) == 2.0**-5
+    k_nope, k_rope = torch.randn(8, 512), torch.randn(8, 64)
+    pool.set_mla_kv_buffer(0, torch.arange(16, 24), k_nope, k_rope)
+    before = pool.load_rows(0, torch.arange(16, 24))
+    for call in (
+        lambda: pool.set_scale(0, 0.25),
+        lambda: pool.calibrate_scale(0, k_nope * 9, k_rope),
+    ):
+        with pytest.raises(
+            RuntimeError,
+            match=r"layer 0: rows are stored under scale 0.03125.* "
+            r"set the scale before storing",
+        ):
+            call()
+    assert pool.set_scale(0, 2.0**-5) == 2.0**-5 and pool.set_scale(1, 0.25) == 0.25
+    assert torch.equal(pool.load_rows(0, torch.arange(16, 24)), before)
+
+
+def test_a_store_refuses_rows_that_are_not_floating_point() -> None:
+    """An integer k_nope was cast and stored as values; a refused store marks no layer as
+    holding rows."""
+    pool = _pool(torch.float8_e4m3fn)
+    loc = torch.arange(16, 20)
+    with pytest.raises(ShapeError, match=r"k_nope: expected dtype in .*got torch.int64"):
+        pool.set_mla_kv_buffer(0, loc, torch.ones(4, 512, dtype=torch.int64), torch.randn(4, 64))
+    with pytest.raises(ShapeError, match=r"k_rope: expected dtype in .*got torch.int32"):
+        pool.set_mla_kv_buffer(0, loc, torch.randn(4, 512), torch.ones(4, 64, dtype=torch.int32))
+    assert pool.set_scale(0, 0.5) == 0.5  # nothing was stored
+
+
 def test_views_share_storage_and_have_kernel_shapes() -> None:
     pool = _pool(torch.bfloat16, page=64, pages=3)
     buf = pool.get_kv_buffer(0)
