@@ -108,3 +108,29 @@ def test_joined_query_is_a_zero_copy_view_only_for_adjacent_halves() -> None:
         torch.cat([swapped[..., :512], buf[..., 512:]], -1),
     )
     _check(Case(mode=ForwardMode.TARGET_VERIFY, q_len=2, kv_lens=(2, 30, 70), joined_query=True))
+
+
+def test_extend_reads_no_device_value_back_per_request_or_layer() -> None:
+    """The EXTEND loop indexed the request table with a device row (`rows[b]`, a 0-d tensor):
+    one device-to-host read a request a layer, a sync each on a GPU. Now the batch's host
+    rows (read once a batch). Counted on the CPU as the op a GPU sync goes through."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    case = Case(mode=ForwardMode.EXTEND, kv_lens=(5, 40, 17), dtype="float32", kv_dtype="float32")
+    rt, batch = build_case(case, torch.device("cpu"))
+    be = rt.backend
+    be.init_forward_metadata(batch)
+    assert batch.rows_host == [int(r) for r in batch.req_pool_indices]  # its one read
+    t, h = batch.num_tokens, 16
+    args = torch.randn(t, h, 512), torch.randn(t, h, 64), torch.randn(t, 512), torch.randn(t, 64)
+    with Reads():
+        for _ in range(2):  # layers
+            be.forward_absorbed(0, *args, batch, return_lse=True)
+    assert Reads.count == 0
