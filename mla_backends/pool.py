@@ -442,11 +442,13 @@ class ReqToTokenPool:
                 f"ReqToTokenPool.alloc; allocated now: {sorted(self._used_rows)}"
             )
 
-    def check_batch(self, batch: ForwardBatch) -> None:
+    def check_batch(self, batch: ForwardBatch, filled: np.ndarray | None = None) -> None:
         """RequestRowError if the batch names a row never allocated, or reads more or fewer
         tokens of a row (prefix + new) than the row has stored (row 0, padding, excepted).
+        `filled`: each row's length if not this table's (a DCP group's global lengths).
         Host arrays and the batch's CPU copies only (no sync); a batch without CPU rows (a
         graph runner's static one) is skipped."""
+        filled = self.filled if filled is None else filled
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None or rows_cpu.numel() == 0:
             return
@@ -454,23 +456,24 @@ class ReqToTokenPool:
         if rows.min() < 0 or rows.max() > self.size or not self.allocated[rows].all():
             self.check_rows(rows.tolist())
         seq = batch.seq_lens_cpu.numpy()
-        over = np.nonzero(seq > self.filled[rows])[0]
+        over = np.nonzero(seq > filled[rows])[0]
         # Hazard: reading fewer tokens than stored is as wrong (a prefix passed short: the new
         # rows land at the row's end, the batch attends over older ones at the wrong positions)
-        short = np.nonzero((seq < self.filled[rows]) & (rows != 0))[0]
+        short = np.nonzero((seq < filled[rows]) & (rows != 0))[0]
         if short.size:
             i = int(short[0])
             raise RequestRowError(
                 f"request row {int(rows[i])} (batch index {i}): the batch reads {int(seq[i])} "
-                f"tokens, the row has {int(self.filled[rows[i]])} stored; pass the prefix the "
-                "row really has (its length before this batch's tokens were allocated)"
+                f"tokens, the row has {int(filled[rows[i]])} stored; pass the prefix the "
+                "row really has (its length before this batch's tokens were allocated; after a "
+                "verify step, PagedTokenAllocator.truncate drops the rejected drafts' slots)"
             )
         if over.size:
             i = int(over[0])
             pre, new = int(batch.extend_prefix_lens_cpu[i]), int(batch.extend_seq_lens_cpu[i])
             raise RequestRowError(
                 f"request row {int(rows[i])} (batch index {i}): the batch reads {int(seq[i])} "
-                f"tokens (prefix_lens {pre} + {new} new), the row has {int(self.filled[rows[i]])} "
+                f"tokens (prefix_lens {pre} + {new} new), the row has {int(filled[rows[i]])} "
                 "stored; store them first (PagedTokenAllocator.alloc_extend), and pass the "
                 "prefix the row really has"
             )

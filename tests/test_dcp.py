@@ -12,6 +12,7 @@ GPU (>= 2 CUDA devices): the same equality over NCCL with captured CUDA graphs.
 from __future__ import annotations
 
 import random
+import re
 import signal
 from typing import Any
 
@@ -26,8 +27,9 @@ from mla_backends.config import Config
 from mla_backends.dcp.comm import merge_partials
 from mla_backends.dcp.launch import RankFailed, spawn
 from mla_backends.dcp.layout import DCPLayout, DCPTokenAllocator
-from mla_backends.dcp.parity import DCPCase, edge_lens, gpu_cases, parity_worker
-from mla_backends.pool import ReqToTokenPool
+from mla_backends.dcp.parity import SMALL, DCPCase, edge_lens, gpu_cases, parity_worker
+from mla_backends.dcp.runtime import build_dcp_runtime
+from mla_backends.pool import ReqToTokenPool, RequestRowError
 
 DECODE, VERIFY, EXTEND = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
@@ -177,6 +179,47 @@ def test_dcp_runtime_keeps_the_configs_context_limit() -> None:
     for got in spawn(_context_limit_worker, 2, "gloo"):
         assert got[0].startswith("10: row 1: length 10 exceeds the group's context limit 9")
         assert got[1] == "9: 9"
+
+
+def _wrong_length_worker(rank: int, group: Any, cases: list[tuple[int, int]]) -> list[str]:
+    """Per case: a row storing `stored` tokens, a DECODE batch reading `claimed`; what this
+    rank's metadata call says."""
+    from mla_backends.batch import ForwardBatch, ForwardMode
+
+    cfg = Config(
+        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+    )  # fmt: skip
+    rt = build_dcp_runtime(cfg, group)
+    out = []
+    for stored, claimed in cases:
+        [row] = rt.req_pool.alloc(1)
+        rt.allocator.alloc_extend([row], [stored])
+        loc = torch.zeros(1, dtype=torch.int64)
+        batch = ForwardBatch.build(ForwardMode.DECODE, [row], [claimed - 1], [1], loc, "cpu")
+        try:
+            rt.backend.init_forward_metadata(batch)
+            out.append("taken")
+        except RequestRowError as e:
+            out.append(str(e))
+        rt.allocator.free(row)
+        rt.req_pool.free(row)
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_a_batch_of_the_wrong_length_is_refused_on_every_rank_alike(size: int) -> None:
+    """Checked on each rank's share alone, a length one off was refused on some ranks and
+    taken on others (rank 0 holds 2 tokens of 3 and of 4 over two ranks), which then waited
+    in the merge's collective for ever. Checked against the global lengths every rank holds,
+    it is refused on all, with the same message; the right length is taken on all."""
+    cases = [(4, 3), (4, 5), (6, 5), (9, 10), (9, 8), (7, 7)]
+    per_rank = spawn(_wrong_length_worker, size, "gloo", (cases,))
+    for i, (stored, claimed) in enumerate(cases):
+        said = {got[i] for got in per_rank}
+        assert len(said) == 1, f"{stored} stored, {claimed} read: ranks differ: {said}"
+        want = "taken" if stored == claimed else f"reads {claimed} tokens.* has {stored} stored"
+        assert re.search(want, said.pop())
 
 
 def test_merge_partials_takes_a_lone_share_exactly_and_ignores_garbage() -> None:

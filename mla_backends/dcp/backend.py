@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,7 +73,10 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
         group: DCPGroup,
         heads: str = "replicated",
         mha: MLABackend[Any] | DispatchBackend | None = None,
+        global_lens: np.ndarray | None = None,
     ) -> None:
+        """`global_lens`: every request row's global length (`DCPTokenAllocator.filled`),
+        which batches are checked against."""
         if heads not in HEAD_MODES:
             raise ValueError(f"DCP heads={heads!r} is not one of {HEAD_MODES}")
         sides = attending(inner)
@@ -91,6 +95,7 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
             )
         super().__init__(ctx)
         self.inner, self.comm, self.heads = inner, group, heads
+        self.global_lens = global_lens
         self.mha = inner if mha is None else mha
         mha_heads = attending(self.mha)[0].dims.num_heads
         if mha_heads != self.dims.num_heads:
@@ -124,17 +129,23 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
         return q_nope, q_rope
 
     def check_batch(self, batch: ForwardBatch) -> None:
-        """Rows allocated and this rank's share of every row stored: the batch's lengths are
-        global, this rank's pool holds its token-interleaved share."""
+        """Rows allocated and every row's global length stored, then this rank's share of it:
+        the batch's lengths are global, this rank's pool holds its token-interleaved share.
+        Hazard: a share alone does not tell lengths apart (rank 0 holds 2 of 3 tokens and of
+        4), so a wrong length was refused on some ranks and taken on others, which then
+        waited in the merge's collective for ever; the global lengths refuse it on all."""
         if batch is self._checked_batch:
             return
+        table = self.ctx.req_to_token_pool
+        if self.global_lens is not None:
+            table.check_batch(batch, self.global_lens)
         lay = self.layout
         share = dataclasses.replace(
             batch,
             seq_lens_cpu=lay.local_lens(batch.seq_lens_cpu),
             extend_prefix_lens_cpu=lay.local_lens(batch.extend_prefix_lens_cpu),
         )
-        self.ctx.req_to_token_pool.check_batch(share)
+        table.check_batch(share)
         self._checked_batch = batch
 
     # ------------------------------------------------------------------ metadata

@@ -27,6 +27,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator, truncate_from
@@ -82,6 +83,10 @@ class DCPTokenAllocator:
         held = layout.size * local.req_to_token.max_context_len
         self.max_context_len = held if max_context_len is None else min(max_context_len, held)
         self._lens: dict[int, int] = {}
+        # every row's global length, as ReqToTokenPool.filled holds a rank's share: batches are
+        # checked against it alike on every rank (row 0, the padding row, reads any length)
+        self.filled = np.zeros_like(local.req_to_token.filled)
+        self.filled[0] = np.iinfo(self.filled.dtype).max
         self._used = [0] * layout.size  # pages in use on every rank of the group
 
     # ----------------------------------------------------------------- accounting
@@ -139,7 +144,7 @@ class DCPTokenAllocator:
             g = self.seq_len(row)
             owned.extend(start + p - g for p in range(g, g + n) if p % lay.size == lay.rank)
             start += n
-            self._lens[row] = g + n
+            self._lens[row] = self.filled[row] = g + n
         for k in range(lay.size):
             self._used[k] += need[k]
         out = torch.zeros(start, dtype=torch.int64, device=slots.device)
@@ -157,7 +162,7 @@ class DCPTokenAllocator:
         self.local.truncate(row, self.layout.local_len(new_len))
         for k, d in enumerate(self._page_delta(old, new_len)):
             self._used[k] += d
-        self._lens[row] = new_len
+        self._lens[row] = self.filled[row] = new_len
 
     def free(self, row: int) -> None:
         if row not in self._lens:
@@ -165,3 +170,4 @@ class DCPTokenAllocator:
         self.local.free(row)  # first: if it raises, nothing here has changed
         for k, d in enumerate(self._page_delta(self._lens.pop(row), 0)):
             self._used[k] += d
+        self.filled[row] = 0

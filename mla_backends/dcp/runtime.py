@@ -70,6 +70,8 @@ def build_dcp_runtime(
     inner = rt.backend
     if not isinstance(inner, (MLABackend, DispatchBackend)):  # Runtime.build makes one
         raise TypeError(f"DCP wraps a suite backend, not {type(inner).__name__}")
-    backend = DCPBackend(inner, comm, heads, mha)
-    allocator = DCPTokenAllocator(backend.layout, rt.allocator, config.max_context_len)
+    allocator = DCPTokenAllocator(
+        DCPLayout(comm.rank, comm.size), rt.allocator, config.max_context_len
+    )
+    backend = DCPBackend(inner, comm, heads, mha, global_lens=allocator.filled)
     return DCPRuntime(config, rt.kv_pool, rt.req_pool, allocator, backend, comm)
