@@ -540,6 +540,40 @@ def test_an_empty_verify_is_accepted_in_a_hybrid_model() -> None:
     eng.decode(rows, [4])
 
 
+def test_a_verify_is_accepted_before_another_step_and_its_staging_is_dropped() -> None:
+    """A step between a verify and its accept kept the drafts' KV but not the linear states
+    (the next logits 117 % off, silently): refused now, naming accept, before anything is
+    allocated. An eager verify's staging was kept per batch size for good (sizes 1..6 left 36
+    tensors): one set now, dropped by its accept. Counts out of range wrote the recurrent
+    states, then failed in the conv gather: refused before any write."""
+    eng = _engine(_model())
+    rows, other = eng.new_requests(3), eng.new_requests(1)
+    eng.extend(rows + other, [[1, 2], [3], [4, 5, 6], [7]])
+    lin = eng.backend.linear
+    for b in (3, 1, 2):
+        eng.verify(rows[:b], [[8, 9]] * b)
+        lens = [eng.rt.allocator.seq_len(r) for r in rows + other]
+        for step in (lambda: eng.decode(rows, [1, 2, 3]), lambda: eng.extend(other, [[5]])):
+            with pytest.raises(
+                RuntimeError, match=r"have a pending verify: accept\(rows, counts\)"
+            ):
+                step()
+        assert [eng.rt.allocator.seq_len(r) for r in rows + other] == lens
+        staged = len(lin._verify_states) + len(lin._verify_conv)
+        assert staged == 2 * CFG.kinds.count("linear")  # one verify's, whatever came before
+        if b == 2:
+            state = lin.pool.recurrent.clone(), lin.pool.conv.clone()
+            for bad in ([-1, 0], [0, 3]):
+                with pytest.raises(ValueError, match=r"counts must be in 0..2, got \[.*\]"):
+                    eng.backend.accept(torch.tensor(bad))
+            assert torch.equal(lin.pool.recurrent, state[0]) and torch.equal(
+                lin.pool.conv, state[1]
+            )
+        eng.accept(rows[:b], [1] * b)
+        assert not lin._verify_states and not lin._verify_conv
+    eng.decode(rows + other, [1, 2, 3, 4])
+
+
 # ---------------------------------------------------------------------------- HF checkpoint
 def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file

@@ -59,12 +59,17 @@ class LinearAttentionBackend:
         # TARGET_VERIFY staging per (linear layer, batch size): states after each draft token
         # [B, T, H, K, V] and the short-conv input windows [B, C, W - 1 + T]. Hazard: under
         # CUDA graphs these are the captured tensors, refreshed by each replay without Python
-        # running, so they are overwritten per key, never cleared, and read by batch size.
-        self._verify_states: dict[tuple[int, int], torch.Tensor] = {}
-        self._verify_conv: dict[tuple[int, int], torch.Tensor] = {}
+        # running, so they are kept per captured size and read by batch size. An eager verify
+        # stages under size None: one set, dropped by its accept (kept per size, every batch
+        # size ever verified held its staging for good, and one of a captured size replaced
+        # the graph's, which accept then read stale after the next replay).
+        self._verify_states: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._verify_conv: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._graphed = False  # whether the current batch runs through the graph hooks
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._batch = batch
+        self._graphed = False
         self._cu = None  # Hazard: offsets left from an earlier EXTEND batch
         if self.kernels == "fla" and batch.mode is ForwardMode.EXTEND:
             n = batch.extend_seq_lens_cpu.to(torch.int64)
@@ -78,9 +83,15 @@ class LinearAttentionBackend:
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self.init_forward_metadata(batch)
+        self._graphed = True
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.init_forward_metadata(batch)
+        self._graphed = True
+
+    def _stage_size(self, batch_size: int) -> int | None:
+        """The staging key's size: the batch size under the graph hooks, None eager."""
+        return batch_size if self._graphed else None
 
     def forward(
         self,
@@ -158,13 +169,13 @@ class LinearAttentionBackend:
             o, s = self._step(s, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
             outs.append(o)
             states.append(s)
-        self._verify_states[layer, b] = torch.stack(states, 1)
+        self._verify_states[layer, self._stage_size(b)] = torch.stack(states, 1)
         return torch.stack(outs, 1).flatten(0, 1)
 
     def stage_verify_conv(self, layer: int, windows: torch.Tensor) -> None:
         """The model's short-conv inputs of a verify batch: [B, C, W - 1 + T] (the stored
         window, then the T draft tokens), so `accept` can keep the window after token a."""
-        self._verify_conv[layer, windows.shape[0]] = windows
+        self._verify_conv[layer, self._stage_size(windows.shape[0])] = windows
 
     def accept(self, num_accepted: torch.Tensor) -> None:
         """After a TARGET_VERIFY batch: request i keeps its first `num_accepted[i]` draft tokens
@@ -175,23 +186,36 @@ class LinearAttentionBackend:
             raise RuntimeError("accept() follows a TARGET_VERIFY batch")
         rows = batch.req_pool_indices.long()
         n = num_accepted.to(device=rows.device, dtype=torch.long)
-        b = rows.numel()
+        b, t = rows.numel(), max(batch.num_draft_tokens, 1)
         if n.shape != (b,):
             raise ValueError(f"num_accepted: expected shape [{b}], got {list(n.shape)}")
+        # Checked before any state is written where it costs no sync (a host tensor): a count
+        # out of range wrote the recurrent states, then failed in the conv gather
+        if (
+            num_accepted.device.type == "cpu"
+            and n.numel()
+            and not 0 <= int(n.min()) <= int(n.max()) <= t
+        ):
+            raise ValueError(f"num_accepted: counts must be in 0..{t}, got {n.tolist()}")
+        size = self._stage_size(b)
         ar = torch.arange(b, device=rows.device)
-        for (layer, size), states in self._verify_states.items():
-            if size != b:
+        for (layer, staged), states in self._verify_states.items():
+            if staged != size:
                 continue
             rec = self.pool.recurrent[layer]
             after = states[ar, (n - 1).clamp_min(0)]
             keep = (n == 0).view(b, 1, 1, 1)
             rec[rows] = torch.where(keep, rec[rows], after)
-        for (layer, size), win in self._verify_conv.items():
-            if size != b:
+        for (layer, staged), win in self._verify_conv.items():
+            if staged != size:
                 continue
             w1 = self.pool.conv.shape[-1]
             idx = (n[:, None] + torch.arange(w1, device=rows.device))[:, None, :]
             self.pool.conv[layer][rows] = win.gather(2, idx.expand(b, win.shape[1], w1)).float()
+        if size is None:  # an eager verify's staging is read once
+            for staging in (self._verify_states, self._verify_conv):
+                for key in [k for k in staging if k[1] is None]:
+                    del staging[key]
 
     def _decode(
         self,

@@ -136,6 +136,14 @@ class Engine:
         empty = [r for r, n in zip(rows, lens) if n == 0]
         if empty:  # the model's reshapes fail on them, after the other rows' KV was allocated
             raise ValueError(f"request rows {empty} have no tokens in this step")
+        if self._drafts is not None and self._verified and self._request_state:
+            # Hazard: the drafts' KV stays, but linear states advance only in accept (which
+            # reads the verify's staging through the backend's last batch): a step here left
+            # the rows' KV and linear states at different tokens, silently
+            raise RuntimeError(
+                f"request rows {self._verified} have a pending verify: accept(rows, counts) "
+                "first (a hybrid model's linear states advance only there), or free them"
+            )
         self._drafts = None
         if not rows:  # nothing to run (the model's reshapes fail on an empty batch)
             if mode is ForwardMode.TARGET_VERIFY:
