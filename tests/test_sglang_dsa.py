@@ -94,6 +94,13 @@ def test_replaced_method_matches_the_reference(
     assert got.shape == (t, h, lat) and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
     assert torch.equal(got[2], torch.zeros_like(got[2]))  # no index: out 0
+    # the same values in views strided along their last dimension (a column-major table was
+    # read as if row-major: 3.2 off, without an error)
+    idx_cols = idx.t().contiguous().t()
+    q_cols = q_all.transpose(1, 2).contiguous().transpose(1, 2)
+    assert idx_cols.stride(1) != 1 and q_cols.stride(2) != 1
+    again = backend._forward_flashmla_sparse(q_cols, pool, lat, idx_cols, scale, None)
+    assert torch.equal(again, got)
 
 
 def test_launch_config_once_per_token_count(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import torch
 from offline_compile import compile_usage
 
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.checks import ShapeError
 from mla_backends.config import MLADims
 from mla_backends.reference import absorbed
 from mla_backends.sparse.base import dense_indices, runs_dense, visible_counts_cpu
@@ -213,6 +214,29 @@ def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
     # programs looping over a token's blocks (a captured graph's form; two programs a token
     # here, three blocks): the same logits, -inf past each context
     assert torch.equal(index_logits(caches[0], 0, qp, wp, r2t, rows, vis, 48, loop=True), tri)
+
+
+@pytest.mark.interp
+def test_indexer_refuses_what_its_kernels_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton kernels on a CPU outside the interpreter were taken, and the first store failed
+    inside Triton ("0 active drivers"); RoPE tables narrower than the indexer's rope dims
+    rotated fewer dims, silently. Both refused, in one line."""
+    dims = IndexerDims(4, 32, 16, 8, True)
+    cache, r2t = IndexKCache(1, 200, 32, True, "cpu"), torch.zeros(3, 64, dtype=torch.int32)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"indexer kernels 'triton': triton on a CPU runs only"):
+        Indexer(dims, cache, r2t, "triton")
+    assert Indexer(dims, cache, r2t, "auto").kernels == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = 5
+    k, q, w, cos, sin = _indexer_inputs(dims, t, 0)
+    for kernels in ("torch", "triton"):
+        ix = Indexer(dims, cache, r2t, kernels)
+        for narrow in ((cos[:, :4], sin[:, :4]), (cos, sin[:, :4])):
+            with pytest.raises(
+                ShapeError, match=r"(cos|sin): expected shape \[5, 8\], got \[5, 4\]"
+            ):
+                ix.store(0, k, *narrow, torch.arange(2, 2 + t))
 
 
 @pytest.mark.interp

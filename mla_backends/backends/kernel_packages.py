@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from types import ModuleType
 
 from mla_backends.backends.base import Capability
@@ -31,6 +32,16 @@ def require(module: str) -> ModuleType:
     except ImportError as e:
         hint = INSTALL.get(module.split(".")[0], f"install {module}")
         raise ImportError(f"{module} could not be imported ({e}); {hint}") from e
+
+
+def need_triton(device_type: str) -> str | None:
+    """Reason unless Triton kernels can run on this device type: the package installed, and a
+    GPU or the interpreter (on a CPU without it the first launch fails: "0 active drivers")."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install triton)"
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton on a CPU runs only under TRITON_INTERPRET=1 (tests), no GPU found"
+    return None
 
 
 def need_sm(cap: Capability, name: str, allowed: tuple[tuple[int, int], ...]) -> str | None:

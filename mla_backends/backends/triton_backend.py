@@ -4,9 +4,7 @@ TRITON_INTERPRET=1 (tests only). Launch choices live in `kernels/tuning.py`."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +13,7 @@ from torch import Tensor
 
 from mla_backends.arith import cumsum_indptr
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
+from mla_backends.backends.kernel_packages import need_triton
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import Config, ConfigError
@@ -54,10 +53,9 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "the triton package is not installed (pip install triton)"
-        if cap.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            return "triton on a CPU runs only under TRITON_INTERPRET=1 (tests), no GPU found"
+        reason = need_triton(cap.device_type)
+        if reason is not None:
+            return reason
         if cap.sm is not None and cap.sm < (8, 0):
             return f"triton MLA kernels need SM80 or newer, found {cap.describe()}"
         if cap.sm is not None and config.kv_dtype == "float8_e4m3fn" and cap.sm < (8, 9):

@@ -25,6 +25,7 @@ import torch
 
 from mla_backends.backends.base import graph_state_sizes
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.checks import check_tensor
 from mla_backends.config import TOPK_PATHS
 from mla_backends.sparse.index_k import (  # re-exported: the indexer's public names
     LOGITS_BUDGET,
@@ -102,12 +103,16 @@ class Indexer:
         kernels: str = "auto",
         topk_path: str = "auto",
     ) -> None:
+        from mla_backends.backends.kernel_packages import need_triton
         from mla_backends.kernels.common import interpreting
 
         if kernels == "auto":
             kernels = "triton" if cache.device.type == "cuda" or interpreting() else "torch"
         if kernels not in ("triton", "torch"):
             raise ValueError(f"indexer kernels must be 'triton' or 'torch', got {kernels!r}")
+        unusable = need_triton(cache.device.type) if kernels == "triton" else None
+        if unusable is not None:  # else the first store fails inside Triton
+            raise ValueError(f"indexer kernels 'triton': {unusable}")
         if topk_path not in TOPK_PATHS:  # the choices of `Config.indexer_topk`
             paths = " or ".join(map(repr, TOPK_PATHS))
             raise ValueError(f"indexer topk_path must be {paths}, got {topk_path!r}")
@@ -177,10 +182,18 @@ class Indexer:
         self.metadata = md
 
     # ------------------------------------------------------------------ per layer
+    def _check_rope(self, cos: torch.Tensor, sin: torch.Tensor, t: int) -> None:
+        """cos, sin [T, rope_dim / 2]. Hazard: the kernels take the rotated width from the
+        tables, so a narrower table rotated fewer dims than the model's, silently."""
+        half = self.dims.rope_dim // 2
+        check_tensor("cos", cos, (t, half))
+        check_tensor("sin", sin, (t, half))
+
     def store(
         self, layer: int, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor
     ) -> None:
         """k = k_norm(wk(x)) [T, D] before RoPE: RoPE, rotation, quantisation, store at loc."""
+        self._check_rope(cos, sin, k.shape[0])
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import store_index_k
 
@@ -246,6 +259,7 @@ class Indexer:
         md = self.metadata
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
+        self._check_rope(cos, sin, q.shape[0])
         k, r2t = self.dims.topk, self.req_to_token
         score: Callable[[int, int], torch.Tensor]
         pick: Callable[[torch.Tensor, int, int], torch.Tensor]

@@ -6,12 +6,11 @@ the call; everywhere else, and as their fallback, the `tl.dot` kernel (`triton_k
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import torch
 
 from mla_backends.backends.base import Capability
+from mla_backends.backends.kernel_packages import need_triton
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.sparse.base import (
     SparseCaps,
@@ -128,10 +127,9 @@ class TritonSparseBackend(SparseMLABackend):
 
     @classmethod
     def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "the triton package is not installed (pip install triton)"
-        if cap.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            return "triton on a CPU runs only under TRITON_INTERPRET=1 (tests), no GPU found"
+        reason = need_triton(cap.device_type)
+        if reason is not None:
+            return reason
         if cap.sm is not None and cap.sm < (8, 0):
             return f"the sparse Triton kernel needs SM80 or newer, found {cap.describe()}"
         fp8 = ctx.fp8_rows or getattr(ctx.pool, "is_fp8", False)

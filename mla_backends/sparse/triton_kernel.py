@@ -244,6 +244,15 @@ def sparse_mla(
     r = q_rope.shape[2]
     if t == 0:
         return
+    # Hazard: the kernel takes leading strides only; a view strided in its last dimension (a
+    # column-major index table) was read as if contiguous, a wrong answer without an error
+    strided = [
+        name
+        for name, x in (("q_nope", q_nope), ("q_rope", q_rope), ("indices", indices), ("kv", kv))
+        if x.shape[-1] > 1 and x.stride(-1) != 1
+    ]
+    if strided:
+        raise ValueError(f"sparse_mla: {strided} must be contiguous in their last dimension")
     if sync is not None and (
         sync.dtype != torch.int32 or sync.numel() < 2 or sync.device != q_nope.device
     ):

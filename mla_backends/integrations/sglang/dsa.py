@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from mla_backends.checks import unit_stride
+
 logger = logging.getLogger(__name__)
 
 TARGET = (
@@ -108,9 +110,11 @@ def forward_sparse(
         raise ValueError(
             f"page_table_1 must be [tokens = {t}, topk], got {tuple(page_table_1.shape)}"
         )
-    indices = page_table_1.to(torch.int32)  # a no-op for SGLang's int32 table
+    # no-ops for SGLang's contiguous int32 table and query (the kernel reads rows by offset)
+    indices = unit_stride(page_table_1.to(torch.int32))
     launch = _launch(q_all.device, h, t, indices.shape[1])
     kv = kv_cache.view(-1, width)  # the pool itself: a copy would be the whole layer
+    q_all = unit_stride(q_all)
     q_nope, q_rope = q_all[..., :v_head_dim], q_all[..., v_head_dim:]
     return triton_kernel.attend(q_nope, q_rope, kv, indices, sm_scale, 1.0, launch)[0]
 
