@@ -69,13 +69,29 @@ def test_kimi_config_missing_a_field_is_refused_not_defaulted(kimi: Path) -> Non
         load_kimi_linear(kimi)
 
 
-def test_kimi_config_takes_the_ratio_from_the_layer_lists(kimi: Path) -> None:
-    """Kimi-Linear's own config.json has the layer lists and no `linear_per_full`."""
+def test_kimi_config_takes_the_mla_layers_from_the_layer_lists(kimi: Path) -> None:
+    """Kimi-Linear's own config.json has the layer lists and no `linear_per_full`, and its
+    MLA layers are not all at a ratio's places: Kimi-Linear-48B has 27 layers, MLA at 4, 8,
+    ..., 24 and 27 (the ratio alone puts 27 in KDA; its config was refused). The lists rule;
+    either one names the split; both must split the layers; without them the ratio does."""
+    from mla_backends.models.kimi_loader import config_from_hf
+
     raw = json.loads((kimi / "config.json").read_text())
     del raw["linear_per_full"]
     (kimi / "config.json").write_text(json.dumps(raw))
     assert load_kimi_linear(kimi).cfg.kinds == KimiLinearConfig(num_hidden_layers=12).kinds
-    del raw["linear_attn_config"]["full_attn_layers"]
+    full48 = [4, 8, 12, 16, 20, 24, 27]
+    lists = {"full_attn_layers": full48, "kda_layers": [i for i in range(1, 28) if i not in full48]}
+    for given in (lists, {"kda_layers": lists["kda_layers"]}, {"full_attn_layers": full48}):
+        cfg = config_from_hf({**raw, "num_hidden_layers": 27, "linear_attn_config": given})
+        assert [i + 1 for i, k in enumerate(cfg.kinds) if k == "full"] == full48
+    lists["kda_layers"] = lists["kda_layers"][:-1]  # layer 26 in neither list
+    with pytest.raises(CheckpointError, match=r"do not split layers 1..27 between them"):
+        config_from_hf({**raw, "num_hidden_layers": 27, "linear_attn_config": lists})
+    with pytest.raises(ValueError, match=r"full_layers must be distinct layer numbers in 1..12"):
+        config_from_hf({**raw, "linear_attn_config": {"full_attn_layers": [4, 13]}})
+    for key in ("full_attn_layers", "kda_layers"):
+        del raw["linear_attn_config"][key]
     (kimi / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"lacks \['linear_per_full'\]"):
         load_kimi_linear(kimi)

@@ -1,5 +1,6 @@
 """A Kimi-Linear-style hybrid model: KDA (Kimi Delta Attention) layers and NoPE MLA layers in
-a configured ratio (3 : 1 in Kimi-Linear), on `HybridBackend`.
+a configured ratio (3 : 1 in Kimi-Linear) or at named layers (`full_layers`: Kimi-Linear-48B's
+last layer, 27, is MLA too), on `HybridBackend`.
 
 - KDA layer: q / k / v projections, a causal depthwise short convolution (kernel 4, SiLU)
   with its state per request in the `LinearStatePool`, per-channel log-decay
@@ -41,19 +42,29 @@ class KimiLinearConfig:
     qk_rope_head_dim: int = 16  # NoPE: cached and attended, never rotated
     v_head_dim: int = 16
     rms_norm_eps: float = 1e-6
+    # the MLA layers' 1-based numbers (config.json's `full_attn_layers`); None: the ratio's
+    full_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Every field a usable value (ValueError naming it), so a bad config.json fails when
         the model is built, not as a TypeError inside a layer."""
         for f in fields(self):
             low = 0 if f.name == "linear_per_full" else 1
-            if f.name != "rms_norm_eps":
+            if f.name not in ("rms_norm_eps", "full_layers"):
                 check_int("", f.name, getattr(self, f.name), low)
+        n, full = self.num_hidden_layers, self.full_layers
+        if full is not None and (
+            len(set(full)) != len(full) or not all(type(i) is int and 1 <= i <= n for i in full)
+        ):
+            raise ValueError(f"full_layers must be distinct layer numbers in 1..{n}, got {full}")
         self.mla_config()  # the MLA layers' checks (rms_norm_eps, an even rope dim)
 
     @property
     def kinds(self) -> list[str]:
-        return ratio_kinds(self.num_hidden_layers, self.linear_per_full)
+        if self.full_layers is None:
+            return ratio_kinds(self.num_hidden_layers, self.linear_per_full)
+        full = set(self.full_layers)
+        return ["full" if i + 1 in full else "linear" for i in range(self.num_hidden_layers)]
 
     def mla_config(self) -> DeepseekV3Config:
         return DeepseekV3Config(

@@ -10,7 +10,8 @@ The layout follows Kimi-Linear's and fla's names for what this model has:
 
 config.json: the model fields of `KimiLinearConfig`, plus `linear_attn_config` {"num_heads",
 "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers"} with 1-based layer
-numbers, as Kimi-Linear writes them. The layer lists must be the configured ratio's.
+numbers, as Kimi-Linear writes them: they name the MLA layers (`full_layers`), whatever
+the ratio (Kimi-Linear-48B: 4, 8, ..., 24 and 27); without them, `linear_per_full` does.
 Not covered: Kimi-Linear's MoE blocks (this model's MLP is dense); a checkpoint that has them
 fails with the missing dense MLP tensors named.
 """
@@ -53,22 +54,25 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
     raw.setdefault("kda_head_dim", lin.get("head_dim"))
     raw.setdefault("conv_kernel", lin.get("short_conv_kernel_size"))
     raw.setdefault("mla_heads", raw.get("num_attention_heads"))
-    if raw.get("linear_per_full") is None and lin.get("full_attn_layers"):
-        raw["linear_per_full"] = min(lin["full_attn_layers"]) - 1  # checked against both lists
+    n = raw.get("num_hidden_layers")
+    if "full_attn_layers" in lin:
+        raw["full_layers"] = tuple(sorted(lin["full_attn_layers"]))
+    elif "kda_layers" in lin and type(n) is int:
+        raw["full_layers"] = tuple(i for i in range(1, n + 1) if i not in set(lin["kda_layers"]))
+    if raw.get("linear_per_full") is None and raw.get("full_layers"):
+        raw["linear_per_full"] = min(raw["full_layers"]) - 1  # informative: the lists rule
     names = {f.name for f in fields(KimiLinearConfig)}
-    missing = sorted(n for n in names - {"rms_norm_eps"} if raw.get(n) is None)
+    missing = sorted(n for n in names - {"rms_norm_eps", "full_layers"} if raw.get(n) is None)
     if missing:
         raise ValueError(f"config.json lacks {missing}")
     cfg = KimiLinearConfig(**{k: v for k, v in raw.items() if k in names and v is not None})
     kda = [i + 1 for i, k in enumerate(cfg.kinds) if k == "linear"]
-    full = [i + 1 for i, k in enumerate(cfg.kinds) if k == "full"]
-    for key, want in (("kda_layers", kda), ("full_attn_layers", full)):
-        if key in lin and sorted(lin[key]) != want:
-            raise CheckpointError(
-                f"config.json linear_attn_config.{key} = {sorted(lin[key])}, but "
-                f"linear_per_full = {cfg.linear_per_full} over {cfg.num_hidden_layers} layers "
-                f"gives {want}"
-            )
+    if "kda_layers" in lin and sorted(lin["kda_layers"]) != kda:
+        raise CheckpointError(
+            f"config.json linear_attn_config.kda_layers = {sorted(lin['kda_layers'])} and "
+            f"full_attn_layers = {list(cfg.full_layers or ())} do not split layers "
+            f"1..{cfg.num_hidden_layers} between them"
+        )
     return cfg
 
 
@@ -145,8 +149,8 @@ def save_kimi_linear(model: KimiLinearForCausalLM, path: str | Path) -> None:
             out[hf_name(name)] = t.contiguous()
     save_file(out, str(path / "model.safetensors"))
     c = model.cfg
-    raw = {f.name: getattr(c, f.name) for f in fields(c)}
-    raw["linear_attn_config"] = {
+    raw = {f.name: getattr(c, f.name) for f in fields(c) if f.name != "full_layers"}
+    raw["linear_attn_config"] = {  # the layer lists name the MLA layers, as Kimi-Linear's
         "num_heads": c.kda_heads,
         "head_dim": c.kda_head_dim,
         "short_conv_kernel_size": c.conv_kernel,
