@@ -118,6 +118,11 @@ def test_a_store_refuses_rows_that_are_not_floating_point() -> None:
     with pytest.raises(ShapeError, match=r"k_rope: expected dtype in .*got torch.int32"):
         pool.set_mla_kv_buffer(0, loc, torch.randn(4, 512), torch.ones(4, 64, dtype=torch.int32))
     assert pool.set_scale(0, 0.5) == 0.5  # nothing was stored
+    from mla_backends.sparse.fp8_row import Fp8RowPool  # DeepSeek-V3.2's 656-byte rows
+
+    rows = Fp8RowPool(1, 4, 64, 512, 64)
+    with pytest.raises(ShapeError, match=r"k_nope: expected dtype in .*got torch.int64"):
+        rows.set_mla_kv_buffer(0, loc, torch.ones(4, 512, dtype=torch.int64), torch.randn(4, 64))
 
 
 def test_views_share_storage_and_have_kernel_shapes() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from types import ModuleType
 
 from mla_backends.backends.base import Capability
@@ -37,9 +36,11 @@ def require(module: str) -> ModuleType:
 def need_triton(device_type: str) -> str | None:
     """Reason unless Triton kernels can run on this device type: the package installed, and a
     GPU or the interpreter (on a CPU without it the first launch fails: "0 active drivers")."""
+    from mla_backends.kernels.common import interpreting
+
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (pip install triton)"
-    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device_type == "cpu" and not interpreting():
         return "triton on a CPU runs only under TRITON_INTERPRET=1 (tests), no GPU found"
     return None
 

@@ -119,7 +119,7 @@ class TorchBackend(GraphCapable[TorchMetadata, TorchGraphState]):
         t, h, lat = q_nope.shape
         out = torch.zeros_like(q_nope)
         lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=q_nope.device)
-        rows = batch.rows_host  # host ints (a device row read back a request a layer synced)
+        rows = batch.rows_host  # host ints: a device row index synced per request per layer
         start = 0
         for b, (n, s) in enumerate(
             zip(batch.extend_seq_lens_cpu.tolist(), batch.seq_lens_cpu.tolist())

@@ -73,8 +73,8 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         from mla_backends.kernels import common, mha_prefill, mla_attention, store, tuning
 
         if self.device.type == "cpu" and not common.interpreting():
-            # Hazard: built anyway (Runtime.build takes named backends as given), every launch
-            # would fail inside Triton ("0 active drivers")
+            # Hazard: built straight from the registry (Runtime.build refuses it first), every
+            # launch would fail inside Triton ("0 active drivers")
             raise ConfigError(
                 "triton backend on a CPU: its kernels run there only in Triton's interpreter "
                 "(TRITON_INTERPRET=1, tests); use the torch backend"

@@ -191,12 +191,9 @@ class LinearAttentionBackend:
             raise ValueError(f"num_accepted: expected shape [{b}], got {list(n.shape)}")
         # Checked before any state is written where it costs no sync (a host tensor): a count
         # out of range wrote the recurrent states, then failed in the conv gather
-        if (
-            num_accepted.device.type == "cpu"
-            and n.numel()
-            and not 0 <= int(n.min()) <= int(n.max()) <= t
-        ):
-            raise ValueError(f"num_accepted: counts must be in 0..{t}, got {n.tolist()}")
+        host = num_accepted
+        if host.device.type == "cpu" and b and not 0 <= int(host.min()) <= int(host.max()) <= t:
+            raise ValueError(f"num_accepted: counts must be in 0..{t}, got {host.tolist()}")
         size = self._stage_size(b)
         ar = torch.arange(b, device=rows.device)
         for (layer, staged), states in self._verify_states.items():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.checks import check_tensor
-from mla_backends.pool import slots_or_dummy
+from mla_backends.pool import STORE_DTYPES, slots_or_dummy
 from mla_backends.sparse.quant import block_quant
 
 TILE = 128
@@ -118,8 +118,8 @@ class Fp8RowPool:
     ) -> None:
         t = loc.shape[0]
         check_tensor("loc", loc, (t,), (torch.int32, torch.int64), self.device)
-        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), None, self.device)
-        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), None, self.device)
+        check_tensor("k_nope", k_nope, (t, self.kv_lora_rank), STORE_DTYPES, self.device)
+        check_tensor("k_rope", k_rope, (t, self.qk_rope_head_dim), STORE_DTYPES, self.device)
         buf = self.kv_buffer[layer]
         if buf.is_cuda:  # one launch, the same bytes (pack_rows is ~30 torch kernels a layer)
             from mla_backends.kernels.store import store_fp8_rows

@@ -104,10 +104,9 @@ class Indexer:
         topk_path: str = "auto",
     ) -> None:
         from mla_backends.backends.kernel_packages import need_triton
-        from mla_backends.kernels.common import interpreting
 
         if kernels == "auto":
-            kernels = "triton" if cache.device.type == "cuda" or interpreting() else "torch"
+            kernels = "triton" if need_triton(cache.device.type) is None else "torch"
         if kernels not in ("triton", "torch"):
             raise ValueError(f"indexer kernels must be 'triton' or 'torch', got {kernels!r}")
         unusable = need_triton(cache.device.type) if kernels == "triton" else None
@@ -256,10 +255,10 @@ class Indexer:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         """wq_b(q_lora) [T, Hi, D], weights_proj(x) [T, Hi] -> int32 [T, topk] pool slots."""
+        self._check_rope(cos, sin, q.shape[0])
         md = self.metadata
         if md is None:
             raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
-        self._check_rope(cos, sin, q.shape[0])
         k, r2t = self.dims.topk, self.req_to_token
         score: Callable[[int, int], torch.Tensor]
         pick: Callable[[torch.Tensor, int, int], torch.Tensor]
