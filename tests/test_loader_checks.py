@@ -25,6 +25,13 @@ BAD_DSV3: dict[str, tuple[dict[str, Any], str]] = {
     "llama3": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"'llama3' is not"),
     "not-object": ({"rope_scaling": "yarn"}, r"rope_scaling must be an object or null"),
     "bool-str": ({"rope_interleave": "false"}, r"rope_interleave must be true or false"),
+    # GLM-5's V3.2-like model was built as dense V3, its indexer tensors left unused
+    "model-type": ({"model_type": "glm_moe_dsa"}, r"model_type 'glm_moe_dsa' is not one this"),
+    # DeepSeek-V2's routing was taken, then failed on a missing tensor
+    "v2-routing": (
+        {"scoring_func": "softmax", "topk_method": "group_limited_greedy"},
+        r"scoring_func='softmax', topk_method='group_limited_greedy' is not supported",
+    ),
 }
 
 
@@ -34,6 +41,26 @@ def test_deepseek_config_refuses_what_it_would_run_differently(tmp_path: Path, c
     (tmp_path / "config.json").write_text(json.dumps({**DSV3, **change}))
     with pytest.raises(CheckpointError, match=pattern):
         load_model(tmp_path)
+
+
+def test_a_checkpoint_too_large_for_the_host_is_refused_before_it_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real 671B config.json was built in fp32 on the host and the process killed for
+    memory, with no message: now sized on the meta device first and refused in one line.
+    DeepSeek-V3's and Kimi-K2's model types, or none, are built."""
+    from mla_backends.models import loader
+
+    (tmp_path / "config.json").write_text(json.dumps({**DSV3, "model_type": "kimi_k2"}))
+    monkeypatch.setattr(loader, "available_host_bytes", lambda: 2**20)
+    with pytest.raises(CheckpointError, match=r"0.0B parameters need ~0 GiB .* 0 GiB available"):
+        load_model(tmp_path)
+    monkeypatch.setattr(loader, "available_host_bytes", lambda: None)  # unknown: try
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
+        load_model(tmp_path)
+    for kind in ("deepseek_v3", None):
+        raw = {**DSV3, "model_type": kind} if kind else DSV3
+        assert type(loader.build_model(raw)).__name__ == "DeepseekV3ForCausalLM"
 
 
 def test_deepseek_config_keeps_yarn_and_no_scaling() -> None:
@@ -85,6 +112,10 @@ def test_kimi_config_takes_the_mla_layers_from_the_layer_lists(kimi: Path) -> No
     for given in (lists, {"kda_layers": lists["kda_layers"]}, {"full_attn_layers": full48}):
         cfg = config_from_hf({**raw, "num_hidden_layers": 27, "linear_attn_config": given})
         assert [i + 1 for i, k in enumerate(cfg.kinds) if k == "full"] == full48
+    every = {"kda_layers": list(range(1, 28))}  # no MLA layer: every layer linear
+    cfg = config_from_hf({**raw, "num_hidden_layers": 27, "linear_attn_config": every})
+    assert cfg.kinds == ["linear"] * 27 and cfg.full_layers == ()
+    assert KimiLinearConfig(full_layers=[4, 8]) == KimiLinearConfig(full_layers=(4, 8))
     lists["kda_layers"] = lists["kda_layers"][:-1]  # layer 26 in neither list
     with pytest.raises(CheckpointError, match=r"do not split layers 1..27 between them"):
         config_from_hf({**raw, "num_hidden_layers": 27, "linear_attn_config": lists})
@@ -103,6 +134,11 @@ BAD_KIMI: dict[str, tuple[dict[str, Any], str]] = {
     "rope-odd": ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim must be even"),
     "eps-str": ({"rms_norm_eps": "x"}, r"rms_norm_eps must be a finite number > 0"),
     "lists": ({"linear_attn_config": {"kda_layers": 3}}, r"kda_layers must be a list"),
+    # Kimi-Linear-48B's own config: ignored, then its MoE tensors named missing (or a q LoRA /
+    # RoPE silently not applied)
+    "moe": ({"num_experts": 8, "first_k_dense_replace": 1}, r"MoE blocks \(num_experts 8 from la"),
+    "q-lora": ({"q_lora_rank": 16}, r"a q LoRA \(q_lora_rank 16\): not in this model"),
+    "rope": ({"mla_use_nope": False}, r"MLA layers with RoPE \(mla_use_nope false\)"),
 }
 
 
@@ -121,3 +157,31 @@ def test_kimi_config_json_missing_or_unreadable_is_a_checkpoint_error(kimi: Path
     (kimi / "config.json").unlink()
     with pytest.raises(CheckpointError, match=r"no config.json"):
         load_kimi_linear(kimi)
+
+
+def test_run_names_the_checkpoint_tensors_it_left_unused() -> None:
+    """`run` left unused tensors unsaid (a V3.2 indexer dropped by a dense build, say); the
+    multi-token-prediction layers past num_hidden_layers are not counted."""
+    from types import SimpleNamespace
+
+    from mla_backends.models.run import _unused_tensors
+
+    extra = ["model.layers.3.eh_proj.weight", "model.layers.1.self_attn.indexer.wk.weight", "x"]
+    m = SimpleNamespace(cfg=SimpleNamespace(num_hidden_layers=3), extra_tensors=extra)
+    assert _unused_tensors(m) == extra[1:]  # type: ignore[arg-type]
+
+
+def test_kimi_a_log_is_read_in_the_hubs_layout_and_ours(kimi: Path) -> None:
+    """The hub's checkpoints keep A_log as [1, 1, H, 1] (refused as a shape mismatch); the
+    saver writes that layout, and [H] is read too."""
+    from safetensors.torch import load_file, save_file
+
+    file = kimi / "model.safetensors"
+    t = load_file(str(file))
+    name = "model.layers.0.self_attn.A_log"
+    h = KimiLinearConfig().kda_heads
+    assert t[name].shape == (1, 1, h, 1)
+    want = load_kimi_linear(kimi).layers[0].attn.A_log.detach().clone()
+    t[name] = t[name].reshape(h).contiguous()
+    save_file(t, str(file))
+    assert torch.equal(load_kimi_linear(kimi).layers[0].attn.A_log.detach(), want)

@@ -71,6 +71,14 @@ class DeepseekV3Config:
         if kind not in ("default", "yarn"):
             raise ValueError(f"rope_scaling type {kind!r} is not supported (yarn or none)")
         raw["rope_scaling"] = dict(rope) if kind == "yarn" else {}
+        # Hazard: the gate routes as DeepSeek-V3 does; V2's softmax / greedy routing was taken
+        # and failed later on a missing tensor, or routed otherwise than the checkpoint's
+        routing = raw.get("scoring_func", "sigmoid"), raw.get("topk_method", "noaux_tc")
+        if routing != ("sigmoid", "noaux_tc"):
+            raise ValueError(
+                f"MoE routing scoring_func={routing[0]!r}, topk_method={routing[1]!r} is not "
+                "supported (DeepSeek-V3's: sigmoid, noaux_tc)"
+            )
         names = {f.name for f in fields(cls)}
         missing = sorted(n for n in names if n not in raw and f_default_missing(cls, n))
         if missing:

@@ -53,6 +53,8 @@ class KimiLinearConfig:
             if f.name not in ("rms_norm_eps", "full_layers"):
                 check_int("", f.name, getattr(self, f.name), low)
         n, full = self.num_hidden_layers, self.full_layers
+        if full is not None:  # a list from Python: hashable and equal to the tuple form
+            object.__setattr__(self, "full_layers", full := tuple(full))
         if full is not None and (
             len(set(full)) != len(full) or not all(type(i) is int and 1 <= i <= n for i in full)
         ):

@@ -12,8 +12,9 @@ config.json: the model fields of `KimiLinearConfig`, plus `linear_attn_config` {
 "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers"} with 1-based layer
 numbers, as Kimi-Linear writes them: they name the MLA layers (`full_layers`), whatever
 the ratio (Kimi-Linear-48B: 4, 8, ..., 24 and 27); without them, `linear_per_full` does.
-Not covered: Kimi-Linear's MoE blocks (this model's MLP is dense); a checkpoint that has them
-fails with the missing dense MLP tensors named.
+`A_log` is read as [H] or in the hub's [1, 1, H, 1] (and written in the latter).
+Not covered, refused from config.json in one line: Kimi-Linear's MoE blocks (this model's
+MLP is dense), a q LoRA, MLA layers with RoPE (`mla_use_nope` false).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
     """The model's config from config.json; ValueError naming a missing or bad field (the
     dataclass defaults are the tiny test model's, never a checkpoint's)."""
     raw = dict(raw)
+    unsupported = _unsupported(raw)
+    if unsupported:
+        raise ValueError(f"config.json: {unsupported}: not in this model")
     lin = raw.pop("linear_attn_config", None) or {}
     if not isinstance(lin, dict):
         raise ValueError(f"linear_attn_config must be an object, got {lin!r}")
@@ -59,8 +63,9 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
         raw["full_layers"] = tuple(sorted(lin["full_attn_layers"]))
     elif "kda_layers" in lin and type(n) is int:
         raw["full_layers"] = tuple(i for i in range(1, n + 1) if i not in set(lin["kda_layers"]))
-    if raw.get("linear_per_full") is None and raw.get("full_layers"):
-        raw["linear_per_full"] = min(raw["full_layers"]) - 1  # informative: the lists rule
+    if raw.get("linear_per_full") is None and raw.get("full_layers") is not None:
+        # informative: the lists rule (none of them MLA: every layer linear)
+        raw["linear_per_full"] = min(raw["full_layers"], default=raw["num_hidden_layers"]) - 1
     names = {f.name for f in fields(KimiLinearConfig)}
     missing = sorted(n for n in names - {"rms_norm_eps", "full_layers"} if raw.get(n) is None)
     if missing:
@@ -74,6 +79,20 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
             f"1..{cfg.num_hidden_layers} between them"
         )
     return cfg
+
+
+def _unsupported(raw: dict[str, Any]) -> str | None:
+    """What a Kimi-Linear config.json asks for that this model does not compute (each was
+    ignored: the MoE's tensors then missing, a q LoRA or RoPE silently not applied)."""
+    n, experts = raw.get("num_hidden_layers"), raw.get("num_experts")
+    dense = raw.get("first_k_dense_replace", n)
+    if experts and isinstance(n, int) and isinstance(dense, int) and dense < n:
+        return f"MoE blocks (num_experts {experts} from layer {dense + 1})"
+    if raw.get("q_lora_rank") is not None:
+        return f"a q LoRA (q_lora_rank {raw['q_lora_rank']})"
+    if raw.get("mla_use_nope") is False:
+        return "MLA layers with RoPE (mla_use_nope false)"
+    return None
 
 
 def hf_name(name: str) -> str:
@@ -120,6 +139,8 @@ def load_kimi_linear(
             key = hf_name(name)
             t = fetch_tensor(tensors, key, ref.shape)
             used.add(key)
+            if name.endswith(".attn.A_log") and t.shape == (1, 1, ref.numel(), 1):
+                t = t.view(ref.shape)  # the hub's layout (modeling_kimi: view(1, 1, -1, 1))
         if t.shape != ref.shape:
             raise CheckpointError(
                 f"{hf_name(name)}: checkpoint shape {list(t.shape)}, model expects "
@@ -145,6 +166,8 @@ def save_kimi_linear(model: KimiLinearForCausalLM, path: str | Path) -> None:
             prefix = hf_name(name).removesuffix(".conv_weight")
             for comp, part in zip(_CONV, t.chunk(3, 0)):
                 out[f"{prefix}.{comp}.weight"] = part[:, None].contiguous()
+        elif name.endswith(".attn.A_log"):
+            out[hf_name(name)] = t.reshape(1, 1, -1, 1).contiguous()  # the hub's layout
         else:
             out[hf_name(name)] = t.contiguous()
     save_file(out, str(path / "model.safetensors"))

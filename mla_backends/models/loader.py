@@ -19,6 +19,9 @@ from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausa
 
 BLOCK = 128
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+# config.json model types this loader builds (DeepSeek-V3's architecture; V3.2 adds the
+# indexer); a config without one is taken as DeepSeek-V3 (the random checkpoints of `run`)
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32")
 
 
 class CheckpointError(ValueError):
@@ -137,33 +140,75 @@ def fetch_tensor(
     return t
 
 
+def build_model(
+    raw: dict[str, Any], chunked_prefix_min: int | None = None
+) -> DeepseekV3ForCausalLM:
+    """The model a config.json describes, on the current default device: DeepSeek-V3 (or
+    V3.2: `model_type` "deepseek_v32" adds the indexer). ValueError for another model type
+    (Hazard: GLM-5's `glm_moe_dsa` was built as dense V3, its indexer tensors left unused:
+    dense attention served for sparse, silently)."""
+    kind = raw.get("model_type")
+    if kind is not None and kind not in MODEL_TYPES:
+        raise ValueError(
+            f"model_type {kind!r} is not one this loader builds ({', '.join(MODEL_TYPES)}; "
+            "Kimi-Linear: mla_backends.models.kimi_loader.load_kimi_linear)"
+        )
+    if kind == "deepseek_v32":
+        from mla_backends.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+
+        return DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(raw), chunked_prefix_min)
+    return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw), chunked_prefix_min)
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     chunked_prefix_min: int | None = None,
 ) -> DeepseekV3ForCausalLM:
-    """DeepSeek-V3 (or V3.2: `model_type` "deepseek_v32" adds the indexer) from an HF-layout
-    checkpoint directory."""
+    """DeepSeek-V3 / Kimi-K2 / V3.2 (`build_model`) from an HF-layout checkpoint directory,
+    built whole on the host in fp32 and then moved: refused first, in one line, when that
+    would not fit the host's available memory (a real 671B checkpoint was killed for memory
+    with no message)."""
     path = Path(path)
     raw = read_config_json(path)
     try:
-        if raw.get("model_type") == "deepseek_v32":
-            from mla_backends.models.deepseek_v32 import (
-                DeepseekV32Config,
-                DeepseekV32ForCausalLM,
+        with torch.device("meta"):  # sizes only: no memory
+            shape = build_model(raw, chunked_prefix_min)
+        need = host_bytes_to_load(shape, path, dtype)
+        free = available_host_bytes()
+        if free is not None and need > free:
+            n = sum(t.numel() for t in shape.state_dict().values())
+            raise CheckpointError(
+                f"{path}: {n / 1e9:.1f}B parameters need ~{need / 2**30:.0f} GiB of host memory "
+                f"to load (built in fp32, then cast), {free / 2**30:.0f} GiB available: this "
+                "loader is for reference-size checkpoints"
             )
-
-            model: DeepseekV3ForCausalLM = DeepseekV32ForCausalLM(
-                DeepseekV32Config.from_hf(raw), chunked_prefix_min
-            )
-        else:
-            model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw), chunked_prefix_min)
+        model = build_model(raw, chunked_prefix_min)
     except CheckpointError:
         raise
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     return load_weights(model, path, dtype, device)
+
+
+def host_bytes_to_load(model: torch.nn.Module, path: Path, dtype: torch.dtype) -> int:
+    """Peak host bytes of `load_weights`, about: the fp32 model, the checkpoint's tensors and
+    their cast copies."""
+    n = sum(t.numel() for t in model.state_dict().values())
+    files = (path / "model.safetensors.index.json", *path.glob("*.safetensors"))
+    return n * (4 + dtype.itemsize) + sum(f.stat().st_size for f in files if f.is_file())
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available now (Linux MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 M = TypeVar("M", bound=torch.nn.Module)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -30,10 +31,10 @@ from mla_backends.cli import (
 )
 from mla_backends.config import KV_DTYPES, Config, ConfigError, load_config
 from mla_backends.models.choices import Selections
-from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mla_backends.models.deepseek_v32 import DeepseekV32ForCausalLM
 from mla_backends.models.engine import Engine
-from mla_backends.models.loader import load_model
+from mla_backends.models.loader import build_model, load_model
 from mla_backends.pool import FP8_DTYPES, FP8_MAX
 from mla_backends.runtime import Runtime
 from mla_backends.sparse.base import SparseBackendUnavailable
@@ -125,23 +126,21 @@ def max_requests(config: Config, max_new: int) -> int:
     return n
 
 
+def _unused_tensors(model: DeepseekV3ForCausalLM) -> list[str]:
+    """Checkpoint tensors the model did not take, but for the multi-token-prediction layers
+    (numbered from num_hidden_layers on), which serving does not run."""
+    n = model.cfg.num_hidden_layers
+    mtp = re.compile(r"model\.layers\.(\d+)\.")
+    return [t for t in model.extra_tensors if not ((m := mtp.match(t)) and int(m.group(1)) >= n)]
+
+
 def random_model(
     raw: dict, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> DeepseekV3ForCausalLM:
     """DeepSeek-V3 from an HF config dict with random weights, built on `device`: matrices
     N(0, 0.02), vectors (gate correction biases) N(0, 0.1), norms left at 1."""
     with torch.device(device):
-        if raw.get("model_type") == "deepseek_v32":
-            from mla_backends.models.deepseek_v32 import (
-                DeepseekV32Config,
-                DeepseekV32ForCausalLM,
-            )
-
-            model: DeepseekV3ForCausalLM = DeepseekV32ForCausalLM(
-                DeepseekV32Config.from_hf(raw)
-            ).to(dtype)
-        else:
-            model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw)).to(dtype)
+        model = build_model(raw).to(dtype)
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -301,6 +300,9 @@ def run(args: argparse.Namespace) -> int:
     replaced = _replaced_dims(base, config)
     if replaced:
         print(f"the model's dims replace the config's ({src}): {replaced}")
+    unused = _unused_tensors(model)
+    if unused:
+        print(f"checkpoint tensors left unused: {len(unused)}, e.g. {', '.join(unused[:3])}")
     print(
         f"backends: prefill={config.prefill_backend} decode={config.decode_backend}"
         + (f" sparse={served.sparse}" if served.sparse is not None else "")
