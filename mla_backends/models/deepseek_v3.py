@@ -127,6 +127,15 @@ class DeepseekV3Config:
             orig = rs["original_max_position_embeddings"]
             check_int("rope_scaling.", "original_max_position_embeddings", orig, 1)
 
+    def mlp_parameters(self) -> int:
+        """Parameters of the embedding, the LM head and the MLPs (the bulk of a checkpoint;
+        attention and norms left out): a floor on the model's size, from the config alone."""
+        h, moe = self.hidden_size, max(self.num_hidden_layers - self.first_k_dense_replace, 0)
+        experts = self.n_routed_experts + self.n_shared_experts
+        mlp = (self.num_hidden_layers - moe) * self.intermediate_size
+        mlp += moe * experts * self.moe_intermediate_size
+        return 2 * self.vocab_size * h + 3 * h * mlp
+
     @property
     def attention_dims(self) -> MLADims:
         rs = self.rope_scaling

@@ -147,6 +147,11 @@ def build_model(
     V3.2: `model_type` "deepseek_v32" adds the indexer). ValueError for another model type
     (Hazard: GLM-5's `glm_moe_dsa` was built as dense V3, its indexer tensors left unused:
     dense attention served for sparse, silently)."""
+    return model_from_config(model_config(raw), chunked_prefix_min)
+
+
+def model_config(raw: dict[str, Any]) -> DeepseekV3Config:
+    """`build_model`'s config (V3.2's for "deepseek_v32"); ValueError naming what is wrong."""
     kind = raw.get("model_type")
     if kind is not None and kind not in MODEL_TYPES:
         raise ValueError(
@@ -154,10 +159,20 @@ def build_model(
             "Kimi-Linear: mla_backends.models.kimi_loader.load_kimi_linear)"
         )
     if kind == "deepseek_v32":
-        from mla_backends.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+        from mla_backends.models.deepseek_v32 import DeepseekV32Config
 
-        return DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(raw), chunked_prefix_min)
-    return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(raw), chunked_prefix_min)
+        return DeepseekV32Config.from_hf(raw)
+    return DeepseekV3Config.from_hf(raw)
+
+
+def model_from_config(
+    cfg: DeepseekV3Config, chunked_prefix_min: int | None = None
+) -> DeepseekV3ForCausalLM:
+    from mla_backends.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    if isinstance(cfg, DeepseekV32Config):
+        return DeepseekV32ForCausalLM(cfg, chunked_prefix_min)
+    return DeepseekV3ForCausalLM(cfg, chunked_prefix_min)
 
 
 def load_model(
@@ -173,18 +188,17 @@ def load_model(
     path = Path(path)
     raw = read_config_json(path)
     try:
-        with torch.device("meta"):  # sizes only: no memory
-            shape = build_model(raw, chunked_prefix_min)
-        need = host_bytes_to_load(shape, path, dtype)
+        cfg = model_config(raw)
+        n = cfg.mlp_parameters()  # a floor: enough to refuse the checkpoints that cannot fit
+        need = host_bytes_to_load(n, path, dtype)
         free = available_host_bytes()
         if free is not None and need > free:
-            n = sum(t.numel() for t in shape.state_dict().values())
             raise CheckpointError(
-                f"{path}: {n / 1e9:.1f}B parameters need ~{need / 2**30:.0f} GiB of host memory "
-                f"to load (built in fp32, then cast), {free / 2**30:.0f} GiB available: this "
-                "loader is for reference-size checkpoints"
+                f"{path}: over {n / 1e9:.1f}B parameters need over {need / 2**30:.0f} GiB of "
+                f"host memory to load (built in fp32, then cast), {free / 2**30:.0f} GiB "
+                "available: this loader is for reference-size checkpoints"
             )
-        model = build_model(raw, chunked_prefix_min)
+        model = model_from_config(cfg, chunked_prefix_min)
     except CheckpointError:
         raise
     except ValueError as e:
@@ -192,10 +206,9 @@ def load_model(
     return load_weights(model, path, dtype, device)
 
 
-def host_bytes_to_load(model: torch.nn.Module, path: Path, dtype: torch.dtype) -> int:
-    """Peak host bytes of `load_weights`, about: the fp32 model, the checkpoint's tensors and
-    their cast copies."""
-    n = sum(t.numel() for t in model.state_dict().values())
+def host_bytes_to_load(n: int, path: Path, dtype: torch.dtype) -> int:
+    """Peak host bytes of `load_weights` for `n` parameters, about: the fp32 model, the
+    checkpoint's tensors and their cast copies."""
     files = (path / "model.safetensors.index.json", *path.glob("*.safetensors"))
     return n * (4 + dtype.itemsize) + sum(f.stat().st_size for f in files if f.is_file())
 
