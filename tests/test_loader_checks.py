@@ -53,7 +53,10 @@ def test_a_checkpoint_too_large_for_the_host_is_refused_before_it_is_built(
 
     (tmp_path / "config.json").write_text(json.dumps({**DSV3, "model_type": "kimi_k2"}))
     monkeypatch.setattr(loader, "available_host_bytes", lambda: 2**20)
-    with pytest.raises(CheckpointError, match=r"over 0.0B parameters need over 0 GiB of host memory .* 0 GiB available"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"over 0.0B parameters need over 0 GiB of host memory .* 0 GiB available",
+    ):
         load_model(tmp_path)
     monkeypatch.setattr(loader, "available_host_bytes", lambda: None)  # unknown: try
     with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
