@@ -70,15 +70,12 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        from mla_backends.kernels import common, mha_prefill, mla_attention, store, tuning
-
-        if self.device.type == "cpu" and not common.interpreting():
+        unusable = need_triton(self.device.type)
+        if unusable is not None:
             # Hazard: built straight from the registry (Runtime.build refuses it first), every
             # launch would fail inside Triton ("0 active drivers")
-            raise ConfigError(
-                "triton backend on a CPU: its kernels run there only in Triton's interpreter "
-                "(TRITON_INTERPRET=1, tests); use the torch backend"
-            )
+            raise ConfigError(f"triton backend: {unusable}; use the torch backend")
+        from mla_backends.kernels import common, mha_prefill, mla_attention, store, tuning
 
         self._k_attn, self._k_mha, self._k_store = mla_attention, mha_prefill, store
         self._tune = tuning
