@@ -20,13 +20,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import INTERP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
-from mla_backends.batch import ForwardMode
+from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import Config
 from mla_backends.dcp.comm import merge_partials
 from mla_backends.dcp.launch import RankFailed, spawn
 from mla_backends.dcp.layout import DCPLayout, DCPTokenAllocator
+from mla_backends.dcp.metadata import DCPGraphState, rows_metadata
 from mla_backends.dcp.parity import SMALL, DCPCase, edge_lens, gpu_cases, parity_worker
 from mla_backends.dcp.runtime import build_dcp_runtime
 from mla_backends.pool import ReqToTokenPool, RequestRowError
@@ -251,6 +253,50 @@ def test_merge_partials_takes_a_lone_share_exactly_and_ignores_garbage() -> None
         want = (torch.exp(lse[ks, row].double() - m)[..., None] * out[ks, row].double()).sum(0)
         torch.testing.assert_close(got[row].double(), want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got_lse[row].double(), m, rtol=1e-6, atol=1e-6)
+
+
+class _CountOps(TorchDispatchMode):
+    VIEWS = frozenset({"view", "expand", "slice", "select", "alias", "unsqueeze", "t"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ not in self.VIEWS:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("size,q", [(2, 1), (3, 1), (2, 2), (3, 4)])
+def test_rows_metadata_refills_its_static_buffers_in_place_in_few_ops(size: int, q: int) -> None:
+    """A graph replay's per-rank rows are written into the captured buffers (the local batch
+    aliases them) with one op per value: the refill is a DCP decode step's host cost on
+    every rank. The values are those of the per-token rule (query j of a request of length
+    L sees L - q + 1 + j keys)."""
+    b, max_t = 5, 32
+    lens = [1, 2, 3, 17, 40]
+    mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
+    for rank in range(size):
+        lay = DCPLayout(rank, size)
+        loc = torch.zeros(b * q, dtype=torch.int64)
+        batch = ForwardBatch.build(mode, [1, 2, 3, 4, 5], lens, [q] * b, loc, "cpu")
+        state = DCPGraphState.allocate(size, max_t, "cpu")
+        rows_metadata(lay, batch, state)  # warm: first calls may allocate
+        with _CountOps() as count:
+            md = rows_metadata(lay, batch, state)
+        assert len(count.ops) <= 14, count.ops  # was 27 (rank 0, N 2, decode)
+        local = md.local
+        for got, buf in ((local.req_pool_indices, state.rows), (local.seq_lens, state.seq),
+                         (local.extend_prefix_lens, state.pre), (md.vis, state.vis)):  # fmt: skip
+            assert got.data_ptr() == buf.data_ptr()
+        vis = [(s + q) - q + 1 + j for s in lens for j in range(q)]  # seq_len s + q
+        seq = [lay.local_len(v) for v in vis]
+        assert md.vis.tolist() == vis
+        assert local.seq_lens.tolist() == seq == local.seq_lens_cpu.tolist()
+        assert local.extend_prefix_lens.tolist() == [max(0, s - 1) for s in seq]
+        assert local.req_pool_indices.tolist() == [r for r in range(1, b + 1) for _ in range(q)]
+        assert md.valid.tolist() == [[v > k for v in vis] for k in range(size)]
 
 
 # ---------------------------------------------------------------------------- gloo launches

@@ -240,19 +240,9 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
 
     # ------------------------------------------------------------------ CUDA graphs
     def _new_graph_state(self, max_bs: int, max_num_tokens: int) -> DCPGraphState:
-        i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
         # One local row per query token: the wrapped backend's largest batch is max_t.
         self.inner.init_cuda_graph_state(max_num_tokens, max_num_tokens)
-        return DCPGraphState(
-            rows=torch.zeros(max_num_tokens, **i32),
-            seq=torch.zeros(max_num_tokens, **i32),
-            pre=torch.zeros(max_num_tokens, **i32),
-            ext=torch.ones(max_num_tokens, **i32),
-            vis=torch.zeros(max_num_tokens, **i32),
-            valid=torch.zeros(
-                self.layout.size, max_num_tokens, dtype=torch.bool, device=self.device
-            ),
-        )
+        return DCPGraphState.allocate(self.layout.size, max_num_tokens, self.device)
 
     def _bind_graph(self, batch: ForwardBatch, state: DCPGraphState, capture: bool) -> DCPMetadata:
         md = rows_metadata(self.layout, batch, state)

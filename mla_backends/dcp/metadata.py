@@ -6,6 +6,7 @@ query token, from device ops of static shape (graph-refillable); EXTEND as one r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ class DCPMetadata:
 
 @dataclass
 class DCPGraphState:
-    """Static buffers of the per-rank rows batch, sized for the largest captured batch."""
+    """Static buffers of the per-rank rows batch, sized for the largest captured batch (or,
+    eager, for the one batch)."""
 
     rows: torch.Tensor  # [max_t] int32
     seq: torch.Tensor  # [max_t] int32
@@ -31,6 +33,24 @@ class DCPGraphState:
     ext: torch.Tensor  # [max_t] int32, all 1
     vis: torch.Tensor  # [max_t] int32
     valid: torch.Tensor  # [N, max_t] bool
+    ranks: torch.Tensor  # [N] int32: 0 .. N - 1
+    offsets: torch.Tensor  # [max_t] int32: 1 - max_t .. 0 (a verify's last q, per token)
+
+    @classmethod
+    def allocate(cls, size: int, max_t: int, device: torch.device | str) -> DCPGraphState:
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
+        return cls(
+            rows=torch.empty(max_t, **i32),
+            seq=torch.empty(max_t, **i32),
+            pre=torch.empty(max_t, **i32),
+            ext=torch.ones(max_t, **i32),
+            vis=torch.empty(max_t, **i32),
+            valid=torch.empty(size, max_t, dtype=torch.bool, device=device),
+            # Hazard: made here, outside any capture. Made inside one, a tensor's values
+            # would exist only once the graph replayed (captured kernels do not run).
+            ranks=torch.arange(size, **i32),
+            offsets=torch.arange(1 - max_t, 1, **i32),
+        )
 
 
 def ranks_seeing(layout: DCPLayout, vis: torch.Tensor) -> torch.Tensor:
@@ -42,34 +62,41 @@ def ranks_seeing(layout: DCPLayout, vis: torch.Tensor) -> torch.Tensor:
 def rows_metadata(
     layout: DCPLayout, batch: ForwardBatch, static: DCPGraphState | None
 ) -> DCPMetadata:
-    """DECODE / TARGET_VERIFY: one DECODE row per query token, device ops only."""
+    """DECODE / TARGET_VERIFY: one DECODE row per query token, device ops only, written in
+    place into `static` (a graph refill is then ~7 launches, not ~27: the ops are the cost
+    of a decode step's host side on a rank)."""
     b = batch.batch_size
     q = 1 if batch.mode is ForwardMode.DECODE else batch.num_draft_tokens
-    t = b * q
-    j_cpu = torch.arange(q, dtype=torch.int32)
-    j = torch.arange(q, dtype=torch.int32, device=batch.seq_lens.device)
-    vis_cpu = (batch.seq_lens_cpu[:, None] - q + j_cpu[None, :] + 1).clamp(min=0).reshape(t)
-    vis = (batch.seq_lens[:, None] - q + j[None, :] + 1).clamp(min=0).reshape(t)
+    t, n, c = b * q, layout.size, layout.size - 1 - layout.rank
+    dev = batch.seq_lens.device
+    if static is None:
+        static = DCPGraphState.allocate(n, t, dev)
+    rows, seq, pre, vis = static.rows[:t], static.seq[:t], static.pre[:t], static.vis[:t]
+    # vis: the keys query token j of a request sees, seq_len - q + 1 + j (>= 0).
+    if q == 1:
+        torch.clamp(batch.seq_lens, min=0, out=vis)
+        rows.copy_(batch.req_pool_indices)
+        vis_cpu = batch.seq_lens_cpu.clamp(min=0)
+    else:
+        off = static.offsets[static.offsets.numel() - q :]
+        torch.add(batch.seq_lens[:, None], off, out=vis.view(b, q)).clamp_(min=0)
+        rows.view(b, q).copy_(batch.req_pool_indices[:, None])
+        vis_cpu = batch.seq_lens_cpu[:, None] + torch.arange(1 - q, 1, dtype=torch.int32)
+        vis_cpu = vis_cpu.clamp_(min=0).reshape(t)
+    # This rank's share of each: (vis + N - 1 - rank) // N, as `layout.local_lens`.
+    torch.add(vis, c, out=seq).div_(n, rounding_mode="floor")
+    torch.sub(seq, 1, out=pre).clamp_(min=0)
+    valid = static.valid[:, :t]
+    torch.gt(vis[None, :], static.ranks[:, None], out=valid)
     seq_cpu = layout.local_lens(vis_cpu)
-    seq = layout.local_lens(vis)
-    rows = batch.req_pool_indices[:, None].expand(b, q).reshape(t)
-    pre = (seq - 1).clamp(min=0)
-    ext = torch.ones_like(seq)
-    valid = ranks_seeing(layout, vis)
-    if static is not None:
-        for name, val in (("rows", rows), ("seq", seq), ("pre", pre), ("vis", vis)):
-            getattr(static, name)[:t].copy_(val)
-        static.valid[:, :t].copy_(valid)
-        rows, seq, pre, vis = static.rows[:t], static.seq[:t], static.pre[:t], static.vis[:t]
-        ext, valid = static.ext[:t], static.valid[:, :t]
     local = ForwardBatch(
         mode=ForwardMode.DECODE,
         req_pool_indices=rows,
         seq_lens=seq,
         seq_lens_cpu=seq_cpu,
         extend_prefix_lens=pre,
-        extend_prefix_lens_cpu=(seq_cpu - 1).clamp(min=0),
-        extend_seq_lens=ext,
+        extend_prefix_lens_cpu=(seq_cpu - 1).clamp_(min=0),
+        extend_seq_lens=static.ext[:t],
         extend_seq_lens_cpu=torch.ones(t, dtype=torch.int32),
         out_cache_loc=batch.out_cache_loc,  # only its length is read: rows are stored
         positions=batch.positions,
