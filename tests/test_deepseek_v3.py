@@ -151,6 +151,7 @@ def _incremental_equals_full(model, backend: str, page: int, tol: float) -> None
     for i in range(21, 30):  # decode, with another request in the batch
         got.append(inc.decode([a, b], [seq[i], seq[i - 16]])[:1])
     got.append(inc.verify([a, b], [seq[30:33], seq[14:17]])[:3])  # q_len 3 verify
+    inc.accept([a, b], [3, 3])  # every draft was the sequence's own token
     got.append(inc.extend([a], [seq[33:]]))
     got_all = torch.cat(got)
     assert got_all.shape == want.shape
@@ -238,6 +239,25 @@ def test_engine_accept_takes_the_verify_steps_rows(hf_checkpoint) -> None:  # ty
     assert eng.rt.allocator.seq_len(rows[1]) == 7
 
 
+def test_a_pending_verify_outlives_steps_on_other_rows_and_refuses_its_own() -> None:
+    """A step on other rows leaves a pending verify acceptable; a step naming its rows or a
+    second verify is refused and changes nothing. Before, any step ended the verify with its
+    drafts' KV kept (attended as if accepted) and the accept after it was refused."""
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    eng = _engine(model)
+    a, b, c = eng.new_requests(3)
+    eng.extend([a, b, c], [[1, 2, 3], [4, 5], [6]])
+    eng.verify([a], [[7, 8, 9]])
+    eng.decode([b], [10])  # other rows: the verify stays
+    for call in (lambda: eng.decode([a, b], [11, 12]), lambda: eng.verify([c], [[13]])):
+        with pytest.raises(RuntimeError, match=rf"rows \[{a}\] have a pending verify"):
+            call()
+    assert [eng.rt.allocator.seq_len(r) for r in (a, b, c)] == [6, 3, 1]
+    eng.accept([a], [1])
+    assert eng.rt.allocator.seq_len(a) == 4
+    eng.decode([a, b], [11, 12])  # accepted: the rows run again
+
+
 def test_engine_pure_mla_step_failing_inside_the_model_marks_no_row(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -323,6 +343,7 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
     for i in range(21, 30):
         got.append(inc.decode([a, b], [seq[i], seq[i - 16]])[:1])
     got.append(inc.verify([a, b], [seq[30:33], seq[14:17]])[:3])
+    inc.accept([a, b], [3, 3])
     got.append(inc.extend([a], [seq[33:]]))
     got_all = torch.cat(got)
     print(

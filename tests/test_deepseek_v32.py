@@ -232,6 +232,7 @@ def test_incremental_equals_full_forward(hf_checkpoint) -> None:  # type: ignore
     for i in range(21, 30):
         got.append(inc.decode([a, b], [seq[i], seq[i - 16]])[:1])
     got.append(inc.verify([a, b], [seq[30:33], seq[14:17]])[:3])
+    inc.accept([a, b], [3, 3])
     got.append(inc.extend([a], [seq[33:]]))
     assert _rel(torch.cat(got), want) <= 1e-4
 

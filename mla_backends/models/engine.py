@@ -113,6 +113,28 @@ class Engine:
                 "them failed inside the model): reset(rows) and re-prefill them, or free them"
             )
 
+    def _refuse_over_a_verify(self, mode: ForwardMode, rows: Sequence[int]) -> None:
+        """A pending verify stays pending over steps on other rows (pure MLA); a step naming
+        its rows, a second verify, or any step of a hybrid model is refused. Hazard: such a
+        step once ended the verify silently, its drafts' KV kept as if all were accepted
+        (attended by every later step) and the accept that followed refused."""
+        if self._drafts is None:
+            return
+        if not self._verified:  # an empty verify: nothing to accept
+            self._drafts = None
+            return
+        why = ""
+        if self._request_state:  # accept reads the verify's staging via the last batch
+            why = "; a hybrid model's linear states advance only there"
+        elif mode is ForwardMode.TARGET_VERIFY:
+            why = "; one verify at a time"
+        elif set(rows).isdisjoint(self._verified):
+            return
+        raise RuntimeError(
+            f"request rows {self._verified} have a pending verify: accept(rows, counts) "
+            f"first (their drafts' KV stays in the cache until then{why}), or free them"
+        )
+
     def step(
         self, mode: ForwardMode, rows: Sequence[int], tokens: Sequence[Sequence[int]]
     ) -> torch.Tensor:
@@ -136,15 +158,7 @@ class Engine:
         empty = [r for r, n in zip(rows, lens) if n == 0]
         if empty:  # the model's reshapes fail on them, after the other rows' KV was allocated
             raise ValueError(f"request rows {empty} have no tokens in this step")
-        if self._drafts is not None and self._verified and self._request_state:
-            # Hazard: the drafts' KV stays, but linear states advance only in accept (which
-            # reads the verify's staging through the backend's last batch): a step here left
-            # the rows' KV and linear states at different tokens, silently
-            raise RuntimeError(
-                f"request rows {self._verified} have a pending verify: accept(rows, counts) "
-                "first (a hybrid model's linear states advance only there), or free them"
-            )
-        self._drafts = None
+        self._refuse_over_a_verify(mode, rows)
         if not rows:  # nothing to run (the model's reshapes fail on an empty batch)
             if mode is ForwardMode.TARGET_VERIFY:
                 self._drafts, self._verified = 0, []
