@@ -238,3 +238,32 @@ def test_a_non_integer_length_is_refused_before_any_row_takes_pages() -> None:
     slots = alloc.alloc_extend(rows, [torch.tensor(3), np.int64(2)])  # integers of any kind
     assert alloc.seq_len(rows[0]) == 3 and type(alloc.seq_len(rows[0])) is int
     assert torch.equal(rp.req_to_token[rows[0], :3].long(), slots[:3])
+
+
+def test_an_allocations_tensor_work_does_not_grow_with_batch_or_context() -> None:
+    """A decode step's allocation runs the same few tensor ops at batch 2 over 100 tokens as
+    at batch 16 over 20k, page 1. Hazard: each request's whole page list became a tensor on
+    every call, so the step's host time grew with context (272 ms at batch 16, 128k)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    ops = []
+    for b, ctx in ((2, 100), (16, 20000)):
+        rp = ReqToTokenPool(b, ctx + 8, "cpu")
+        alloc = PagedTokenAllocator(b * (ctx + 8), 1, rp)
+        rows = rp.alloc(b)
+        alloc.alloc_extend(rows, [ctx] * b)
+        Count.n = 0
+        with Count():
+            slots = alloc.alloc_decode(rows)
+        ops.append(Count.n)
+        want = [alloc.pages(r)[ctx] for r in rows]  # page 1: the slot is the new page
+        assert slots.tolist() == want
+        assert rp.req_to_token[rows, ctx].tolist() == want
+    assert ops[0] == ops[1] <= 8, ops
