@@ -261,9 +261,10 @@ class MLATokenToKVPool:
             )
         if self._stored[layer] and used != self._scales_host[layer]:
             raise RuntimeError(
-                f"layer {layer}: rows are stored under scale {self._scales_host[layer]:g}, and "
-                f"the pool does not requantise them: under {used:g} every one would be read "
-                "wrong; set the scale before storing"
+                f"layer {layer}: rows were stored under scale {self._scales_host[layer]:g}, "
+                f"and the pool does not requantise them (nor track which are still live): "
+                f"under {used:g} any left would be read wrong; set the scale before the "
+                "first store (a new pool starts unset)"
             )
         self._scales_host[layer] = scale = used
         self.scales[layer] = scale

@@ -100,8 +100,8 @@ def test_a_layers_scale_is_fixed_once_it_stored_rows() -> None:
     ):
         with pytest.raises(
             RuntimeError,
-            match=r"layer 0: rows are stored under scale 0.03125.* "
-            r"set the scale before storing",
+            match=r"layer 0: rows were stored under scale 0.03125.* "
+            r"set the scale before the first store",
         ):
             call()
     assert pool.set_scale(0, 2.0**-5) == 2.0**-5 and pool.set_scale(1, 0.25) == 0.25
