@@ -90,8 +90,8 @@ def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
 SEED = int_at_least(0, 2**63 - 1)
 
 
-def int_list(low: int = 1) -> Callable[[str], list[int]]:
-    """A comma list of integers >= low, e.g. `1,8,64`."""
+def int_list(low: int = 1, distinct: bool = True) -> Callable[[str], list[int]]:
+    """A comma list of integers >= low, e.g. `1,8,64`; `distinct`: each at most once."""
 
     def parse(text: str) -> list[int]:
         values = []
@@ -108,6 +108,8 @@ def int_list(low: int = 1) -> Callable[[str], list[int]]:
                 ) from None
             if value < low:
                 raise argparse.ArgumentTypeError(f"{text!r}: {value} is out of range (>= {low})")
+            if distinct and value in values:  # each would be timed again, a row of the same shape
+                raise argparse.ArgumentTypeError(f"{text!r}: {value} appears twice")
             values.append(value)
         if not values:
             raise argparse.ArgumentTypeError(f"{text!r}: expected at least one integer")
@@ -216,11 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mla_backends.bench.report import close_bars
     from mla_backends.models.loader import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        try:
+            return args.func(args)
+        finally:
+            close_bars()  # an open progress bar would share the error's line
     except ConfigError as e:
         print(f"mla-backends {args.command}: config error: {e}", file=sys.stderr)
     except UsageError as e:
@@ -230,5 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     return USAGE_ERROR
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m mla_backends.cli`
+    # Hazard: run as __main__, this module's classes are a second copy; the subcommands raise
+    # the imported module's UsageError, which a local main() did not catch (a traceback).
+    from mla_backends.cli import main as imported_main
+
+    sys.exit(imported_main())

@@ -182,13 +182,18 @@ def test_verify_of_a_model_too_large_for_memory_is_one_line(cli: Cli, tmp_path: 
             ["--suite", "anchors", "--peers", "raw_flashmla, raw_flashmla"],
             "argument --peers: 'raw_flashmla, raw_flashmla': raw_flashmla given twice",
         ),
+        (
+            ["--batch", "1,1", "--kv-len", "16"],
+            "argument --batch: '1,1': 1 appears twice",
+        ),
     ],
-    ids=["backends", "peers"],
+    ids=["backends", "peers", "batch"],
 )
 def test_bench_names_given_twice_are_refused(
     cli: Cli, tmp_path: Path, argv: list[str], message: str
 ) -> None:
-    """A backend named twice was timed twice, its rows side by side under one name."""
+    """A backend named twice was timed twice, its rows side by side under one name; a batch
+    size twice, the same row twice."""
     line = _one_line(cli, "bench", *argv, "--out", str(tmp_path / "out"))
     assert line == f"mla-backends bench: error: {message} (see mla-backends bench --help)"
 
@@ -206,3 +211,54 @@ def test_out_of_memory_keeps_a_float_overflow_as_the_bug_it_is() -> None:
     with pytest.raises(UsageError, match="out of memory on cpu"):
         with out_of_memory("--x 1", "cpu"):
             list(range(2**70))[:1]
+
+
+def test_bench_refuses_a_dcp_config_and_its_error_has_a_line_of_its_own(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """`bench` times one process: a `dcp_size` config was timed over the whole KV, silently.
+    An error after a progress bar started shared the bar's line (its carriage return)."""
+    line = _one_line(
+        cli, "bench", "--config", _write(tmp_path, "dcp_size: 2\n"), "--out", str(tmp_path / "o")
+    )
+    assert re.fullmatch(r"mla-backends bench: config error: .*dcp_size=2: bench times one .*", line)
+    proc = cli("bench", "--batch", "1", "--kv-len", "16", "--heads", "1000000000", "--out",
+               str(tmp_path / "o"), timeout=300)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("mla-backends bench: error: --heads 1000000000"), proc.stderr
+
+
+def test_the_cli_module_run_as_a_script_gives_one_line(cli: Cli, tmp_path: Path) -> None:
+    """`python -m mla_backends.cli` loaded the module twice, and its main did not catch the
+    UsageError the subcommands raise: a traceback, exit 1."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mla_backends.cli", "run", "--requests", "100"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("mla-backends run: error: --requests 100 is out of range")
+
+
+def test_dcp_configs_refuse_what_cannot_run_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend with no LSE under DCP passed load and was refused inside every rank; a CPU
+    check of dcp_size 1000 started 1000 gloo processes."""
+    from mla_backends.backends import cutlass_mla
+    from mla_backends.backends.registry import resolve_backends
+    from mla_backends.config import Config
+    from mla_backends.dcp.verify import unrunnable
+
+    monkeypatch.setattr(cutlass_mla.CutlassMLABackend, "supports", classmethod(lambda *a: None))
+    lse = r"cutlass_mla' cannot run here: dcp_size 2: decode context parallelism merges by LSE"
+    with pytest.raises(ConfigError, match=lse):
+        resolve_backends(Config(decode_backend="cutlass_mla", dcp_size=2, device="cpu"))
+    cpus = os.cpu_count() or 1
+    why = unrunnable(Config(dcp_size=1000, device="cpu"))
+    assert (
+        why
+        == f"dcp_size 1000 would start 1000 gloo processes, over twice this machine's {cpus} CPUs"
+    )

@@ -27,6 +27,8 @@ BAD_DSV3: dict[str, tuple[dict[str, Any], str]] = {
     "bool-str": ({"rope_interleave": "false"}, r"rope_interleave must be true or false"),
     # GLM-5's V3.2-like model was built as dense V3, its indexer tensors left unused
     "model-type": ({"model_type": "glm_moe_dsa"}, r"model_type 'glm_moe_dsa' is not one this"),
+    # blamed on num_experts_per_tok
+    "topk-group": ({"topk_group": 99}, r"topk_group \(99\) must be in 1..n_group"),
     # DeepSeek-V2's routing was taken, then failed on a missing tensor
     "v2-routing": (
         {"scoring_func": "softmax", "topk_method": "group_limited_greedy"},

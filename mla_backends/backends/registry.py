@@ -81,6 +81,9 @@ def why_not(name: str, config: Config, cap: Capability, role: str | None) -> str
         cls = get_backend_class(name)
     except (KeyError, ImportError) as e:
         return str(e)
+    if config.dcp_size > 1 and not cls.caps.lse:  # else refused only inside each rank
+        n = config.dcp_size
+        return f"dcp_size {n}: decode context parallelism merges by LSE; {name} returns none"
     return cls.supports(config, cap, role)
 
 

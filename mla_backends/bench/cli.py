@@ -19,7 +19,7 @@ from mla_backends.bench.options import (
 )
 from mla_backends.bench.report import check_out
 from mla_backends.cli import UsageError, add_config_argument, int_at_least, int_list
-from mla_backends.config import Config, PoolSizeError, load_config
+from mla_backends.config import Config, ConfigError, PoolSizeError, load_config
 
 # Kernel packages, triton and matplotlib are imported inside the suites' calls, never here.
 RUN: dict[str, Callable[[Options, Config], None]] = {
@@ -146,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     opts = Options.from_args(args)
     opts.check_applies()
     config = load_config(opts.config)
+    if config.dcp_size > 1:  # every suite times one process over the whole KV
+        raise ConfigError(
+            f"{opts.config}: dcp_size={config.dcp_size}: bench times one process; use "
+            "dcp_size: 1 (scripts/bench_dcp.py times decode context parallelism)"
+        )
     check_out(Path(opts.out), out_files(opts))
     try:
         RUN[opts.suite](opts, config)

@@ -139,7 +139,7 @@ def shape_list(text: str) -> list[Shape]:
         if not part:
             continue
         try:
-            h, q, b, kv = int_list(1)(part.replace(":", ","))
+            h, q, b, kv = int_list(1, distinct=False)(part.replace(":", ","))
         except (argparse.ArgumentTypeError, ValueError):
             raise argparse.ArgumentTypeError(
                 f"{part!r} is not H:q:B:kv (four integers >= 1, e.g. 16:1:64:4096)"

@@ -9,9 +9,19 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from mla_backends.bench.peers import RAW_PEER
 from mla_backends.cli import UsageError
+
+# tqdm bars not yet at their total: `close_bars` ends them before an error is printed (an
+# open bar's carriage return put the one-line error on the bar's line).
+_OPEN_BARS: list[Any] = []
+
+
+def close_bars() -> None:
+    while _OPEN_BARS:
+        _OPEN_BARS.pop().close()
 
 
 def progress(total: int) -> Callable[[str], None]:
@@ -20,12 +30,15 @@ def progress(total: int) -> Callable[[str], None]:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="case")
+        _OPEN_BARS.append(bar)
 
         def step(label: str) -> None:
             bar.set_postfix_str(label)
             bar.update(1)
             if bar.n == total:
                 bar.close()
+                if bar in _OPEN_BARS:
+                    _OPEN_BARS.remove(bar)
     except ImportError:
         done = [0]
 

@@ -5,6 +5,7 @@ dtypes and head split."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ def unrunnable(config: Config) -> str | None:
     n = config.dcp_size
     if config.torch_device.type == "cuda" and (found := torch.cuda.device_count()) < n:
         return f"dcp_size {n} needs {n} GPUs (one NCCL rank each), found {found}"
+    if config.torch_device.type == "cpu" and n > 2 * (cpus := os.cpu_count() or 1):
+        return f"dcp_size {n} would start {n} gloo processes, over twice this machine's {cpus} CPUs"
     return None
 
 

@@ -113,7 +113,9 @@ class DeepseekV3Config:
                 raise ValueError(
                     f"n_routed_experts ({e}) must split into n_group ({g}) groups of >= 2"
                 )
-            if self.topk_group > g or self.num_experts_per_tok > self.topk_group * (e // g):
+            if not 1 <= self.topk_group <= g:
+                raise ValueError(f"topk_group ({self.topk_group}) must be in 1..n_group ({g})")
+            if self.num_experts_per_tok > self.topk_group * (e // g):
                 raise ValueError(
                     f"num_experts_per_tok ({self.num_experts_per_tok}) must fit in topk_group "
                     f"({self.topk_group}) of n_group ({g}) groups of {e // g} experts"
