@@ -81,9 +81,18 @@ def not_runnable(config: Config) -> dict[str, str]:
     return reasons
 
 
-def _dtype_keys(config: Config) -> list[str]:
-    keys = [k for k, (act, kv) in DTYPE_PAIRS.items() if kv == config.kv_dtype]
-    return list(dict.fromkeys([*keys, "fp8"]))
+def config_dtypes(config: Config) -> str:
+    """The config's own (dtype, kv_dtype) as the rows name it: a DTYPE_PAIRS key, else
+    "act/kv"."""
+    pair = (config.dtype, config.kv_dtype)
+    return next((k for k, p in DTYPE_PAIRS.items() if p == pair), "/".join(pair))
+
+
+def _dtype_pairs(config: Config) -> dict[str, tuple[str, str]]:
+    """The config's own pair first, then bf16 over FP8 (every backend's FP8 path). Hazard:
+    the rows once took every pair with the config's kv_dtype, so a config's fp16 queries
+    over FP8 were never run, yet its backends were reported as passing."""
+    return {config_dtypes(config): (config.dtype, config.kv_dtype), "fp8": DTYPE_PAIRS["fp8"]}
 
 
 def _row(r: Result, name: str, mode: str, dtype: str) -> Row:
@@ -102,8 +111,7 @@ def verify(config: Config, seed: int = 0) -> list[Row]:
         cfg = _runnable_config(config, name, cap, "decode")
         if cfg is None:
             continue
-        for dt in _dtype_keys(cfg):
-            act, kv = DTYPE_PAIRS[dt]
+        for dt, (act, kv) in _dtype_pairs(cfg).items():
             probe = dataclasses.replace(cfg, kv_dtype=kv, dtype=act)
             if get_backend_class(name).supports(probe, cap, "decode") is not None:
                 continue
@@ -154,10 +162,7 @@ def _dcp_rows(config: Config, seed: int) -> list[Row]:
     from mla_backends.dcp import verify as dcp
     from mla_backends.dcp.launch import RankFailed
 
-    dtype = next(
-        (k for k, pair in DTYPE_PAIRS.items() if pair == (config.dtype, config.kv_dtype)),
-        f"{config.dtype}/{config.kv_dtype}",
-    )
+    dtype = config_dtypes(config)
     try:
         results = dcp.verify_dcp(config, seed)
     except RankFailed as e:  # a rank raised: one failing row with its last line, not a traceback
@@ -176,12 +181,14 @@ def config_summary(config: Config, rows: list[Row]) -> list[str]:
     dims), and the settings it does not check. Hazard: a table of PASS rows reads as "my
     config is fine" even where the config's backend had no row or its DCP was never run."""
     names = dict.fromkeys((config.decode_backend, config.prefill_backend))
+    own = config_dtypes(config)  # rows of other dtype pairs say nothing of this config
+    mine = [r for r in rows if r.backend in names and (r.dtype == own or r.mode.startswith("mha"))]
     sparse = config.sparse_backend
     sparse_rows = [r for r in rows if r.backend.startswith("sparse:")]
     if sparse != "auto":
         sparse_rows = [r for r in sparse_rows if r.backend == f"sparse:{sparse}"]
     groups: list[tuple[str, list[Row], str | None]] = [
-        ("backends " + " / ".join(names), [r for r in rows if r.backend in names], None),
+        ("backends " + " / ".join(names), mine, None),
         (f"sparse_backend {sparse}", sparse_rows, None),
     ]
     if config.dcp_size > 1:

@@ -297,9 +297,10 @@ def test_verify_gives_its_verdict_on_the_configs_own_choices(
                               prefill_backend="torch", sparse_backend="auto")  # fmt: skip
 
     def row(backend: str, ok: bool) -> V.Row:
-        return V.Row(backend, "decode", "bf16", 0.0, 0.0, ok, "" if ok else "out err")
+        return V.Row(backend, "decode", "bfloat16", 0.0, 0.0, ok, "" if ok else "out err")
 
-    mixed = [row("torch", True), row("triton", False), row("sparse:torch", True)]
+    fp8 = V.Row("torch", "decode", "fp8", 0.0, 0.0, False, "out err")  # not this config's pair
+    mixed = [row("torch", True), row("triton", False), row("sparse:torch", True), fp8]
     assert V.config_summary(cfg, mixed) == [
         "this config's backends torch: 1 of 1 rows pass",
         "this config's sparse_backend auto: 1 of 1 rows pass",
@@ -455,3 +456,24 @@ def test_verify_of_a_config_naming_triton_on_a_cpu_runs_it_interpreted(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("triton kernels run under the Triton interpreter")
     assert re.search(r"this config's backends triton: (\d+) of \1 rows pass", proc.stdout)
+
+
+def test_verify_runs_the_configs_own_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 queries over an FP8 cache: the rows ran bf16 over FP8 (and every pair with the
+    config's kv_dtype) and never the config's own pair, yet its backends were reported as
+    passing."""
+    import dataclasses
+
+    from mla_backends import verify as V
+    from mla_backends.config import load_config
+    from mla_backends.sparse import verify as sparse_verify
+
+    cfg = dataclasses.replace(load_config(None, resolve=False), decode_backend="torch",
+                              prefill_backend="torch", dtype="float16",
+                              kv_dtype="float8_e4m3fn")  # fmt: skip
+    monkeypatch.setattr(V, "available_backends", lambda: ["torch"])
+    monkeypatch.setattr(sparse_verify, "verify_sparse", lambda *a: [])
+    rows = V.verify(cfg)
+    own = [r for r in rows if r.dtype == "float16/float8_e4m3fn"]
+    assert {r.mode for r in own} == {"decode", "verify", "extend"} and all(r.ok for r in own)
+    assert V.config_summary(cfg, rows)[0] == "this config's backends torch: 5 of 5 rows pass"
