@@ -373,12 +373,37 @@ def test_stack_suite_on_cpu_eager_half_with_the_recorded_keys(tmp_path: Path) ->
     assert rc == 0, err
     result = json.loads((tmp_path / "out" / "stack.json").read_text())
     recorded = _recorded("dsv3-stack-h200.json")
-    assert set(result["meta"]) == set(recorded["meta"]) and result["meta"]["layers"] == 1
+    assert set(recorded["meta"]) <= set(result["meta"]) and result["meta"]["layers"] == 1
+    fixed = {k: result["meta"][k] for k in ("page_size", "kv_dtype", "dtype")}
+    assert fixed == {"page_size": 64, "kv_dtype": "bfloat16", "dtype": "bfloat16"}
     assert [set(r) for r in result["rows"]] == [set(recorded["rows"][0])] * 2
     assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in result["rows"])
     assert result["rows"][0]["vs_first_backend"] == 0.0  # the first backend against itself
     md = (tmp_path / "out" / "stack.md").read_text().splitlines()
     assert len(md) == 4 and md[2].startswith("| torch | 1 | ") and md[2].endswith(" 0/1 |")
+
+
+def test_stack_suite_says_which_config_keys_it_does_not_use(tmp_path: Path) -> None:
+    """It times a real model at page 64, bf16: a config's FP8 pool or page 16 was replaced
+    silently (the timing recorded nothing of it)."""
+    from mla_backends.cli import main
+
+    cfg = tmp_path / "f8.yaml"
+    cfg.write_text("device: cpu\ndecode_backend: torch\nprefill_backend: torch\n"
+                   "kv_dtype: float8_e4m3fn\npage_size: 16\n")  # fmt: skip
+    argv = ["bench", "--config", str(cfg), "--suite", "stack", "--stack-size", "tiny",
+            "--batch", "1", "--prompt", "8", "--steps", "2", "--layers", "1",
+            "--out", str(tmp_path / "o")]  # fmt: skip
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert out.getvalue().splitlines()[0] == (
+        "stack: times page 64, bf16 pools and activations; the config's page_size 16, kv_dtype "
+        "float8_e4m3fn not used (it gives the device and the default backends)"
+    )
 
 
 def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_path: Path) -> None:

@@ -96,9 +96,9 @@ def run(opts: Options, config: Config) -> None:
         check_prefill_backends(prefill, PREFILL_HEADS, dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cap.describe()
     result: dict = {"device": name, "torch": torch.__version__, "ceilings": ceilings(dev)}
-    result["decode"] = decode_table(backends, peers, shapes, str(dev))
-    if tokens:
+    if tokens:  # first: a size that did not fit was refused after the decode rows' timing
         result["prefill"] = prefill_table(prefill, tokens, PREFILL_HEADS, dev)
+    result["decode"] = decode_table(backends, peers, shapes, str(dev))
     (path,) = write(Path(opts.out), {"anchors.json": result})
     print(format_result(result, backends, peers))
     print(f"wrote {path}")

@@ -67,6 +67,9 @@ def measure(opts: Options, config: Config) -> dict:
         "ceilings": ceilings(dev),
         "rows": [],
     }
+    if opts.prefill_tokens:  # first: a size that did not fit was refused after the timing
+        pre = [n for n in names if get_backend_class(n).supports(cfgs[n], cap, "prefill") is None]
+        result["prefill"] = prefill_table(pre, opts.prefill_tokens, heads[0], dev)
     step = progress(len(grid) * len(names))
     for h, q, b, kv in grid:
         row: dict = {"heads": h, "q_len": q, "batch": b, "kv_len": kv}
@@ -96,9 +99,6 @@ def measure(opts: Options, config: Config) -> dict:
                 del s
             step(f"H{h} q{q} B{b} kv{kv} {name}")
         result["rows"].append(row)
-    if opts.prefill_tokens:
-        pre = [n for n in names if get_backend_class(n).supports(cfgs[n], cap, "prefill") is None]
-        result["prefill"] = prefill_table(pre, opts.prefill_tokens, heads[0], dev)
     return result
 
 
