@@ -218,3 +218,39 @@ def test_ragged_verify_mode_is_refused_at_start_up(
         assert why.endswith("set SGLANG_RAGGED_VERIFY_MODE=static")
     else:
         assert why is None or "RAGGED" not in why, why
+
+
+def test_chunk_metadata_through_sglangs_wrappers() -> None:
+    """DeepSeek's chunked-prefix MHA calls `init_mha_chunk_metadata` on whatever wrapper is
+    installed: SGLang's HybridAttnBackend (our prefill and decode names differ, as in the
+    README's per-phase flags) and HybridLinearAttnBackend (every Kimi-Linear server) pass a
+    second argument, which raised a TypeError at a long prefix's first prefill."""
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+    from test_sglang_cpu import ATTENTION_BACKENDS, _hybrid
+
+    pre, runner = _adapter("mlab_torch", page=16, dims=SMALL, max_ctx=64)
+    dec, _ = _adapter("mlab_torch", page=16, dims=SMALL, max_ctx=64)
+    ns = SimpleNamespace(
+        kv_cache_dtype=runner.kv_cache_dtype, token_to_kv_pool=runner.token_to_kv_pool,
+        req_to_token_pool=runner.req_to_token_pool, model_config=runner.model_config,
+        server_args=SimpleNamespace(speculative_attention_mode="prefill"),
+    )  # fmt: skip
+    kimi, kimi_runner = _adapter("mlab_torch", page=16, dims=SMALL, max_ctx=64)
+    ids = [5 + 4 * i for i in range(len(kimi_runner.token_to_kv_pool.kv_buffer))]
+    kimi_runner.token_to_kv_pool = _hybrid(kimi_runner, ids)
+    kimi = ATTENTION_BACKENDS["mlab_torch"](kimi_runner)
+    linear = SimpleNamespace(needs_cpu_seq_lens=False, init_forward_metadata=lambda fb: None)
+    for wrapper, inner, r in (
+        (HybridAttnBackend(ns, pre, dec), pre, runner),
+        (HybridLinearAttnBackend(kimi, linear, ids), kimi, kimi_runner),
+    ):
+        fb = _extend_batch(r, 16, (20, 9), (4, 3))
+        wrapper.init_forward_metadata(fb)
+        # what ForwardBatch.prepare_chunked_prefix_cache_info leaves for one chunk
+        fb.num_prefix_chunks = 1
+        fb.prefix_chunk_cu_seq_lens = torch.tensor([[0, 20, 29]])
+        fb.prefix_chunk_seq_lens_cpu = [torch.tensor([20, 9])]
+        wrapper.init_mha_chunk_metadata(fb)  # as forward_mha.py calls it
+        (chunk,) = inner.forward_metadata.chunks.values()
+        assert chunk.kv_indptr_cpu.tolist() == [0, 20, 29]

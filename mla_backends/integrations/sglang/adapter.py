@@ -117,8 +117,13 @@ class MLABackendAdapter(AttentionBackend):
             md.new_tokens = new_token_layout(batch)
         self.forward_metadata = md
 
-    def init_mha_chunk_metadata(self, forward_batch: Any) -> None:
-        """Chunked-prefix MHA (DeepSeek calls this once per batch): one layout per chunk."""
+    def init_mha_chunk_metadata(
+        self, forward_batch: Any, disable_flashinfer_ragged: bool = False
+    ) -> None:
+        """Chunked-prefix MHA (DeepSeek calls this once per batch): one layout per chunk.
+        `disable_flashinfer_ragged`: SGLang's wrappers (HybridAttnBackend, the Kimi-Linear
+        HybridLinearAttnBackend) pass it on to every backend; our layouts do not use it.
+        Hazard: without it, their call raised a TypeError at a long prefix's first prefill."""
         md = self._metadata()
         md.chunks = {
             i: prefix_chunk_layout(forward_batch, md.batch, i)
