@@ -226,6 +226,17 @@ REFUSALS = {
         {"attention_backend": "mlab_triton", "page_size": 64, "kv_cache_dtype": "fp8_e5m2"},
         r"--kv-cache-dtype fp8_e5m2 .* not supported by mla-backends",
     ),
+    # accepted, it failed at the first long prefill on a shape error naming q_nope
+    "prefill-cp": (
+        {
+            "attention_backend": "mlab_triton",
+            "page_size": 64,
+            "tp_size": 2,
+            "enable_prefill_cp": True,
+            "cp_strategy": "zigzag",
+        },
+        r"mlab_triton: prefill context parallelism \(--enable-prefill-cp",
+    ),  # fmt: skip
 }
 
 
@@ -327,6 +338,22 @@ def test_start_up_check_refuses_a_model_without_mla(tmp_path: Path, on_h100: Cap
     (tmp_path / "config.json").write_text(json.dumps(llama))
     sa = _server_args(tmp_path, attention_backend="mlab_triton", page_size=16)
     with pytest.raises(SettingsError, match=r"mlab_triton serves MLA models.*attention is MHA"):
+        sa.check_server_args()
+
+
+def test_a_v32_checkpoint_under_our_name_is_refused_at_launch(
+    tmp_path: Path, on_h100: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeepSeek-V3.2 (DSA) config with our name passed the launch check and was refused
+    by each worker's pool check, after the weights were loaded (minutes at 671B)."""
+    # SGLang's DSA defaults ask for the GPU's capability
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    v32 = dict(TINY_DSV3, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+               index_topk=64, index_head_dim=128, index_n_heads=4)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(v32))
+    sa = _server_args(tmp_path, attention_backend="mlab_triton", page_size=64)
+    with pytest.raises(SettingsError, match=r"DeepSeek-V3.2 \(DSA\) model; serve it with "
+                       r"--attention-backend dsa and MLAB_DSA_SPARSE"):  # fmt: skip
         sa.check_server_args()
 
 

@@ -159,6 +159,15 @@ def _kv_dtype(flag: str, model_dtype: torch.dtype) -> torch.dtype | None:
     return table.get(flag)
 
 
+def _is_dsa(model_config: Any) -> bool:
+    """SGLang's own test: the config names an indexer (`is_deepseek_dsa`)."""
+    try:
+        from sglang.srt.configs.model_config import is_deepseek_dsa
+    except ImportError:  # another SGLang: the factory's pool check still refuses it
+        return False
+    return bool(is_deepseek_dsa(getattr(model_config, "hf_config", None)))
+
+
 def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
     """After `ServerArgs.check_server_args` (launching process): refuse settings our chosen
     backends cannot run, with our reason, before a worker starts. Only the model's dims and
@@ -183,6 +192,12 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
         raise settings.SettingsError(
             f"--attention-backend {ours[0]} serves MLA models (DeepSeek-V2/V3/R1, Kimi-K2, "
             f"Kimi-Linear); this model's attention is {arch}"
+        )
+    if _is_dsa(mc):  # refused here, not after every worker loaded the weights (pool check)
+        raise settings.SettingsError(
+            f"--attention-backend {ours[0]}: this is a DeepSeek-V3.2 (DSA) model; serve it "
+            "with --attention-backend dsa and MLAB_DSA_SPARSE=triton (or auto) for our sparse "
+            "kernel (README, SGLang section)"
         )
     model_dtype = getattr(mc, "dtype", torch.bfloat16)
     if getattr(sa, "device", "cuda") == "cuda" and torch.cuda.is_available():

@@ -196,22 +196,37 @@ def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
     )
 
 
+def _int(server_args: Any, flag: str) -> int:
+    try:
+        return int(getattr(server_args, flag, None) or 1)
+    except (TypeError, ValueError):  # not resolved yet ("auto"): SGLang's own check decides
+        return 1
+
+
 def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
-    """What no backend of ours serves, from SGLang's server flags alone (the launching
-    process's check and the factory ask the same): decode context parallelism (`dcp`, SGLang's
-    --dcp-size > 1), ragged verify layouts (DSPARK / DFLASH under SGLANG_RAGGED_VERIFY_MODE
-    other than static), two-batch overlap over mixed chunks (SGLang 0.5.17's
-    `two_batch_overlap` cuts a MIXED batch's requests at the balanced split and its tokens at
-    the two-chunk one, and re-derives the lengths for EXTEND only), a full prefill CUDA graph
-    (breakable, SGLang's default on CUDA, runs our attention eagerly between its pieces; full
-    would send EXTEND batches to the graph hooks),
-    tree drafts (EAGLE's --speculative-eagle-topk > 1; NGRAM copies its
-    --speculative-ngram-max-bfs-breadth into that top-k, so the message names NGRAM's flag)
-    and our names as an EAGLE draft's attention backend (`_draft_refusal`)."""
+    """What no backend of ours serves, from SGLang's server flags alone (the launching process's
+    check and the factory ask the same): decode context parallelism (`dcp`, SGLang's --dcp-size
+    > 1) and prefill context parallelism, ragged verify layouts (DSPARK / DFLASH under
+    SGLANG_RAGGED_VERIFY_MODE other than static), two-batch overlap over mixed chunks (SGLang
+    0.5.17's `two_batch_overlap` cuts a MIXED batch's requests at the balanced split and its
+    tokens at the two-chunk one, and re-derives the lengths for EXTEND only), a full prefill
+    CUDA graph (breakable, SGLang's default on CUDA, runs our attention eagerly between its
+    pieces; full would send EXTEND batches to the graph hooks), tree drafts (EAGLE's
+    --speculative-eagle-topk > 1; NGRAM copies its --speculative-ngram-max-bfs-breadth into
+    that top-k, so the message names NGRAM's flag) and our names as an EAGLE draft's attention
+    backend (`_draft_refusal`)."""
     if dcp:
         return (
             f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
             "SGLang; start without --dcp-size"
+        )
+    if getattr(server_args, "enable_prefill_cp", False) or _int(server_args, "attn_cp_size") > 1:
+        # Hazard: accepted, the first long prefill failed on a shape error naming q_nope
+        return (
+            f"{sgl_name}: prefill context parallelism (--enable-prefill-cp, "
+            "--attention-context-parallel-size > 1) hands attention this rank's share of the "
+            "query tokens over the whole sequence's keys, which our backends do not take; "
+            "start without it"
         )
     ragged = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static").strip().lower()
     if _spec_algorithm(server_args) in ("DSPARK", "DFLASH") and ragged != "static":
