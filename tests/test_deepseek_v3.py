@@ -574,3 +574,19 @@ def test_run_resolves_backends_for_the_checkpoints_dims(cli: Cli, tmp_path: Path
     # and says so: the config's own dims are not what ran
     said = [ln for ln in proc.stdout.splitlines() if "the model's dims replace" in ln]
     assert len(said) == 1 and said[0].endswith("num_layers 2 -> 3"), proc.stdout
+
+
+def test_an_engine_refuses_a_runtime_whose_dims_are_not_the_models() -> None:
+    """The softmax scale lives in the runtime's dims: a Kimi-K2 checkpoint (YaRN factor 32)
+    on a DeepSeek-V3 runtime (factor 40) served at the wrong scale, with no error."""
+    import dataclasses
+
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    dims = model.cfg.attention_dims
+    cfg = Config(model=dataclasses.replace(dims, rope_scaling_factor=dims.rope_scaling_factor + 8),
+                 decode_backend="torch", prefill_backend="torch", device="cpu",
+                 kv_dtype="float32", dtype="float32")  # fmt: skip
+    with pytest.raises(ValueError, match=r"runtime's attention dims are not the model's: "
+                       r"rope_scaling_factor"):  # fmt: skip
+        Engine(model, Runtime.build(cfg))
+    Engine(model, Runtime.build(dataclasses.replace(cfg, model=dims)))  # the model's: taken

@@ -190,3 +190,24 @@ def test_kimi_a_log_is_read_in_the_hubs_layout_and_ours(kimi: Path) -> None:
     t[name] = t[name].reshape(h).contiguous()
     save_file(t, str(file))
     assert torch.equal(load_kimi_linear(kimi).layers[0].attn.A_log.detach(), want)
+
+
+def test_a_bf16_model_keeps_rope_and_the_routing_gate_in_fp32(tmp_path: Path) -> None:
+    """As HF keeps them: cast with the model, RoPE's inv_freq was rounded to bf16 (0.4 %, a
+    query and key thousands of positions apart rotated radians wrong) and the routing gate
+    and bias too (0.5-5 % of tokens sent to other experts); a double() model stays fp64."""
+    from mla_backends.models.deepseek_v3 import rope_tables
+    from mla_backends.models.run import save_random
+
+    save_random("tiny", tmp_path, seed=0)
+    want = load_model(tmp_path, dtype=torch.float32)
+    got = load_model(tmp_path, dtype=torch.bfloat16)
+    assert got.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(got.model.inv_freq, rope_tables(got.cfg)[0].float())
+    gates = [n for n, _ in got.named_parameters() if ".mlp.gate." in n]
+    assert gates  # the tiny model has MoE layers
+    ref = dict(want.named_parameters())
+    for name, p in got.named_parameters():
+        if name in gates:
+            assert p.dtype == torch.float32 and torch.equal(p, ref[name]), name
+    assert got.double().model.inv_freq.dtype == torch.float64

@@ -229,7 +229,41 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Gate(nn.Module):
+class KeepsFP32(nn.Module):
+    """A module whose own parameters and buffers stay at least fp32 through `model.to(bf16)`
+    and `.half()` (their device still follows), as HF keeps them. Hazard: cast with the rest,
+    RoPE's `inv_freq` was rounded to bf16 (0.4 %: a query and key 4k positions apart rotated
+    3.5 rad wrong at DeepSeek's dims) and the routing bias and gate to bf16 (0.5-5 % of
+    tokens routed to other experts). `loader.load_weights` reads their tensors in fp32."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        own = [*self._parameters.items(), *self._buffers.items()]
+        before = {n: t.data for n, t in own if t is not None and t.is_floating_point()}
+        out = super()._apply(fn, recurse)
+        for name, t in before.items():
+            param = self._parameters.get(name)
+            now = self._buffers[name] if param is None else param
+            if now is None or now.dtype.itemsize >= 4:
+                continue
+            kept = t.to(device=now.device, dtype=torch.float32)  # from the value before the cast
+            if param is None:
+                self._buffers[name] = kept
+            else:
+                param.data = kept
+        return out
+
+
+def keeps_fp32(model: nn.Module) -> set[str]:
+    """State-dict names of the tensors `KeepsFP32` modules hold (the loaders keep them fp32)."""
+    return {
+        f"{prefix}.{n}" if prefix else n
+        for prefix, m in model.named_modules()
+        if isinstance(m, KeepsFP32)
+        for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+    }
+
+
+class Gate(KeepsFP32):
     """Sigmoid scores, grouped top-k on bias-corrected scores, weights from raw scores."""
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
@@ -410,8 +444,8 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3Model(nn.Module):
-    inv_freq: torch.Tensor  # a buffer: [R / 2]
+class DeepseekV3Model(KeepsFP32):
+    inv_freq: torch.Tensor  # a buffer: [R / 2], fp32 whatever the model's dtype
 
     def __init__(self, cfg: DeepseekV3Config, chunked_prefix_min: int | None = None) -> None:
         super().__init__()

@@ -3,6 +3,7 @@ prefix, decode, verify. Used by the model tests and the `run` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any, cast
@@ -11,8 +12,30 @@ import torch
 
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
+from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.runtime import Runtime
+
+
+def _check_dims(model: torch.nn.Module, runtime: Runtime) -> None:
+    """The runtime's attention dims are the model's, head count aside (a rank's share, or a
+    shape error at the first call). Hazard: the softmax scale (YaRN factor, mscale) lives in
+    the runtime's dims: a Kimi-K2 checkpoint on a DeepSeek-V3 runtime served at the wrong
+    scale with no error (logits 0.88 off in prefill)."""
+    dims = getattr(getattr(model, "cfg", None), "attention_dims", None)
+    if not isinstance(dims, MLADims):  # a model that declares none (Kimi-Linear's NoPE MLA)
+        return
+    have = runtime.config.model
+    diff = [
+        f"{f.name} {getattr(have, f.name)} (model: {getattr(dims, f.name)})"
+        for f in dataclasses.fields(MLADims)
+        if f.name != "num_heads" and getattr(have, f.name) != getattr(dims, f.name)
+    ]
+    if diff:
+        raise ValueError(
+            f"the runtime's attention dims are not the model's: {', '.join(diff)}; build the "
+            "runtime's config with model=<the model's cfg>.attention_dims"
+        )
 
 
 class Engine:
@@ -30,6 +53,7 @@ class Engine:
         self, model: torch.nn.Module, runtime: Runtime, backend: AttentionBackend | None = None
     ) -> None:
         self.model, self.rt = model, runtime
+        _check_dims(model, runtime)
         self.backend = runtime.backend if backend is None else backend
         self.device = runtime.kv_pool.device
         self.runner: CudaGraphRunner | None = None

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from mla_backends.arith import cdiv
-from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, keeps_fp32
 
 BLOCK = 128
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -234,6 +234,7 @@ def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device 
     want = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
+    fp32 = keeps_fp32(model)  # RoPE, the routing gate: as HF keeps them
     loaded = {}
     for name, ref in want.items():
         try:
@@ -244,7 +245,7 @@ def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device 
             raise CheckpointError(
                 f"{name}: checkpoint shape {list(t.shape)}, model expects {list(ref.shape)}"
             )
-        loaded[name] = t.to(dtype)
+        loaded[name] = t.to(torch.float32 if name in fp32 else dtype)
     model.load_state_dict(loaded, strict=True)
     cast(Any, model).extra_tensors = sorted(
         k for k in tensors if k not in want and not k.endswith("_scale_inv")
