@@ -27,6 +27,22 @@ BAD_DSV3: dict[str, tuple[dict[str, Any], str]] = {
     "bool-str": ({"rope_interleave": "false"}, r"rope_interleave must be true or false"),
     # GLM-5's V3.2-like model was built as dense V3, its indexer tensors left unused
     "model-type": ({"model_type": "glm_moe_dsa"}, r"model_type 'glm_moe_dsa' is not one this"),
+    # read and ignored: the maths differ from HF's, with no error
+    "attention-bias": ({"attention_bias": True}, r"asks for biases on the projections"),
+    "gelu": ({"hidden_act": "gelu"}, r"hidden_act 'gelu' \(the MLP computes silu\)"),
+    "yarn-factor": (
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "attention_factor": 1.3}},
+        r"rope_scaling.attention_factor",
+    ),
+    "yarn-truncate": (
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "truncate": False}},
+        r"rope_scaling.truncate false",
+    ),
+    # an INT4 checkpoint was refused for a weight name it lacked
+    "int4": (
+        {"quantization_config": {"quant_method": "compressed-tensors"}},
+        r"quant_method 'compressed-tensors': the loaders read",
+    ),
     # blamed on num_experts_per_tok
     "topk-group": ({"topk_group": 99}, r"topk_group \(99\) must be in 1..n_group"),
     # DeepSeek-V2's routing was taken, then failed on a missing tensor
@@ -144,6 +160,7 @@ BAD_KIMI: dict[str, tuple[dict[str, Any], str]] = {
     "moe": ({"num_experts": 8, "first_k_dense_replace": 1}, r"MoE blocks \(num_experts 8 from la"),
     "q-lora": ({"q_lora_rank": 16}, r"a q LoRA \(q_lora_rank 16\): not in this model"),
     "rope": ({"mla_use_nope": False}, r"MLA layers with RoPE \(mla_use_nope false\)"),
+    "bias": ({"attention_bias": True}, r"biases on the projections"),
 }
 
 

@@ -71,6 +71,9 @@ class DeepseekV3Config:
         if kind not in ("default", "yarn"):
             raise ValueError(f"rope_scaling type {kind!r} is not supported (yarn or none)")
         raw["rope_scaling"] = dict(rope) if kind == "yarn" else {}
+        ignored = not_computed(raw)
+        if ignored:
+            raise ValueError(f"config.json asks for {ignored}, which this model does not compute")
         # Hazard: the gate routes as DeepSeek-V3 does; V2's softmax / greedy routing was taken
         # and failed later on a missing tensor, or routed otherwise than the checkpoint's
         routing = raw.get("scoring_func", "sigmoid"), raw.get("topk_method", "noaux_tc")
@@ -150,6 +153,22 @@ class DeepseekV3Config:
             rope_scaling_factor=float(rs.get("factor", 1.0)),
             mscale_all_dim=float(rs.get("mscale_all_dim", 0.0) or 0.0),
         )
+
+
+def not_computed(raw: dict[str, Any]) -> str | None:
+    """A config.json field that changes the maths and this model (and Kimi-Linear's) would
+    ignore, or None. Hazard: each was dropped with no error (attention biases 0.99 off, a
+    GELU MLP 0.62, YaRN's attention_factor 1.22, its truncate false up to 50 % on inv_freq)."""
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        return "biases on the projections (attention_bias / mlp_bias true)"
+    if raw.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {raw['hidden_act']!r} (the MLP computes silu)"
+    rope = raw.get("rope_scaling") or {}
+    if rope.get("attention_factor") is not None:
+        return "rope_scaling.attention_factor (cos / sin scaled by it)"
+    if rope.get("truncate", True) is not True:
+        return "rope_scaling.truncate false (YaRN's correction range not rounded)"
+    return None
 
 
 def _positive_number(name: str, value: Any) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mla_backends.models.deepseek_v3 import not_computed
 from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from mla_backends.models.loader import (
     CheckpointError,
@@ -92,7 +93,7 @@ def _unsupported(raw: dict[str, Any]) -> str | None:
         return f"a q LoRA (q_lora_rank {raw['q_lora_rank']})"
     if raw.get("mla_use_nope") is False:
         return "MLA layers with RoPE (mla_use_nope false)"
-    return None
+    return not_computed(raw)
 
 
 def hf_name(name: str) -> str:

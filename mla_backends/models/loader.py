@@ -41,6 +41,13 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{cfg}: cannot read it as JSON: {e}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg}: top level must be an object, got {type(raw).__name__}")
+    quant = raw.get("quantization_config") or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in (None, "fp8"):  # else refused later for a weight name it lacks
+        raise CheckpointError(
+            f"{cfg}: quantization_config.quant_method {method!r}: the loaders read bf16 / fp16 "
+            "/ fp32 weights and DeepSeek's block-scaled FP8 ('fp8') only"
+        )
     return raw
 
 
