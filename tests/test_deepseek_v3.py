@@ -326,7 +326,13 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
 
     raw = dict(TINY_HF, hidden_size=512, num_attention_heads=16, num_key_value_heads=16)
     raw.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    # Dense MLPs (first_k_dense_replace = every layer): a bf16 MoE's routing flips at near
+    # ties between forwards of different shape, a discontinuity that is not attention's. It
+    # hit this seed's incremental run (5.9e-2) once the gate kept HF's fp32 weights, and the
+    # full forward's distance from the fp32 oracle (5.6e-2 before) before that. The MoE's
+    # capture path equals the routed one in test_dense_moe_equals_routed_moe (CPU).
     raw.update(q_lora_rank=256, num_hidden_layers=2, intermediate_size=512)
+    raw.update(first_k_dense_replace=2)
     model = random_model(raw, seed=0, device="cuda", dtype=torch.bfloat16)
 
     gen = torch.Generator().manual_seed(2)
@@ -351,8 +357,7 @@ def test_gpu_incremental_equals_full_forward_with_graphs(decode: str, prefill: s
         f"{_rel(got_all, want32):.2e}; full bf16 vs fp32 oracle {_rel(want, want32):.2e}"
     )
     # bf16 weights and KV: two bf16 forwards of different shape agree to about 2^-7. (The
-    # fp32 oracle is printed, not asserted: a bf16 model's own distance from it includes MoE
-    # routing flips, a discontinuity, measured 5.6e-2 on H200 for the full forward too.)
+    # fp32 oracle is printed, not asserted: a bf16 model's own distance from it.)
     assert _rel(got_all, want) <= 2e-2
 
 
