@@ -401,8 +401,8 @@ def test_stack_suite_says_which_config_keys_it_does_not_use(tmp_path: Path) -> N
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
     assert out.getvalue().splitlines()[0] == (
-        "stack: times page 64, bf16 pools and activations; the config's page_size 16, kv_dtype "
-        "float8_e4m3fn not used (it gives the device and the default backends)"
+        "stack: times page 64, bfloat16 pools and bfloat16 activations; the config's page_size "
+        "16, kv_dtype float8_e4m3fn not used (it gives the device and the default backends)"
     )
 
 

@@ -208,11 +208,12 @@ def run(opts: Options, config: Config) -> None:
     for cfg in cfgs:  # before the model is built: a backend that cannot run here is one line
         require_runs(cfg.decode_backend, cfg, cap, "decode")
         require_runs(cfg.prefill_backend, cfg, cap, "prefill")
-    fixed = dict(page_size=64, kv_dtype="bfloat16", dtype="bfloat16")  # as _config builds
+    fixed = {k: getattr(cfgs[0], k) for k in ("page_size", "kv_dtype", "dtype")}  # _config's
     differ = [f"{k} {getattr(config, k)}" for k, v in fixed.items() if getattr(config, k) != v]
     if differ:  # said, not silently replaced: the suite times a real model at one setting
-        print(f"stack: times page 64, bf16 pools and activations; the config's {', '.join(differ)} "
-              "not used (it gives the device and the default backends)")  # fmt: skip
+        print(f"stack: times page {fixed['page_size']}, {fixed['kv_dtype']} pools and "
+              f"{fixed['dtype']} activations; the config's {', '.join(differ)} not used "
+              "(it gives the device and the default backends)")  # fmt: skip
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with out_of_memory(f"--layers {layers}, --stack-size {size}", dev):
