@@ -183,7 +183,7 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
     ours = sorted(n for n in chosen if n in names)
     if not ours:
         return
-    msg = settings.server_refusal(ours[0], sa, int(getattr(sa, "dcp_size", 1) or 1) > 1)
+    msg = settings.server_refusal(ours[0], sa, settings.int_flag(sa, "dcp_size") > 1)
     if msg is not None:
         raise settings.SettingsError(msg)
     mc = sa.get_model_config()

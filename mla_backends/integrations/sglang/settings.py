@@ -196,7 +196,8 @@ def _draft_refusal(sgl_name: str, server_args: Any) -> str | None:
     )
 
 
-def _int(server_args: Any, flag: str) -> int:
+def int_flag(server_args: Any, flag: str) -> int:
+    """An integer server flag, 1 when unset (None, 0) or not resolved yet."""
     try:
         return int(getattr(server_args, flag, None) or 1)
     except (TypeError, ValueError):  # not resolved yet ("auto"): SGLang's own check decides
@@ -220,7 +221,8 @@ def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
             f"{sgl_name}: decode context parallelism (--dcp-size > 1) is not supported through "
             "SGLang; start without --dcp-size"
         )
-    if getattr(server_args, "enable_prefill_cp", False) or _int(server_args, "attn_cp_size") > 1:
+    prefill_cp = getattr(server_args, "enable_prefill_cp", False)
+    if prefill_cp or int_flag(server_args, "attn_cp_size") > 1:
         # Hazard: accepted, the first long prefill failed on a shape error naming q_nope
         return (
             f"{sgl_name}: prefill context parallelism (--enable-prefill-cp, "
@@ -249,7 +251,7 @@ def server_refusal(sgl_name: str, server_args: Any, dcp: bool) -> str | None:
             "metadata, which our graph hooks serve for DECODE and TARGET_VERIFY only; use "
             "--cuda-graph-backend-prefill breakable (the default) or disabled"
         )
-    topk = int(getattr(server_args, "speculative_eagle_topk", None) or 1)
+    topk = int_flag(server_args, "speculative_eagle_topk")
     if topk <= 1:
         return _draft_refusal(sgl_name, server_args)
     flag = "--speculative-eagle-topk"
