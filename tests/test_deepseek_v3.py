@@ -137,6 +137,27 @@ def test_logits_equal_hf_transformers_prefill_and_every_decode_step(hf_checkpoin
             assert _rel(out[i], ref) <= 1e-4, f"decode step {step}, request {i}"
 
 
+def test_latent_norms_keep_their_own_eps_whatever_the_configs(tmp_path: Path) -> None:
+    """HF, DeepSeek's reference and Kimi-Linear build q_a_layernorm / kv_a_layernorm with
+    RMSNorm's default eps 1e-6; `rms_norm_eps` is the hidden-state norms' alone. A config
+    with another eps (Kimi-Linear's 1e-5) moved only our logits when the latent norms read it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**dict(TINY_HF, rms_norm_eps=0.5))
+    ).eval()
+    with torch.no_grad():  # latents of rms ~0.1: an eps of 0.5 in their norm is plain
+        hf.model.embed_tokens.weight.mul_(0.1)
+    hf.save_pretrained(tmp_path)
+    eng = _engine(load_model(tmp_path))
+    prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    [row] = eng.new_requests(1)
+    got = eng.extend([row], [prompt])
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].float()
+    assert _rel(got, want) <= 1e-4, _rel(got, want)
+
+
 def _incremental_equals_full(model, backend: str, page: int, tol: float) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(2)
     seq = torch.randint(0, 96, (40,), generator=gen).tolist()

@@ -225,6 +225,12 @@ def apply_rope(
 
 
 # ---------------------------------------------------------------------------- blocks
+# q_a_layernorm / kv_a_layernorm: RMSNorm's default eps in HF (DeepSeek-V2/V3/V3.2,
+# Kimi-Linear) and DeepSeek's reference, whatever `rms_norm_eps` says. Hazard: SGLang reads
+# the config's; at Kimi-Linear's 1e-5 that moves logits ~1.7e-5 off the reference.
+LATENT_NORM_EPS = 1e-6
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -362,12 +368,12 @@ class MLAttention(nn.Module):
         qk = p + r
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, h * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + r, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (p + v), bias=False)
         self.o_proj = nn.Linear(h * v, cfg.hidden_size, bias=False)
 
