@@ -4,6 +4,7 @@ padded decode rows never touch a real request's state."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -575,6 +576,83 @@ def test_a_verify_is_accepted_before_another_step_and_its_staging_is_dropped() -
 
 
 # ---------------------------------------------------------------------------- HF checkpoint
+def _hf_kimi_linear_checkpoint(path: Path, rms_norm_eps: float) -> Any:
+    """A tiny random HF `KimiLinearForCausalLM` (KDA layers 1-3, MLA layer 4, dense MLPs),
+    written in the hub's layout: transformers' save names every MLP `block_sparse_moe.` and
+    writes its own layer keys, where Kimi-Linear's checkpoints have `mlp.` on dense layers
+    and `linear_attn_config`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "KimiLinearForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no KimiLinearForCausalLM")
+    kinds = ["linear_attention"] * 3 + ["full_attention"]
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=4, linear_head_dim=16,
+        mlp_layer_types=["dense"] * 4, layer_types=kinds, rms_norm_eps=rms_norm_eps,
+        tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF's init leaves decays at zero and norms at one
+        for name, p in hf.named_parameters():
+            if p.dim() > 1 and "A_log" not in name:
+                p.normal_(0, 0.1)
+        for layer in hf.model.layers[:3]:
+            layer.self_attn.forget_gate.A_log.uniform_(-1, 1)
+            layer.self_attn.forget_gate.dt_bias.normal_(0, 0.5)
+            layer.self_attn.o_norm.weight.uniform_(0.5, 1.5)
+    hf.save_pretrained(path)
+    t = load_file(str(path / "model.safetensors"))
+    save_file({k.replace(".block_sparse_moe.", ".mlp."): v for k, v in t.items()},
+              str(path / "model.safetensors"))  # fmt: skip
+    raw = json.loads((path / "config.json").read_text())
+    raw["linear_attn_config"] = dict(
+        num_heads=4, head_dim=16, short_conv_kernel_size=raw["linear_conv_kernel_dim"],
+        kda_layers=[1, 2, 3], full_attn_layers=[4],
+    )  # fmt: skip
+    (path / "config.json").write_text(json.dumps(raw))
+    return hf
+
+
+@pytest.mark.parametrize("rms_norm_eps", [1e-5, 1e-2])
+def test_logits_equal_hf_transformers_prefill_every_decode_step_and_an_extend(
+    tmp_path: Path, rms_norm_eps: float
+) -> None:
+    """Against transformers' own Kimi-Linear (its torch KDA, chunked over a whole sequence
+    each call): our model, loaded from its checkpoint, prefill, decode steps and an extend
+    over the cached prefix, to 1e-5 in fp32. Before q / k took fla's l2norm (eps inside the
+    root) and the latent norms their own eps, it was 8e-5 off."""
+    from mla_backends.models.kimi_loader import load_kimi_linear
+
+    hf = _hf_kimi_linear_checkpoint(tmp_path, rms_norm_eps)
+    eng = _engine(load_kimi_linear(tmp_path))
+
+    def ref(seq: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(torch.tensor([seq])).logits[0].float()
+
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (7, 19, 1)]
+    rows = eng.new_requests(len(seqs))
+    got = eng.extend(rows, seqs).split([len(s) for s in seqs])
+    for s, g in zip(seqs, got):
+        assert _rel(g, ref(s)) <= 1e-5, "prefill"
+    for step in range(4):
+        nxt = [int(torch.randint(0, 96, (1,), generator=gen)) for _ in rows]
+        out = eng.decode(rows, nxt)
+        for i, s in enumerate(seqs):
+            s.append(nxt[i])
+            assert _rel(out[i], ref(s)[-1]) <= 1e-5, f"decode step {step}, request {i}"
+    more = torch.randint(0, 96, (5,), generator=gen).tolist()
+    out = eng.extend(rows[:1], [more])
+    assert _rel(out, ref(seqs[0] + more)[-5:]) <= 1e-5, "extend"
+
+
 def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file
 

@@ -115,6 +115,11 @@ def short_conv_step(
     return out, full[:, :, 1:].float()
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's (and HF's) q / k norm: eps inside the root, not F.normalize's floor on it."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
 class KDALayer(nn.Module):
     def __init__(self, cfg: KimiLinearConfig, layer_id: int) -> None:
         super().__init__()
@@ -170,7 +175,7 @@ class KDALayer(nn.Module):
             torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch, backend
         )
         q, k, v = (z.view(t, h, d) for z in qkv.split(h * d, dim=-1))
-        q, k = F.normalize(q.float(), dim=-1), F.normalize(k.float(), dim=-1)
+        q, k = l2norm(q.float()), l2norm(k.float())
         f = self.f_b_proj(self.f_a_proj(x)) + self.dt_bias
         g = -self.A_log.float().exp()[:, None] * F.softplus(f.float()).view(t, h, d)  # [T, H, K]
         beta = self.b_proj(x).float().sigmoid()
