@@ -225,7 +225,10 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
             q_data_type=self.ctx.config.torch_dtype,
         )
         self.ragged_plans += 1
-        if md is not None and len(md.ragged) < 4:  # a batch has 3 layouts: extend, prefix, new
+        # Kept: our model's 3 layouts (extend, prefix, new) and a 4th. Hazard: each wrapper
+        # holds an 8 MiB int workspace and its pinned twin, so SGLang's chunked prefix past
+        # that (one layout a chunk) re-plans those chunks each layer (host µs), not 16 MiB a chunk
+        if md is not None and len(md.ragged) < 4:
             md.ragged[key] = (layout, w)
         return w
 
