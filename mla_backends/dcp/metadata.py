@@ -53,10 +53,12 @@ class DCPGraphState:
         )
 
 
-def ranks_seeing(layout: DCPLayout, vis: torch.Tensor) -> torch.Tensor:
-    """[N, T] bool: rank k holds at least one key of each query token (vis > k)."""
-    ranks = torch.arange(layout.size, device=vis.device, dtype=vis.dtype)
-    return vis[None, :] > ranks[:, None]
+def ranks_seeing(
+    ranks: torch.Tensor, vis: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N, T] bool: rank k holds at least one key of each query token (vis > k); `ranks` is
+    arange(N) (in decode the graph state's, `out` its static buffer)."""
+    return torch.gt(vis[None, :], ranks[:, None], out=out)
 
 
 def rows_metadata(
@@ -86,8 +88,7 @@ def rows_metadata(
     # This rank's share of each: (vis + N - 1 - rank) // N, as `layout.local_lens`.
     torch.add(vis, c, out=seq).div_(n, rounding_mode="floor")
     torch.sub(seq, 1, out=pre).clamp_(min=0)
-    valid = static.valid[:, :t]
-    torch.gt(vis[None, :], static.ranks[:, None], out=valid)
+    valid = ranks_seeing(static.ranks, vis, out=static.valid[:, :t])
     seq_cpu = layout.local_lens(vis_cpu)
     local = ForwardBatch(
         mode=ForwardMode.DECODE,
@@ -143,4 +144,5 @@ def extend_metadata(layout: DCPLayout, batch: ForwardBatch) -> DCPMetadata:
     )
     vis_t = torch.tensor(vis, dtype=i32).to(dev)
     perm_t = torch.tensor(perm, dtype=torch.int64).to(dev)
-    return DCPMetadata(vis_t, ranks_seeing(layout, vis_t), local, perm_t)
+    ranks = torch.arange(lay.size, device=dev, dtype=i32)
+    return DCPMetadata(vis_t, ranks_seeing(ranks, vis_t), local, perm_t)
