@@ -4,6 +4,7 @@ padded decode rows never touch a real request's state."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -576,11 +577,11 @@ def test_a_verify_is_accepted_before_another_step_and_its_staging_is_dropped() -
 
 
 # ---------------------------------------------------------------------------- HF checkpoint
-def _hf_kimi_linear_checkpoint(path: Path, rms_norm_eps: float) -> Any:
-    """A tiny random HF `KimiLinearForCausalLM` (KDA layers 1-3, MLA layer 4, dense MLPs),
-    written in the hub's layout: transformers' save names every MLP `block_sparse_moe.` and
-    writes its own layer keys, where Kimi-Linear's checkpoints have `mlp.` on dense layers
-    and `linear_attn_config`."""
+def _hf_kimi_linear_checkpoint(path: Path, rms_norm_eps: float, moe: bool) -> Any:
+    """A tiny random HF `KimiLinearForCausalLM` (KDA layers 1-3, MLA layer 4; dense MLPs, or
+    MoE blocks from layer 2 on), written in the hub's layout: transformers' save names every
+    MLP `block_sparse_moe.`, where Kimi-Linear's checkpoints have `mlp.` on dense layers, and
+    writes its own layer keys, where they have `linear_attn_config`."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -593,7 +594,9 @@ def _hf_kimi_linear_checkpoint(path: Path, rms_norm_eps: float) -> Any:
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=4, linear_head_dim=16,
-        mlp_layer_types=["dense"] * 4, layer_types=kinds, rms_norm_eps=rms_norm_eps,
+        mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, layer_types=kinds,
+        num_local_experts=8, moe_intermediate_size=16, num_experts_per_tok=2, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, rms_norm_eps=rms_norm_eps,
         tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -606,10 +609,13 @@ def _hf_kimi_linear_checkpoint(path: Path, rms_norm_eps: float) -> Any:
             layer.self_attn.forget_gate.A_log.uniform_(-1, 1)
             layer.self_attn.forget_gate.dt_bias.normal_(0, 0.5)
             layer.self_attn.o_norm.weight.uniform_(0.5, 1.5)
+        for layer in hf.model.layers[1:] if moe else []:  # routing that is not a near tie
+            layer.mlp.gate.weight.normal_(0, 0.5)
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.2, 0.2)
     hf.save_pretrained(path)
     t = load_file(str(path / "model.safetensors"))
-    save_file({k.replace(".block_sparse_moe.", ".mlp."): v for k, v in t.items()},
-              str(path / "model.safetensors"))  # fmt: skip
+    dense = re.compile(r"\.block_sparse_moe\.(?=(gate|up|down)_proj)")
+    save_file({dense.sub(".mlp.", k): v for k, v in t.items()}, str(path / "model.safetensors"))
     raw = json.loads((path / "config.json").read_text())
     raw["linear_attn_config"] = dict(
         num_heads=4, head_dim=16, short_conv_kernel_size=raw["linear_conv_kernel_dim"],
@@ -619,18 +625,27 @@ def _hf_kimi_linear_checkpoint(path: Path, rms_norm_eps: float) -> Any:
     return hf
 
 
-@pytest.mark.parametrize("rms_norm_eps", [1e-5, 1e-2])
+@pytest.mark.parametrize(
+    ("rms_norm_eps", "moe"),
+    [(1e-5, False), (1e-2, False), (1e-5, True)],
+    ids=["dense", "eps", "moe"],
+)
 def test_logits_equal_hf_transformers_prefill_every_decode_step_and_an_extend(
-    tmp_path: Path, rms_norm_eps: float
+    tmp_path: Path, rms_norm_eps: float, moe: bool
 ) -> None:
     """Against transformers' own Kimi-Linear (its torch KDA, chunked over a whole sequence
     each call): our model, loaded from its checkpoint, prefill, decode steps and an extend
     over the cached prefix, to 1e-5 in fp32. Before q / k took fla's l2norm (eps inside the
-    root) and the latent norms their own eps, it was 8e-5 off."""
+    root) and the latent norms their own eps, it was 8e-5 off; MoE blocks were refused."""
     from mla_backends.models.kimi_loader import load_kimi_linear
 
-    hf = _hf_kimi_linear_checkpoint(tmp_path, rms_norm_eps)
-    eng = _engine(load_kimi_linear(tmp_path))
+    hf = _hf_kimi_linear_checkpoint(tmp_path, rms_norm_eps, moe)
+    model = load_kimi_linear(tmp_path)
+    assert model.extra_tensors == []
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["MLP"] + [
+        "MoE" if moe else "MLP"
+    ] * 3
+    eng = _engine(model)
 
     def ref(seq: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -677,6 +692,29 @@ def test_hf_safetensors_load_gives_the_same_model(tmp_path) -> None:  # type: ig
     save_file(t, str(tmp_path / "model.safetensors"))
     w = load_kimi_linear(tmp_path).layers[0].attn.conv_weight
     assert bool((w[c : 2 * c] == 7.0).all()) and not bool((w[:c] == 7.0).any())
+
+
+def test_moe_blocks_save_and_load_in_the_hubs_names_with_fp32_gates(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from mla_backends.models.kimi_loader import load_kimi_linear, save_kimi_linear
+
+    cfg = KimiLinearConfig(
+        num_hidden_layers=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
+    )
+    src = _model(cfg)
+    save_kimi_linear(src, tmp_path)
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # first_k_dense_replace 1
+    assert {"model.layers.1.block_sparse_moe.experts.3.w2.weight",
+            "model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
+            "model.layers.3.block_sparse_moe.shared_experts.up_proj.weight"} <= names  # fmt: skip
+    got = load_kimi_linear(tmp_path)
+    seq = [5, 17, 3, 9, 250, 1, 77]
+    assert torch.equal(_full(got, "torch", seq), _full(src, "torch", seq))
+    half = load_kimi_linear(tmp_path, dtype=torch.bfloat16)
+    assert half.layers[1].mlp.gate.weight.dtype == torch.float32  # as HF keeps the router
+    assert half.layers[1].mlp.experts[0].up_proj.weight.dtype == torch.bfloat16
 
 
 def test_hf_safetensors_errors_name_the_tensor(tmp_path) -> None:  # type: ignore[no-untyped-def]

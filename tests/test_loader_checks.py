@@ -155,9 +155,14 @@ BAD_KIMI: dict[str, tuple[dict[str, Any], str]] = {
     "rope-odd": ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim must be even"),
     "eps-str": ({"rms_norm_eps": "x"}, r"rms_norm_eps must be a finite number > 0"),
     "lists": ({"linear_attn_config": {"kda_layers": 3}}, r"kda_layers must be a list"),
-    # Kimi-Linear-48B's own config: ignored, then its MoE tensors named missing (or a q LoRA /
-    # RoPE silently not applied)
-    "moe": ({"num_experts": 8, "first_k_dense_replace": 1}, r"MoE blocks \(num_experts 8 from la"),
+    # a q LoRA / RoPE / another router were silently not applied
+    "moe-keys": ({"num_experts": 8}, r"num_experts 8 and n_routed_experts 0 disagree"),
+    "router": (
+        {"n_routed_experts": 8, "moe_router_activation_func": "softmax"},
+        r"an MoE router of 'softmax' \(moe_router_activation_func; sigmoid only\)",
+    ),
+    "moe-freq": ({"n_routed_experts": 8, "moe_layer_freq": 2}, r"MoE on every 2th layer"),
+    "mlp-kinds": ({"mlp_layer_types": ["sparse", "dense"]}, r"'dense' layers then 'sparse'"),
     "q-lora": ({"q_lora_rank": 16}, r"a q LoRA \(q_lora_rank 16\): not in this model"),
     "rope": ({"mla_use_nope": False}, r"MLA layers with RoPE \(mla_use_nope false\)"),
     "bias": ({"attention_bias": True}, r"biases on the projections"),

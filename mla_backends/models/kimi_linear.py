@@ -1,6 +1,7 @@
-"""A Kimi-Linear-style hybrid model: KDA (Kimi Delta Attention) layers and NoPE MLA layers in
-a configured ratio (3 : 1 in Kimi-Linear) or at named layers (`full_layers`: Kimi-Linear-48B's
-last layer, 27, is MLA too), on `HybridBackend`.
+"""Kimi-Linear, the hybrid model (checked against transformers' KimiLinearForCausalLM): KDA
+(Kimi Delta Attention) layers and NoPE MLA layers in a configured ratio (3 : 1 in Kimi-Linear)
+or at named layers (`full_layers`: Kimi-Linear-48B's last layer, 27, is MLA too), on
+`HybridBackend`.
 
 - KDA layer: q / k / v projections, a causal depthwise short convolution (kernel 4, SiLU)
   with its state per request in the `LinearStatePool`, per-channel log-decay
@@ -8,6 +9,8 @@ last layer, 27, is MLA too), on `HybridBackend`.
   q / k, the gated delta rule, an output RMSNorm gated by `sigmoid(g_b(g_a(x)))`, o_proj.
 - MLA layer: DeepSeek-V3's attention with no rotation (NoPE). The 64 "rope" columns are still
   cached and attended, unrotated, so every MLA kernel keeps its 576-wide row.
+- MLP: dense, or from `first_k_dense_replace` on DeepSeek-V3's MoE (sigmoid scores, grouped
+  top-k, shared experts), as Kimi-Linear-48B's (256 experts, top 8, one group).
 
 Layers are told their id once; the router maps it to a pool index (no mutation).
 """
@@ -23,7 +26,13 @@ from torch import nn
 from mla_backends.backends.hybrid import HybridBackend, ratio_kinds
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.config import check_int
-from mla_backends.models.deepseek_v3 import MLP, DeepseekV3Config, MLAttention, RMSNorm
+from mla_backends.models.deepseek_v3 import (
+    MLP,
+    DeepseekV3Config,
+    MLAttention,
+    MoE,
+    RMSNorm,
+)
 
 
 @dataclass(frozen=True)
@@ -44,14 +53,35 @@ class KimiLinearConfig:
     rms_norm_eps: float = 1e-6
     # the MLA layers' 1-based numbers (config.json's `full_attn_layers`); None: the ratio's
     full_layers: tuple[int, ...] | None = None
+    # MoE (DeepSeek-V3's routing, Kimi-Linear's blocks from layer first_k_dense_replace on);
+    # n_routed_experts 0: every MLP dense
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 1
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 1
+    first_k_dense_replace: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         """Every field a usable value (ValueError naming it), so a bad config.json fails when
         the model is built, not as a TypeError inside a layer."""
+        zero_ok = (
+            "linear_per_full",
+            "n_routed_experts",
+            "n_shared_experts",
+            "first_k_dense_replace",
+        )
         for f in fields(self):
-            low = 0 if f.name == "linear_per_full" else 1
-            if f.name not in ("rms_norm_eps", "full_layers"):
-                check_int("", f.name, getattr(self, f.name), low)
+            if f.name not in (
+                "rms_norm_eps",
+                "full_layers",
+                "routed_scaling_factor",
+                "norm_topk_prob",
+            ):
+                check_int("", f.name, getattr(self, f.name), 0 if f.name in zero_ok else 1)
         n, full = self.num_hidden_layers, self.full_layers
         if full is not None:  # a list from Python: hashable and equal to the tuple form
             object.__setattr__(self, "full_layers", full := tuple(full))
@@ -59,7 +89,7 @@ class KimiLinearConfig:
             len(set(full)) != len(full) or not all(type(i) is int and 1 <= i <= n for i in full)
         ):
             raise ValueError(f"full_layers must be distinct layer numbers in 1..{n}, got {full}")
-        self.mla_config()  # the MLA layers' checks (rms_norm_eps, an even rope dim)
+        self.mla_config()  # the MLA layers' and the MoE's checks (rms_norm_eps, groups...)
 
     @property
     def kinds(self) -> list[str]:
@@ -68,12 +98,17 @@ class KimiLinearConfig:
         full = set(self.full_layers)
         return ["full" if i + 1 in full else "linear" for i in range(self.num_hidden_layers)]
 
+    def is_moe(self, layer_id: int) -> bool:
+        return self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace
+
     def mla_config(self) -> DeepseekV3Config:
+        """DeepSeek-V3's config for the MLA layers and the MoE blocks (their shared code)."""
+        moe = self.n_routed_experts > 0
         return DeepseekV3Config(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            moe_intermediate_size=1,
+            moe_intermediate_size=self.moe_intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.mla_heads,
             q_lora_rank=None,
@@ -81,13 +116,14 @@ class KimiLinearConfig:
             qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim,
-            n_routed_experts=1,
-            n_shared_experts=1,
-            num_experts_per_tok=1,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.0,
-            first_k_dense_replace=self.num_hidden_layers,
+            n_routed_experts=max(self.n_routed_experts, 1),
+            n_shared_experts=self.n_shared_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            norm_topk_prob=self.norm_topk_prob,
+            first_k_dense_replace=self.first_k_dense_replace if moe else self.num_hidden_layers,
             rms_norm_eps=self.rms_norm_eps,
             rope_interleave=False,  # with cos = 1, sin = 0 the "rotation" is the identity
         )
@@ -194,7 +230,11 @@ class HybridLayer(nn.Module):
             if kind == "linear"
             else MLAttention(cfg.mla_config(), layer_id, None)
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (
+            MoE(cfg.mla_config())
+            if cfg.is_moe(layer_id)
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,4 +1,4 @@
-"""Load HF-layout safetensors into the Kimi-Linear-style model (`models/kimi_linear.py`).
+"""Load HF-layout safetensors into the Kimi-Linear model (`models/kimi_linear.py`).
 
 The layout follows Kimi-Linear's and fla's names for what this model has:
 - `model.` prefix, `self_attn.` for both layer kinds, `mlp.gate_proj / up_proj / down_proj`;
@@ -13,8 +13,12 @@ config.json: the model fields of `KimiLinearConfig`, plus `linear_attn_config` {
 numbers, as Kimi-Linear writes them: they name the MLA layers (`full_layers`), whatever
 the ratio (Kimi-Linear-48B: 4, 8, ..., 24 and 27); without them, `linear_per_full` does.
 `A_log` is read as [H] or in the hub's [1, 1, H, 1] (and written in the latter).
-Not covered, refused from config.json in one line: Kimi-Linear's MoE blocks (this model's
-MLP is dense), a q LoRA, MLA layers with RoPE (`mla_use_nope` false).
+MoE blocks: Kimi-Linear's keys (`num_experts`, `num_experts_per_token`, `num_shared_experts`,
+`num_expert_group`, `moe_renormalize`) and tensors (`block_sparse_moe.gate`, `.experts.N.w1 /
+w2 / w3`, `.shared_experts`) on the layers from `first_k_dense_replace` on.
+Not covered, refused from config.json in one line: a q LoRA, MLA layers with RoPE
+(`mla_use_nope` false), a router other than sigmoid, MoE on every n-th layer only
+(`moe_layer_freq` > 1).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mla_backends.models.deepseek_v3 import not_computed
+from mla_backends.models.deepseek_v3 import keeps_fp32, not_computed
 from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from mla_backends.models.loader import (
     CheckpointError,
@@ -37,6 +41,15 @@ from mla_backends.models.loader import (
 )
 
 _CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
+# Kimi-Linear's config.json keys -> ours (DeepSeek-V3's names, which the MoE blocks share)
+_MOE_KEYS = {
+    "num_experts": "n_routed_experts",
+    "num_experts_per_token": "num_experts_per_tok",
+    "num_shared_experts": "n_shared_experts",
+    "num_expert_group": "n_group",
+    "moe_renormalize": "norm_topk_prob",
+}
+_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # ours -> the hub's
 
 
 def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
@@ -55,6 +68,19 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
             raise ValueError(
                 f"linear_attn_config.{key} must be a list of layer numbers, got {got!r}"
             )
+    for hub, ours in _MOE_KEYS.items():
+        if hub in raw and raw.setdefault(ours, raw[hub]) != raw[hub]:
+            raise ValueError(f"{hub} {raw[hub]!r} and {ours} {raw[ours]!r} disagree")
+    kinds = raw.get("mlp_layer_types")  # transformers' own save: the MLP of each layer
+    if kinds is not None:
+        dense = next((i for i, k in enumerate(kinds) if k != "dense"), len(kinds))
+        if not isinstance(kinds, list) or any(k != "sparse" for k in kinds[dense:]):
+            raise ValueError(
+                f"mlp_layer_types must be 'dense' layers then 'sparse' ones, got {kinds!r}"
+            )
+        raw["first_k_dense_replace"] = dense
+    if raw.get("use_grouped_topk") is False:  # one group: plain top-k over every expert
+        raw["n_group"] = raw["topk_group"] = 1
     raw.setdefault("kda_heads", lin.get("num_heads"))
     raw.setdefault("kda_head_dim", lin.get("head_dim"))
     raw.setdefault("conv_kernel", lin.get("short_conv_kernel_size"))
@@ -85,10 +111,12 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
 def _unsupported(raw: dict[str, Any]) -> str | None:
     """What a Kimi-Linear config.json asks for that this model does not compute (each was
     ignored: the MoE's tensors then missing, a q LoRA or RoPE silently not applied)."""
-    n, experts = raw.get("num_hidden_layers"), raw.get("num_experts")
-    dense = raw.get("first_k_dense_replace", n)
-    if experts and isinstance(n, int) and isinstance(dense, int) and dense < n:
-        return f"MoE blocks (num_experts {experts} from layer {dense + 1})"
+    router = raw.get("moe_router_activation_func", "sigmoid")
+    moe = raw.get("num_experts") or raw.get("n_routed_experts")
+    if moe and router != "sigmoid":
+        return f"an MoE router of {router!r} (moe_router_activation_func; sigmoid only)"
+    if moe and raw.get("moe_layer_freq", 1) != 1:
+        return f"MoE on every {raw['moe_layer_freq']}th layer (moe_layer_freq; 1 only)"
     if raw.get("q_lora_rank") is not None:
         return f"a q LoRA (q_lora_rank {raw['q_lora_rank']})"
     if raw.get("mla_use_nope") is False:
@@ -97,10 +125,19 @@ def _unsupported(raw: dict[str, Any]) -> str | None:
 
 
 def hf_name(name: str) -> str:
-    """Our parameter name -> the checkpoint's (the conv weight is handled apart)."""
+    """Our parameter name -> the checkpoint's (the conv weight is handled apart); an MoE
+    block's (gate, experts, shared experts) is `block_sparse_moe.`, a dense MLP's `mlp.`."""
     if name.startswith("lm_head."):
         return name
-    return "model." + re.sub(r"^layers\.(\d+)\.attn\.", r"layers.\1.self_attn.", name)
+    name = re.sub(r"^layers\.(\d+)\.attn\.", r"layers.\1.self_attn.", name)
+    moe = re.match(r"^(layers\.\d+\.)mlp\.(gate|experts|shared_experts)\.(.*)$", name)
+    if moe:
+        head, part, rest = moe.groups()
+        if part == "experts":  # experts.N.gate_proj.weight -> experts.N.w1.weight
+            i, proj, tail = rest.split(".", 2)
+            rest = f"{i}.{_EXPERT[proj]}.{tail}"
+        name = f"{head}block_sparse_moe.{part}.{rest}"
+    return "model." + name
 
 
 def _conv_weight(tensors: dict[str, torch.Tensor], prefix: str, shape: torch.Size) -> torch.Tensor:
@@ -131,6 +168,7 @@ def load_kimi_linear(
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
     loaded: dict[str, torch.Tensor] = {}
     used: set[str] = set()
+    fp32 = keeps_fp32(model)  # the MoE gates: as HF keeps them
     for name, ref in model.state_dict().items():
         if name.endswith(".attn.conv_weight"):
             prefix = hf_name(name).removesuffix(".conv_weight")
@@ -147,7 +185,7 @@ def load_kimi_linear(
                 f"{hf_name(name)}: checkpoint shape {list(t.shape)}, model expects "
                 f"{list(ref.shape)}"
             )
-        loaded[name] = t.to(dtype)
+        loaded[name] = t.to(torch.float32 if name in fp32 else dtype)
     model.load_state_dict(loaded, strict=True)
     model.extra_tensors = sorted(
         k for k in tensors if k not in used and not k.endswith("_scale_inv")
