@@ -163,6 +163,7 @@ BAD_KIMI: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "moe-freq": ({"n_routed_experts": 8, "moe_layer_freq": 2}, r"MoE on every 2th layer"),
     "mlp-kinds": ({"mlp_layer_types": ["sparse", "dense"]}, r"'dense' layers then 'sparse'"),
+    "mlp-kinds-int": ({"mlp_layer_types": 3}, r"'dense' layers then 'sparse' ones, got 3"),
     "q-lora": ({"q_lora_rank": 16}, r"a q LoRA \(q_lora_rank 16\): not in this model"),
     "rope": ({"mla_use_nope": False}, r"MLA layers with RoPE \(mla_use_nope false\)"),
     "bias": ({"attention_bias": True}, r"biases on the projections"),
