@@ -10,6 +10,8 @@ from functools import cached_property
 
 import torch
 
+from mla_backends.checks import ShapeError, same_device
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill, with or without a cached prefix; q_len varies per request
@@ -31,6 +33,23 @@ def as_ints(values: Sequence[int], name: str) -> list[int]:
         return [operator.index(v) for v in values]
     except TypeError:
         raise TypeError(f"{name} must be integers, got {list(values)}") from None
+
+
+_CPU = torch.device("cpu")
+
+
+def _check_field(name: str, t: object, n: int, what: str, device: torch.device) -> None:
+    """ShapeError unless `t` is a 1-D integer tensor of `n` entries on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise ShapeError(f"ForwardBatch.{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.numel() != n:
+        raise ShapeError(
+            f"ForwardBatch.{name}: expected shape [{n}] (the batch's {what}), got {list(t.shape)}"
+        )
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ShapeError(f"ForwardBatch.{name}: expected an integer dtype, got {t.dtype}")
+    if not same_device(t.device, device):
+        raise ShapeError(f"ForwardBatch.{name}: expected device {device}, got {t.device}")
 
 
 def _i32(values: Sequence[int]) -> torch.Tensor:
@@ -171,6 +190,31 @@ class ForwardBatch:
             num_draft_tokens=draft,
             req_pool_indices_cpu=rows_t,
         )
+
+    def check(self, device: torch.device) -> None:
+        """ShapeError unless the batch's fields agree: every per-request field [B] (B from
+        `seq_lens_cpu`), `out_cache_loc` and `positions` [sum(extend_seq_lens_cpu)], integer
+        dtypes, the CPU copies on the CPU and the rest on `device`. Hazard: fields built
+        apart (an engine's own batch) that disagree on B gave one backend a wrong answer
+        without an error (kernels size their grids from one field and read another) and
+        another a traceback deep in an index. Metadata and CPU copies only: no sync."""
+        b = self.seq_lens_cpu.numel()
+        per_request = {
+            "req_pool_indices": (self.req_pool_indices, device),
+            "seq_lens": (self.seq_lens, device),
+            "seq_lens_cpu": (self.seq_lens_cpu, _CPU),
+            "extend_prefix_lens": (self.extend_prefix_lens, device),
+            "extend_prefix_lens_cpu": (self.extend_prefix_lens_cpu, _CPU),
+            "extend_seq_lens": (self.extend_seq_lens, device),
+            "extend_seq_lens_cpu": (self.extend_seq_lens_cpu, _CPU),
+        }
+        if self.req_pool_indices_cpu is not None:
+            per_request["req_pool_indices_cpu"] = (self.req_pool_indices_cpu, _CPU)
+        for name, (t, dev) in per_request.items():
+            _check_field(name, t, b, "batch size (seq_lens_cpu)", dev)
+        n = int(self.extend_seq_lens_cpu.sum())
+        for name, t in (("out_cache_loc", self.out_cache_loc), ("positions", self.positions)):
+            _check_field(name, t, n, "new tokens (sum of extend_seq_lens_cpu)", device)
 
     @property
     def batch_size(self) -> int:

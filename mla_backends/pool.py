@@ -448,7 +448,8 @@ class ReqToTokenPool:
         tokens of a row (prefix + new) than the row has stored (row 0, padding, excepted).
         `filled`: each row's length if not this table's (a DCP group's global lengths).
         Host arrays and the batch's CPU copies only (no sync); a batch without CPU rows (a
-        graph runner's static one) is skipped."""
+        graph runner's static one) is checked for its fields' shapes only (`ForwardBatch.check`)."""
+        batch.check(self.device)
         filled = self.filled if filled is None else filled
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None or rows_cpu.numel() == 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -225,6 +227,73 @@ def test_request_rows_never_allocated_are_refused(backend: str) -> None:
         RequestRowError, match=rf"\[{rows[1]}\] were never allocated \(or were freed\)"
     ):
         rt.backend.forward_absorbed(0, q_nope, q_rope, None, None, batch)
+
+
+def _with(batch: ForwardBatch, **fields: object) -> ForwardBatch:
+    return dataclasses.replace(batch, **fields)  # type: ignore[arg-type]
+
+
+_ONE = torch.ones(1, dtype=torch.int32)
+_THREE = torch.ones(3, dtype=torch.int32)
+
+
+_DISAGREEING: list[tuple[dict[str, object], str]] = [
+    ({"req_pool_indices": _ONE}, r"req_pool_indices: expected shape \[2\] .*batch size.*\[1\]"),
+    ({"extend_seq_lens": _THREE}, r"extend_seq_lens: expected shape \[2\].*got \[3\]"),
+    ({"extend_prefix_lens_cpu": _ONE}, r"extend_prefix_lens_cpu: expected shape \[2\]"),
+    ({"seq_lens": torch.ones(2, 1, dtype=torch.int32)}, r"seq_lens: expected shape \[2\]"),
+    (
+        {"positions": torch.zeros(3, dtype=torch.int64)},
+        r"positions: expected shape \[2\] .*new tokens",
+    ),
+    (
+        {"out_cache_loc": torch.zeros(1, dtype=torch.int64)},
+        r"out_cache_loc: expected shape \[2\]",
+    ),
+    ({"seq_lens": torch.ones(2)}, r"seq_lens: expected an integer dtype, got torch.float32"),
+    (
+        {"seq_lens": torch.ones(2, dtype=torch.int32, device="meta")},
+        r"seq_lens: expected device cpu, got meta",
+    ),
+    (
+        {"seq_lens_cpu": torch.ones(2, dtype=torch.int32, device="meta")},
+        r"seq_lens_cpu: expected device cpu",
+    ),
+    ({"req_pool_indices_cpu": _THREE}, r"req_pool_indices_cpu: expected shape \[2\]"),
+]
+_DISAGREEING_IDS = "rows ext pre-cpu seq-2d positions loc float device cpu-copy rows-cpu".split()
+
+
+@pytest.mark.parametrize(
+    "fields, want, host_rows",
+    [
+        pytest.param(f, w, host, id=f"{name}-{'host' if host else 'no-host'}-rows")
+        for (f, w), name in zip(_DISAGREEING, _DISAGREEING_IDS)
+        for host in (True, False)
+        if host or "req_pool_indices_cpu" not in f  # batches without host rows lack the field
+    ],
+)
+@pytest.mark.parametrize("backend", _backends_here())
+def test_batch_fields_that_disagree_are_refused_before_anything_is_stored(
+    backend: str, fields: dict[str, object], want: str, host_rows: bool
+) -> None:
+    """A batch built field by field (an engine's own, a graph runner's) whose fields disagree
+    on the batch size or token count: one clear error, nothing stored. Before, `triton` gave
+    a wrong answer and `torch` an IndexError deep in its gather."""
+    rt, batch = _tiny_case(backend)
+    if not host_rows:  # SGLang's eager batches and graph batches carry no host rows
+        batch = _with(batch, req_pool_indices_cpu=None)
+    q_nope, q_rope, k_nope, k_rope = _tiny_q(batch, rt.config.model)
+    bad = _with(batch, **fields)
+    before = rt.kv_pool.kv_buffer[0].view(torch.int16).clone()  # poisoned rows: NaN
+    with pytest.raises(ShapeError, match=rf"ForwardBatch\.{want}"):
+        rt.backend.init_forward_metadata(bad)
+    rt.backend.init_forward_metadata(batch)
+    with pytest.raises(ShapeError, match=rf"ForwardBatch\.{want}"):
+        rt.backend.forward_absorbed(0, q_nope, q_rope, k_nope, k_rope, bad)
+    assert torch.equal(rt.kv_pool.kv_buffer[0].view(torch.int16), before)  # nothing stored
+    out = rt.backend.forward_absorbed(0, q_nope, q_rope, k_nope, k_rope, batch)
+    assert torch.isfinite(out).all()
 
 
 def test_padding_row_zero_stays_usable() -> None:
