@@ -183,13 +183,30 @@ def test_bench_out_and_prefill_memory_fail_before_any_timing(
         rc = main(["bench", "--config", cfg, "--batch", "1", "--kv-len", "16", "--out", str(afile)])
     one_line = r"mla-backends bench: error: --out .*afile: cannot make this folder \(.*\)\n"
     assert rc == 2 and re.fullmatch(one_line, err.getvalue()), err.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["bench", "--config", cfg, "--out", str(afile / "sub")])
+    one_line = r"mla-backends bench: error: --out .*sub: cannot make .*afile is not a folder\)\n"
+    assert rc == 2 and re.fullmatch(one_line, err.getvalue()), err.getvalue()
 
     def no_timing(*args: object) -> None:
         raise AssertionError("the suite ran before its output file was checked")
 
-    # a folder where the suite's file goes: the run's results would be lost at its end
+    def refuses(*args: object) -> None:
+        from mla_backends.cli import UsageError
+
+        raise UsageError("this suite refuses these options")
+
+    # a suite that refuses its options leaves no empty --out folder behind (one was made)
     from mla_backends.bench import cli as bench_cli
 
+    monkeypatch.setitem(bench_cli.RUN, "grid", refuses)
+    new = tmp_path / "new" / "out"
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["bench", "--config", cfg, "--out", str(new)]) == 2
+    assert not (tmp_path / "new").exists()
+
+    # a folder where the suite's file goes: the run's results would be lost at its end
     for suite, name, extra in (
         ("grid", "grid.json", []),
         ("hopper", "hopper-fp8.md", ["--part", "fp8"]),

@@ -52,11 +52,17 @@ def progress(total: int) -> Callable[[str], None]:
 def check_out(out: Path, names: Iterable[str] = ()) -> None:
     """UsageError unless `out` is, or can be made, a folder this process may write, and each
     of `names` (the suite's files) is absent there or a file it may replace: checked before
-    any timing, so that a long run's results are never lost at its end."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot make this folder ({e.strerror})") from e
+    any timing, so that a long run's results are never lost at its end. Nothing is made
+    here (`write` makes the folder): a suite that then refuses its options leaves none."""
+    if not out.exists():
+        parent = next(p for p in out.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise UsageError(f"--out {out}: cannot make this folder ({parent} is not a folder)")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {out}: cannot make this folder ({parent} is not writable)")
+        return
+    if not out.is_dir():
+        raise UsageError(f"--out {out}: cannot make this folder (a file of that name exists)")
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out}: this folder is not writable")
     for name in names:
