@@ -111,6 +111,10 @@ class ForwardBatch:
 
     `seq_lens` is the KV length *after* this pass (prefix + new tokens); `extend_seq_lens` is
     the number of new (query) tokens per request, 1 in DECODE, num_draft_tokens in TARGET_VERIFY.
+
+    Build a new batch for every forward pass. Hazard: a batch changed in place and passed
+    again is the same object to the backends, so its checks are not rerun and its cached
+    host sizes (`max_kv_len`, the layouts) are the old ones.
     """
 
     mode: ForwardMode
