@@ -10,7 +10,7 @@ from functools import cached_property
 
 import torch
 
-from mla_backends.checks import ShapeError, same_device
+from mla_backends.checks import ShapeError
 
 
 class ForwardMode(enum.Enum):
@@ -36,19 +36,24 @@ def as_ints(values: Sequence[int], name: str) -> list[int]:
 
 
 _CPU = torch.device("cpu")
+_INT_DTYPES = frozenset(
+    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + (torch.uint16, torch.uint32, torch.uint64)  # torch >= 2.3
+)
 
 
 def _check_field(name: str, t: object, n: int, what: str, device: torch.device) -> None:
-    """ShapeError unless `t` is a 1-D integer tensor of `n` entries on `device`."""
+    """ShapeError unless `t` is a 1-D integer tensor of `n` entries on `device` (a device
+    with its index: `t.device == device` is the whole test, ~0.1 us)."""
     if not isinstance(t, torch.Tensor):
         raise ShapeError(f"ForwardBatch.{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1 or t.numel() != n:
         raise ShapeError(
             f"ForwardBatch.{name}: expected shape [{n}] (the batch's {what}), got {list(t.shape)}"
         )
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+    if t.dtype not in _INT_DTYPES:
         raise ShapeError(f"ForwardBatch.{name}: expected an integer dtype, got {t.dtype}")
-    if not same_device(t.device, device):
+    if t.device != device:
         raise ShapeError(f"ForwardBatch.{name}: expected device {device}, got {t.device}")
 
 
@@ -202,19 +207,21 @@ class ForwardBatch:
         apart (an engine's own batch) that disagree on B gave one backend a wrong answer
         without an error (kernels size their grids from one field and read another) and
         another a traceback deep in an index. Metadata and CPU copies only: no sync."""
-        b = self.seq_lens_cpu.numel()
-        per_request = {
-            "req_pool_indices": (self.req_pool_indices, device),
-            "seq_lens": (self.seq_lens, device),
-            "seq_lens_cpu": (self.seq_lens_cpu, _CPU),
-            "extend_prefix_lens": (self.extend_prefix_lens, device),
-            "extend_prefix_lens_cpu": (self.extend_prefix_lens_cpu, _CPU),
-            "extend_seq_lens": (self.extend_seq_lens, device),
-            "extend_seq_lens_cpu": (self.extend_seq_lens_cpu, _CPU),
-        }
+        if device.type == "cuda" and device.index is None:  # as tensors name theirs
+            device = torch.device("cuda", torch.cuda.current_device())
+        b, cpu = self.seq_lens_cpu.numel(), _CPU
+        per_request = [
+            ("req_pool_indices", self.req_pool_indices, device),
+            ("seq_lens", self.seq_lens, device),
+            ("seq_lens_cpu", self.seq_lens_cpu, cpu),
+            ("extend_prefix_lens", self.extend_prefix_lens, device),
+            ("extend_prefix_lens_cpu", self.extend_prefix_lens_cpu, cpu),
+            ("extend_seq_lens", self.extend_seq_lens, device),
+            ("extend_seq_lens_cpu", self.extend_seq_lens_cpu, cpu),
+        ]
         if self.req_pool_indices_cpu is not None:
-            per_request["req_pool_indices_cpu"] = (self.req_pool_indices_cpu, _CPU)
-        for name, (t, dev) in per_request.items():
+            per_request.append(("req_pool_indices_cpu", self.req_pool_indices_cpu, cpu))
+        for name, t, dev in per_request:
             _check_field(name, t, b, "batch size (seq_lens_cpu)", dev)
         n = int(self.extend_seq_lens_cpu.sum())
         for name, t in (("out_cache_loc", self.out_cache_loc), ("positions", self.positions)):

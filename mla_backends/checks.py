@@ -33,11 +33,11 @@ def check_tensor(
             raise ShapeError(
                 f"{name}: expected dtype in {[str(d) for d in allowed]}, got {t.dtype}"
             )
-    if device is not None and not same_device(t.device, device):
+    if device is not None and not _same_device(t.device, device):
         raise ShapeError(f"{name}: expected device {device}, got {t.device}")
 
 
-def same_device(a: torch.device, b: torch.device) -> bool:
+def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
     if a.type == "cpu":
