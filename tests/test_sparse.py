@@ -462,6 +462,72 @@ def test_indexer_keeps_its_graph_state_and_refuses_a_larger_one_after_capture() 
     assert ix._graph is state
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_indexer_refuses_bad_layers_shapes_slots_and_graph_sizes(kernels: str) -> None:
+    """Each in one line, nothing written (helper 58's review): layer -1 of the index-K cache
+    and of the FP8 row pool wrote and read the last layer (plain lists); `select` took a w of
+    fewer heads or tokens (the kernels read past its end; torch broadcast token 0's query
+    over the batch) and a q of more tokens than the batch (dropped); `store` took a bf16 loc
+    (slot 257 written at 256) and a loc longer than k (one key broadcast into both slots);
+    a capture larger than the graph state failed deep inside and kept a broken entry."""
+    from mla_backends.pool import LayerIndexError
+
+    dims = IndexerDims(4, 32, 16, 8, True)
+    cache = IndexKCache(2, 512, 32, True, "cpu")
+    rows = Fp8RowPool(2, 4, 64, 512, 64)
+    for buffers in (cache.buffers, rows.kv_buffer):
+        with pytest.raises(LayerIndexError, match=r"layer -1 is out of range: .* layers 0..1"):
+            buffers[-1]
+    k, q, w, cos, sin = _indexer_inputs(dims, 2, 3)
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    r2t[1, :20], r2t[2, :12] = torch.arange(2, 22), torch.arange(30, 42)
+    ix = Indexer(dims, cache, r2t, kernels)
+    before = [b.clone() for b in cache.buffers]
+    loc = torch.tensor([21, 41])
+    bad_stores = [
+        ((-1, k, cos, sin, loc), LayerIndexError, r"layer -1 is out of range"),
+        ((0, k, cos, sin, loc.bfloat16()), ShapeError, r"loc: expected dtype in"),
+        ((0, k[:1], cos[:1], sin[:1], loc), ShapeError, r"loc: expected shape \[1\], got \[2\]"),
+        ((0, k[:, :16], cos, sin, loc), ShapeError, r"k: expected shape \[\*, 32\]"),
+    ]
+    for args, err, want in bad_stores:
+        with pytest.raises(err, match=want):
+            ix.store(*args)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.buffers))
+    ix.store(0, k, cos, sin, loc)
+    batch = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [19, 11], [1, 1], loc, "cpu")
+    ix.init_forward_metadata(batch)
+    _, q3, w3, cos3, sin3 = _indexer_inputs(dims, 3, 4)
+    bad_selects = [
+        ((q, w[:, :3].contiguous(), cos, sin), r"w: expected shape \[2, 4\], got \[2, 3\]"),
+        ((q, w[:1], cos, sin), r"w: expected shape \[2, 4\], got \[1, 4\]"),
+        ((q3, w3, cos3, sin3), r"q: expected shape \[2, 4, 32\], got \[3, 4, 32\]"),
+        ((q[:, :, :16], w, cos, sin), r"q: expected shape \[2, 4, 32\]"),
+        ((q.int(), w, cos, sin), r"q: expected dtype in"),
+    ]
+    for args, want in bad_selects:
+        with pytest.raises(ShapeError, match=want):
+            ix.select(0, *args)
+    with pytest.raises(LayerIndexError, match=r"layer -1 is out of range"):
+        ix.select(-1, q, w, cos, sin)
+    assert ix.select(0, q, w, cos, sin).shape == (2, dims.topk)
+    if kernels == "triton":  # the public kernels on their own
+        from mla_backends.sparse.indexer_kernels import prepare_q_fused
+        from mla_backends.sparse.topk_kernel import topk_slots
+
+        with pytest.raises(ValueError, match=r"prepare_q_fused: w must be \[T, Hi\] = \[2, 4\]"):
+            prepare_q_fused(dims, q, w[:1], cos, sin)
+        logits = torch.randn(2, 20)
+        view = torch.zeros(3, 128, dtype=torch.int32)[:, ::2]  # a row of slots at stride 2
+        with pytest.raises(ValueError, match=r"topk_slots: req_to_token's rows must be contig"):
+            topk_slots(logits, 8, view, torch.tensor([1, 2]), torch.tensor([20, 12]))
+    ix.init_cuda_graph_state(1, 1)
+    with pytest.raises(ValueError, match=r"indexer: batch of 2 tokens exceeds the CUDA-graph"):
+        ix.init_forward_metadata_capture(batch)
+    assert ix._graph is not None and not ix._graph.captured
+
+
 def test_select_topk_takes_min_topk_visible_distinct_positions() -> None:
     vis = torch.tensor([1, 3, 8, 20])
     logits = torch.randn(4, 20).masked_fill(torch.arange(20)[None] >= vis[:, None], -torch.inf)

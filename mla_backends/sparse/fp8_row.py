@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.checks import check_tensor
-from mla_backends.pool import STORE_DTYPES, slots_or_dummy
+from mla_backends.pool import STORE_DTYPES, LayerBuffers, slots_or_dummy
 from mla_backends.sparse.quant import block_quant
 
 TILE = 128
@@ -105,10 +105,10 @@ class Fp8RowPool:
         self.device = torch.device(device)
         used = (num_pages + 1) * page_size
         self.num_slots = -(-used // FLASHMLA_PAGE) * FLASHMLA_PAGE
-        self.kv_buffer = [
+        self.kv_buffer = LayerBuffers(  # a plain list took layer -1 as the last, silently
             torch.zeros(self.num_slots, self.fmt.row_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(num_layers)
-        ]
+        )
 
     def scale(self, layer: int) -> float:
         return 1.0  # scales live in the rows

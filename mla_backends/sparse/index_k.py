@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.arith import cdiv
-from mla_backends.pool import slots_or_dummy
+from mla_backends.pool import LayerBuffers, slots_or_dummy
 from mla_backends.sparse.quant import block_quant, hadamard
 
 PAGE = 64  # slots per index-K block (SGLang's page-major layout)
@@ -58,10 +58,10 @@ class IndexKCache:
         self.num_blocks = cdiv(num_slots, PAGE)
         self.block_bytes = PAGE * (head_dim * self.elem + 4)
         self.device = torch.device(device)
-        self.buffers = [
+        self.buffers = LayerBuffers(  # a plain list took layer -1 as the last, silently
             torch.zeros(self.num_blocks, self.block_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(num_layers)
-        ]
+        )
         for b in self.buffers:
             self.scale_view(b).fill_(1.0)
 

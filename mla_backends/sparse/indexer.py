@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_backends.backends.base import graph_state_sizes
+from mla_backends.backends.context import ACT_DTYPES
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import check_tensor
 from mla_backends.config import TOPK_PATHS
@@ -165,6 +166,11 @@ class Indexer:
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         g, t = self._graph_state(), batch.num_tokens
+        if t > g.rows.shape[0]:  # before `captured` keeps views too short for the batch
+            raise ValueError(
+                f"indexer: batch of {t} tokens exceeds the CUDA-graph state, allocated for "
+                f"{g.rows.shape[0]} (init_cuda_graph_state(max_bs, max_num_tokens))"
+            )
         md = IndexerMetadata(g.rows[:t], g.visible[:t], g.width, [(0, t)], graph=True)
         g.captured[t] = md
         self._refill(md, batch)
@@ -181,6 +187,11 @@ class Indexer:
         self.metadata = md
 
     # ------------------------------------------------------------------ per layer
+    def _require_metadata(self) -> IndexerMetadata:
+        if self.metadata is None:
+            raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
+        return self.metadata
+
     def _check_rope(self, cos: torch.Tensor, sin: torch.Tensor, t: int) -> None:
         """cos, sin [T, rope_dim / 2]. Hazard: the kernels take the rotated width from the
         tables, so a narrower table rotated fewer dims than the model's, silently."""
@@ -191,7 +202,12 @@ class Indexer:
     def store(
         self, layer: int, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor
     ) -> None:
-        """k = k_norm(wk(x)) [T, D] before RoPE: RoPE, rotation, quantisation, store at loc."""
+        """k = k_norm(wk(x)) [T, D] before RoPE: RoPE, rotation, quantisation, store at loc.
+        Hazard: a float `loc` was cast (bf16 rounds slot ids past 256) and the key landed in
+        another token's slot; a `loc` longer than k broadcast one key into several."""
+        dev = self.cache.device
+        check_tensor("k", k, (-1, self.dims.head_dim), ACT_DTYPES, dev)
+        check_tensor("loc", loc, (k.shape[0],), (torch.int32, torch.int64), dev)
         self._check_rope(cos, sin, k.shape[0])
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import store_index_k
@@ -216,8 +232,7 @@ class Indexer:
         the launch just before released this one after its own wait, as in `select`);
         `counts`: `index_logits`' (the Triton kernels only: the top-k's zeroed counters of
         these tokens, which the logits kernel counts into)."""
-        md = self.metadata
-        assert md is not None
+        md = self._require_metadata()
         rows, vis = md.rows[start:end], md.visible[start:end]
         if self.kernels == "triton":
             from mla_backends.sparse.indexer_kernels import index_logits
@@ -256,9 +271,13 @@ class Indexer:
     ) -> torch.Tensor:
         """wq_b(q_lora) [T, Hi, D], weights_proj(x) [T, Hi] -> int32 [T, topk] pool slots."""
         self._check_rope(cos, sin, q.shape[0])
-        md = self.metadata
-        if md is None:
-            raise RuntimeError("indexer: init_forward_metadata was not called for this batch")
+        md = self._require_metadata()
+        # Hazard: the kernels size their grids from the batch and read q / w by their
+        # strides: a w of fewer heads or tokens was read past its end, and the torch path
+        # broadcast one token's query over the batch. Host shapes only (md.rows: [T]).
+        t, d, dev = md.rows.shape[0], self.dims, self.cache.device
+        check_tensor("q", q, (t, d.n_heads, d.head_dim), ACT_DTYPES, dev)
+        check_tensor("w", w, (t, d.n_heads), ACT_DTYPES, dev)
         k, r2t = self.dims.topk, self.req_to_token
         score: Callable[[int, int], torch.Tensor]
         pick: Callable[[torch.Tensor, int, int], torch.Tensor]

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
-from mla_backends.checks import unit_stride
+from mla_backends.checks import check_tensor, unit_stride
 from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
 from mla_backends.kernels.store import _pow2_ceil, _round_e4m3, _slot_or_dummy
@@ -188,7 +188,10 @@ def prepare_q_fused(
             f"prepare_q_fused: zero must be contiguous int32, got {zero.dtype} "
             f"{'contiguous' if zero.is_contiguous() else 'strided'}"
         )
+    check_tensor("q", q, (-1, -1, dims.head_dim))
     t, hi, d = q.shape
+    if w.shape != (t, hi):  # the kernel reads w by its strides: a short one past its end
+        raise ValueError(f"prepare_q_fused: w must be [T, Hi] = [{t}, {hi}], got {list(w.shape)}")
     out = torch.empty(t, hi, d, dtype=torch.float8_e4m3fn if dims.quantized else torch.float32,
                       device=q.device)  # fmt: skip
     w_out = torch.empty(t, hi, dtype=torch.float32, device=q.device)

@@ -357,6 +357,8 @@ def check_rows(
             f"{caller}: req_to_token must be [requests, >= {width}] (the keys read), "
             f"got {tuple(req_to_token.shape)}"
         )
+    if req_to_token.stride(1) != 1:  # the kernels step a row by 1: a view gave other slots
+        raise ValueError(f"{caller}: req_to_token's rows must be contiguous (stride 1)")
 
 
 def check_counts(counts: torch.Tensor, rows: int, caller: str) -> None:
