@@ -15,6 +15,7 @@ import torch
 from mla_backends.backends.emulation import KernelContractError
 from mla_backends.backends.flashinfer_kernel import FaPlan
 from mla_backends.batch import ForwardMode
+from mla_backends.checks import ShapeError
 from mla_backends.config import Config, MLADims
 from mla_backends.sparse import flashinfer_mla as fi_mod
 from mla_backends.sparse import flashmla as fm_mod
@@ -61,6 +62,28 @@ def test_contract_parity(kernels: dict[str, object], case: SparseCase) -> None:
     if case.backend == "flashmla":  # the kernel each mode must take
         fp8_decode = case.pool == "fp8_row" and case.mode is not ForwardMode.EXTEND
         assert (fm.decode_calls, fm.prefill_calls > 1) == (int(fp8_decode), not fp8_decode)
+
+
+@pytest.mark.parametrize(
+    "backend, pool",
+    [("flashmla", "fp8_row"), ("flashmla", "bfloat16"), ("flashinfer_mla", "bfloat16")],
+)
+def test_a_query_in_another_dtype_than_the_kernels_is_one_shape_error(
+    kernels: dict[str, object], backend: str, pool: str
+) -> None:
+    """The vendor kernels are built for the context's activation dtype: an fp16 / fp32 query
+    failed inside the kernel's wrapper, naming no argument (helper 58's review)."""
+    case = SparseCase(
+        backend, pool, "bfloat16", ForwardMode.DECODE, 1, (200, 300), 128, 64, _dims(16),
+        check_support=False,
+    )  # fmt: skip
+    b = build(case, "cpu")
+    sp = b.backend
+    sp.init_forward_metadata(b.batch)
+    for dt in (torch.float16, torch.float32):
+        with pytest.raises(ShapeError, match=r"q_nope: expected dtype in \['torch.bfloat16'\]"):
+            sp.forward_sparse(0, b.q_nope.to(dt), b.q_rope.to(dt), b.indices, b.batch)
+    assert torch.isfinite(sp.forward_sparse(0, b.q_nope, b.q_rope, b.indices, b.batch)).all()
 
 
 def test_flashmla_base2_prefill_lse_is_measured_and_converted(

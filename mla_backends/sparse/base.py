@@ -184,6 +184,13 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
     ) -> None:
         self.pool.set_mla_kv_buffer(layer, loc, k_nope, k_rope)
 
+    @property
+    def q_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Query dtypes `forward_sparse` takes: any activation dtype (torch math, Triton
+        casts); a vendor kernel built for the context's dtype narrows it (a query of another
+        dtype failed inside the kernel's wrapper, naming no argument)."""
+        return (torch.float32, torch.bfloat16, torch.float16)
+
     def forward_sparse(
         self,
         layer: int,
@@ -200,8 +207,7 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
                 f"sparse {self.name}: init_forward_metadata was not called for this batch"
             )
         d, t = self.dims, batch.num_tokens
-        act = (torch.float32, torch.bfloat16, torch.float16)
-        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), act, self.device)
+        check_tensor("q_nope", q_nope, (t, d.num_heads, d.kv_lora_rank), self.q_dtypes, self.device)
         check_tensor(
             "q_rope", q_rope, (t, d.num_heads, d.qk_rope_head_dim), q_nope.dtype, self.device
         )

@@ -86,6 +86,10 @@ class FlashInferSparseBackend(SparseMLABackend):
             return "FlashInfer MLA reads bfloat16 / float16 / e4m3 pools, not float32"
         return missing("flashinfer") or need_sm(cap, "FlashInfer fa3 MLA", ((9, 0),))
 
+    @property
+    def q_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.ctx.dtype,)  # the kernel is built for the context's activations
+
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
         d = self.dims

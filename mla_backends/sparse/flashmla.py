@@ -89,6 +89,10 @@ class FlashMLASparseBackend(SparseMLABackend):
             return f"FlashMLA's FP8 sparse decode needs topk % 64 == 0, got {ctx.topk}"
         return missing("sgl_kernel") or need_sm(cap, "FlashMLA sparse", ((9, 0),))
 
+    @property
+    def q_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.ctx.dtype,)  # the kernel is built for the context's activations
+
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
         self._fm = load_kernels()
