@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from mla_backends.batch import as_ints
 from mla_backends.checks import check_tensor
 
 if TYPE_CHECKING:
@@ -436,6 +437,7 @@ class ReqToTokenPool:
 
     def check_rows(self, rows: list[int] | tuple[int, ...]) -> None:
         """RequestRowError unless every row is an allocated request row."""
+        rows = as_ints(rows, "rows")  # a float row indexed the host arrays deep inside
         bad = [r for r in rows if not (0 < r <= self.size and self.allocated[r])]
         if bad:
             raise RequestRowError(
@@ -455,6 +457,9 @@ class ReqToTokenPool:
         if rows_cpu is None or rows_cpu.numel() == 0:
             return
         rows = rows_cpu.numpy().astype(np.int64)
+        real = rows[rows != 0]  # padding repeats row 0
+        if np.unique(real).size != real.size:  # one token's state update was lost
+            raise RequestRowError(f"a request row appears twice in one batch: {rows.tolist()}")
         if rows.min() < 0 or rows.max() > self.size or not self.allocated[rows].all():
             self.check_rows(rows.tolist())
         seq = batch.seq_lens_cpu.numpy()

@@ -414,6 +414,72 @@ def test_verify_then_accept_equals_decoding_the_accepted_tokens(
     assert [spec.rt.allocator.seq_len(r) for r in rows[0]] == [9, 10, 4]
 
 
+def test_a_new_request_on_a_reused_row_starts_from_zero_state_without_a_reset() -> None:
+    """A row freed and handed out again by the request table (the README's way of taking
+    rows) kept its last request's recurrent and conv states: the new request's prefill
+    logits were 1.3x off, silently (helper 59's review). A request with no cached prefix now
+    starts from zero state, reset or not."""
+    m = _model()
+    eng, fresh = _engine(m), _engine(m)
+    (a,) = eng.new_requests(1)
+    eng.extend([a], [[9, 8, 7, 6]])
+    eng.decode([a], [5])
+    eng.free(a)
+    row = eng.rt.req_pool.alloc(1)
+    assert row == [a] and float(eng.backend.linear.pool.recurrent[:, a].abs().max()) > 0
+    r2 = fresh.new_requests(1)
+    assert _rel(eng.extend(row, [[1, 2, 3]]), fresh.extend(r2, [[1, 2, 3]])) < 1e-6
+    assert _rel(eng.decode(row, [4]), fresh.decode(r2, [4])) < 1e-6
+
+
+def test_accept_is_once_per_whole_verify_and_not_after_its_rows_were_reset() -> None:
+    """Through the backend API, past the Engine's own guards (helper 59's review): a second
+    accept after one verify rewrote the states (silently, under a graph runner); an accept
+    after a verify that failed part-way took that verify's states in the layers it reached
+    and the one before's elsewhere; a reset row got its old request's verify state back from
+    the accept that followed."""
+    m = _model()
+    eng = _engine(m)
+    be, lin = eng.backend, eng.backend.linear
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2], [3]])
+
+    def verify(ids: list[int]) -> None:
+        loc = eng.rt.allocator.alloc_extend(rows, [2, 2])
+        b = ForwardBatch.build(ForwardMode.TARGET_VERIFY, rows, [2, 1], [2, 2], loc, "cpu")
+        be.init_forward_metadata(b)
+        try:
+            m(torch.tensor(ids), b, be)
+        finally:
+            for r, p in zip(rows, [2, 1]):
+                eng.rt.allocator.truncate(r, p)
+
+    verify([4, 5, 6, 7])
+    be.accept(torch.tensor([1, 1]))
+    after = lin.pool.recurrent.clone()
+    with pytest.raises(RuntimeError, match=r"no verify is pending \(accept was called for it"):
+        be.accept(torch.tensor([2, 2]))
+    assert torch.equal(lin.pool.recurrent, after)
+    for bad in (torch.tensor([1.9, 2.0]), torch.tensor([True, True]), [1, 2]):
+        verify([4, 5, 6, 7])
+        with pytest.raises(TypeError, match=r"num_accepted: expected an int32 / int64 tensor"):
+            be.accept(bad)  # type: ignore[arg-type]
+    verify([4, 5, 6, 7])  # never accepted
+    own = m.layers[1].attn.forward
+    m.layers[1].attn.forward = _raise  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        verify([9, 9, 9, 9])
+    m.layers[1].attn.forward = own  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"staged 1 of \d+ linear layers \(it failed part-way"):
+        be.accept(torch.tensor([2, 2]))
+    assert torch.equal(lin.pool.recurrent, after)
+    verify([4, 5, 6, 7])
+    be.reset_requests([rows[0]])
+    with pytest.raises(RuntimeError, match=r"no verify is pending .*or its rows were reset"):
+        be.accept(torch.tensor([2, 1]))
+    assert not lin.pool.recurrent[:, rows[0]].any() and not lin.pool.conv[:, rows[0]].any()
+
+
 def test_accept_needs_a_verify_batch() -> None:
     eng = _engine(_model())
     rows = eng.new_requests(1)

@@ -180,8 +180,10 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_gpu_fla_equals_recurrence_prefill_then_decode(
     kda: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three requests (varlen prefill from non-zero stored states, then 6 decode steps of the
-    batch plus a padded row) through fla and through the recurrence: outputs and states."""
+    """Three requests (varlen prefill: two extend a cached prefix from their non-zero stored
+    states, one is new and starts from zero whatever its row holds; then 6 decode steps of
+    the batch plus a padded row) through fla and through the recurrence: outputs and
+    states."""
     pytest.importorskip("fla", reason="needs the fla package (pip install fla-core)")
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # fp32 dots in fp32 (part of the key)
     h, dk, dv, slots = 4, 128, 128, 6
@@ -201,8 +203,9 @@ def test_gpu_fla_equals_recurrence_prefill_then_decode(
         # both paths see the same dtype-rounded inputs
         return [x.to(dtype).to("cuda") for x in (q, k, v)] + [g.cuda(), beta.to(dtype).cuda()]
 
-    rows, lens = [3, 1, 4], [70, 5, 130]
-    steps = [(ForwardMode.EXTEND, rows, [0, 0, 0], lens)]
+    rows, prefix, ext = [3, 1, 4], [9, 0, 2], [70, 5, 130]
+    lens = [p + n for p, n in zip(prefix, ext)]
+    steps = [(ForwardMode.EXTEND, rows, prefix, ext)]
     steps += [(ForwardMode.DECODE, rows + [0], lens + [0], [1] * 4)] * 6
     for mode, r, prefix, ext in steps:
         b = _batch(mode, r, prefix, ext, "cuda")
@@ -275,6 +278,54 @@ def test_state_reset_refuses_rows_outside_the_requests(row: int) -> None:
     with pytest.raises(ValueError, match=rf"rows \[{row}\] are not request rows \(1..4\)"):
         pool.reset([2, row])
     assert (pool.recurrent == 1).all()
+
+
+def test_linear_layers_and_rows_of_the_wrong_kind_are_refused_before_any_write() -> None:
+    """Layer -1 advanced the last linear layer's states and a float or bool row reset row 1,
+    silently; a float row in a request-table check failed deep inside (helper 59's review).
+    A new request (no cached prefix) starts from zero state whatever its row holds."""
+    from mla_backends.pool import LayerIndexError, ReqToTokenPool
+
+    pool = LinearStatePool(2, 4, H, K, V, 16, 4, "cpu")
+    pool.recurrent.fill_(1.0)
+    be = LinearAttentionBackend(pool)
+    be.init_forward_metadata(_batch(ForwardMode.DECODE, [1, 2], [3, 3], [1, 1]))
+    x = _inputs(2, torch.Generator().manual_seed(6))
+    for layer in (-1, 2, True):
+        with pytest.raises(LayerIndexError, match=r"linear layer .* out of range: .* 0..1"):
+            be.forward(layer, *x)  # type: ignore[arg-type]
+    for bad in ([1.5], [True]):
+        with pytest.raises(TypeError, match=r"rows must be integers"):
+            pool.reset(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"rows must be integers"):
+            ReqToTokenPool(4, 16, "cpu").check_rows(bad)  # type: ignore[arg-type]
+    assert (pool.recurrent == 1).all()
+    be.init_forward_metadata(_batch(ForwardMode.EXTEND, [1, 2], [0, 3], [2, 2]))
+    q, k, v, g, beta = _inputs(4, torch.Generator().manual_seed(7))
+    out = be.forward(0, q, k, v, g, beta)
+    want, _ = gated_delta_rule(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.zeros(H, K, V), be.scale)
+    torch.testing.assert_close(out[:2], want, rtol=1e-6, atol=1e-6)  # row 1: from zero
+    cont, _ = gated_delta_rule(q[2:], k[2:], v[2:], g[2:], beta[2:], torch.ones(H, K, V), be.scale)
+    torch.testing.assert_close(out[2:], cont, rtol=1e-6, atol=1e-6)  # row 2: its state
+
+
+def test_a_request_row_twice_in_one_batch_is_refused() -> None:
+    """Two tokens of one row in a DECODE batch built by hand: the linear state kept only the
+    last token's update, silently (the allocator refuses it; a hand-built batch did not)."""
+    from mla_backends.pool import ReqToTokenPool, RequestRowError
+
+    table = ReqToTokenPool(4, 16, "cpu")
+    (row,) = table.alloc(1)
+    table.filled[row] = 3
+    batch = ForwardBatch.build(
+        ForwardMode.DECODE, [row, row], [2, 2], [1, 1], torch.zeros(2, dtype=torch.int64), "cpu"
+    )
+    with pytest.raises(
+        RequestRowError, match=r"a request row appears twice in one batch: \[1, 1\]"
+    ):
+        table.check_batch(batch)
+    table.check_batch(ForwardBatch.build(ForwardMode.DECODE, [row, 0, 0], [2, 0, 0], [1] * 3,
+                                         torch.zeros(3, dtype=torch.int64), "cpu"))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -119,8 +119,9 @@ class HybridBackend:
         self.linear.accept(num_accepted)
 
     def reset_requests(self, rows: Sequence[int]) -> None:
-        """New requests start from zero recurrent and conv state."""
-        self.linear.pool.reset(list(rows))
+        """New requests start from zero recurrent and conv state (a verify pending over any
+        of the rows is dropped: `LinearAttentionBackend.reset`)."""
+        self.linear.reset(rows)
 
     # ------------------------------------------------------------------ per batch
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -1,6 +1,7 @@
 """Linear-attention backend (Gated DeltaNet, KDA) over a `LinearStatePool`.
 
-EXTEND runs the recurrence per request from its stored state and stores the final state.
+EXTEND runs the recurrence per request from its stored state (zero for a request with no
+cached prefix: a new request on a reused row) and stores the final state.
 DECODE runs one step for the whole batch at once, gathering and scattering states by request
 row: shapes depend only on the batch size, so it is graph-capturable, and padded rows (row 0)
 read and write the dummy slot. TARGET_VERIFY runs the T draft tokens of every request from its
@@ -16,16 +17,18 @@ fla on a CUDA device when the package is importable and the head dims fit its ke
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mla_backends.backends.kernel_packages import missing
-from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
 from mla_backends.checks import check_tensor
 from mla_backends.linear import fla_ops
 from mla_backends.linear.recurrence import gated_delta_rule
 from mla_backends.linear.state_pool import LinearStatePool
+
+_COUNT_DTYPES = (torch.int32, torch.int64)  # a float count was truncated (1.9 -> 1)
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +69,41 @@ class LinearAttentionBackend:
         self._verify_states: dict[tuple[int, int | None], torch.Tensor] = {}
         self._verify_conv: dict[tuple[int, int | None], torch.Tensor] = {}
         self._graphed = False  # whether the current batch runs through the graph hooks
+        # The verify batch `accept` may still follow (its staging complete, its rows not
+        # reset since). Hazard: a second accept rewrote graph-staged states the KV had been
+        # truncated past; one after a verify that failed part-way mixed two verifies' states.
+        self._accept_pending = False
+        # EXTEND (fla): [B, 1, 1, 1] device mask of the requests that continue a cached prefix
+        # (None: all do). Hazard: a new request on a reused row, never reset, started from the
+        # row's last request's state, silently.
+        self._continues: torch.Tensor | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._batch = batch
         self._graphed = False
         self._cu = None  # Hazard: offsets left from an earlier EXTEND batch
+        self._continues = None
+        self._accept_pending = batch.mode is ForwardMode.TARGET_VERIFY
+        for staging in (self._verify_states, self._verify_conv):  # an unaccepted eager verify's
+            for key in [k for k in staging if k[1] is None]:
+                del staging[key]
         if self.kernels == "fla" and batch.mode is ForwardMode.EXTEND:
             n = batch.extend_seq_lens_cpu.to(torch.int64)
             cu = torch.zeros(n.numel() + 1, dtype=torch.int64)
             cu[1:] = n.cumsum(0)
             self._cu = cu.to(self.pool.device, non_blocking=True)
+            cont = batch.extend_prefix_lens_cpu > 0
+            if not bool(cont.all()):
+                self._continues = cont.view(-1, 1, 1, 1).to(self.pool.device, non_blocking=True)
+
+    def reset(self, rows: Sequence[int]) -> None:
+        """Zero the rows' states; a pending verify over any of them is dropped (its staging
+        belongs to the rows' old requests: accepting it would bring their state back)."""
+        rows = as_ints(rows, "rows")
+        if self._accept_pending and self._batch is not None:
+            if set(rows) & set(self._batch.rows_host):
+                self._accept_pending = False
+        self.pool.reset(rows)
 
     # graph hooks: decode reads everything from the batch's static tensors
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -108,6 +136,7 @@ class LinearAttentionBackend:
         batch = self._batch
         if batch is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
+        layer = self.pool.check_layer(layer)
         rec = self.pool.recurrent
         # Hazard: a q of other heads (one, say) broadcast through the einsums, silently
         check_tensor("q", q, (-1, *rec.shape[2:4]))
@@ -135,15 +164,20 @@ class LinearAttentionBackend:
         if self.kernels == "fla":
             rows = batch.req_pool_indices.long()
             assert self._cu is not None  # set by init_forward_metadata for EXTEND
-            o, final = fla_ops.prefill(q, k, v, g, beta, rec[layer][rows], self._cu, self.scale)
+            s0 = rec[layer][rows]  # a copy
+            if self._continues is not None:  # new requests start from zero
+                s0 = s0 * self._continues
+            o, final = fla_ops.prefill(q, k, v, g, beta, s0, self._cu, self.scale)
             rec[layer][rows] = final
             return o
         out = torch.empty(t, h, v.shape[-1], dtype=torch.float32, device=q.device)
         start = 0
-        for row, n in zip(batch.rows_host, batch.extend_seq_lens_cpu.tolist()):
+        prefix = batch.extend_prefix_lens_cpu.tolist()
+        for row, n, p in zip(batch.rows_host, batch.extend_seq_lens_cpu.tolist(), prefix):
             sl = slice(start, start + n)
+            s0 = rec[layer, row] if p else torch.zeros_like(rec[layer, row])  # a new request
             out[sl], rec[layer, row] = gated_delta_rule(
-                q[sl], k[sl], v[sl], g[sl], beta[sl], rec[layer, row], self.scale
+                q[sl], k[sl], v[sl], g[sl], beta[sl], s0, self.scale
             )
             start += n
         return out.to(v.dtype)
@@ -184,6 +218,14 @@ class LinearAttentionBackend:
         batch = self._batch
         if batch is None or batch.mode is not ForwardMode.TARGET_VERIFY:
             raise RuntimeError("accept() follows a TARGET_VERIFY batch")
+        if not self._accept_pending:
+            raise RuntimeError(
+                "accept(): no verify is pending (accept was called for it already, or its rows "
+                "were reset since)"
+            )
+        if not isinstance(num_accepted, torch.Tensor) or num_accepted.dtype not in _COUNT_DTYPES:
+            got = getattr(num_accepted, "dtype", type(num_accepted).__name__)
+            raise TypeError(f"num_accepted: expected an int32 / int64 tensor, got {got}")
         rows = batch.req_pool_indices.long()
         n = num_accepted.to(device=rows.device, dtype=torch.long)
         b, t = rows.numel(), max(batch.num_draft_tokens, 1)
@@ -195,6 +237,15 @@ class LinearAttentionBackend:
         if host.device.type == "cpu" and b and not 0 <= int(host.min()) <= int(host.max()) <= t:
             raise ValueError(f"num_accepted: counts must be in 0..{t}, got {host.tolist()}")
         size = self._stage_size(b)
+        done = sum(key[1] == size for key in self._verify_states)
+        if b and done != self.pool.num_layers:
+            raise RuntimeError(
+                f"accept(): the verify batch staged {done} of {self.pool.num_layers} linear "
+                "layers (it failed part-way?): reset its rows and prefill them again"
+            )
+        # On the device a count can't be checked without a sync: one out of range is clamped
+        # (it indexed past the staging, a device-side assert that ends the process)
+        n = n.clamp(0, t)
         ar = torch.arange(b, device=rows.device)
         for (layer, staged), states in self._verify_states.items():
             if staged != size:
@@ -209,6 +260,7 @@ class LinearAttentionBackend:
             w1 = self.pool.conv.shape[-1]
             idx = (n[:, None] + torch.arange(w1, device=rows.device))[:, None, :]
             self.pool.conv[layer][rows] = win.gather(2, idx.expand(b, win.shape[1], w1)).float()
+        self._accept_pending = False
         if size is None:  # an eager verify's staging is read once
             for staging in (self._verify_states, self._verify_conv):
                 for key in [k for k in staging if k[1] is None]:

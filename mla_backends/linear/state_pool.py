@@ -7,7 +7,13 @@ rows read and write. States are fp32 and reset to zero when a request takes a ro
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
+
+from mla_backends.batch import as_ints
+from mla_backends.pool import LayerIndexError
 
 
 class LinearStatePool:
@@ -42,8 +48,19 @@ class LinearStatePool:
         per = self.recurrent[:, 0].numel() + self.conv[:, 0].numel()
         return per * self.recurrent.element_size()
 
-    def reset(self, rows: list[int]) -> None:
+    def check_layer(self, layer: int) -> int:
+        """`layer` as an int if it is one of this pool's linear layers, else a LayerIndexError
+        (a plain index took -1 as the last layer, silently)."""
+        if isinstance(layer, bool) or not 0 <= operator.index(layer) < self.num_layers:
+            raise LayerIndexError(
+                f"linear layer {layer!r} is out of range: the state pool has layers "
+                f"0..{self.num_layers - 1}"
+            )
+        return operator.index(layer)
+
+    def reset(self, rows: Sequence[int]) -> None:
         """Zero the states of newly admitted requests (their rows may be reused)."""
+        rows = as_ints(rows, "rows")  # a float or bool row reset row 1, silently
         if 0 in rows:
             raise ValueError("row 0 is the dummy state slot, never a request")
         slots = self.recurrent.shape[1]

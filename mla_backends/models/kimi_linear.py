@@ -197,9 +197,11 @@ class KDALayer(nn.Module):
             return out
         out = torch.empty_like(x)
         start = 0
-        for row, n in zip(batch.rows_host, batch.extend_seq_lens_cpu.tolist()):
+        prefix = batch.extend_prefix_lens_cpu.tolist()
+        for row, n, p in zip(batch.rows_host, batch.extend_seq_lens_cpu.tolist(), prefix):
+            s0 = st.conv[row] if p else torch.zeros_like(st.conv[row])  # a new request
             out[start : start + n], st.conv[row] = short_conv(
-                x[start : start + n], self.conv_weight, st.conv[row]
+                x[start : start + n], self.conv_weight, s0
             )
             start += n
         return out
