@@ -836,3 +836,19 @@ def test_state_pool_smaller_than_the_request_table_is_refused() -> None:
     )
     with pytest.raises(ValueError, match=r"state pool has 3 slots, the request table 7 rows"):
         HybridBackend(eng.rt.backend, LinearAttentionBackend(small), cfg.kinds)
+
+
+@pytest.mark.parametrize("conv", ["kernel", "dim"])
+def test_a_state_pool_of_another_conv_shape_is_one_error_naming_it(conv: str) -> None:
+    """A state pool built with another conv kernel or conv dim than the model's gave a shape
+    error deep inside the conv, naming neither (helper 59's review)."""
+    m = _model()
+    cfg = m.cfg
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    width, kernel = (3 * h * d, cfg.conv_kernel - 1) if conv == "kernel" else (2 * h * d, 4)
+    eng = _engine(m)
+    pool = LinearStatePool(cfg.kinds.count("linear"), 6, h, d, d, width, kernel, "cpu")
+    bad = Engine(m, eng.rt, HybridBackend(eng.rt.backend, LinearAttentionBackend(pool), cfg.kinds))
+    rows = bad.new_requests(1)
+    with pytest.raises(ValueError, match=r"linear state pool: conv state \[conv_dim, conv_kernel"):
+        bad.extend(rows, [[1, 2, 3]])

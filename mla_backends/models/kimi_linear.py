@@ -178,6 +178,12 @@ class KDALayer(nn.Module):
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, backend: HybridBackend) -> torch.Tensor:
         """Short conv over each request's tokens, continuing from / updating its conv state."""
         st = backend.linear_state(self.layer_id)
+        want = (self.conv_weight.shape[0], self.conv_weight.shape[1] - 1)
+        if tuple(st.conv.shape[1:]) != want:  # else a shape error deep in the conv, rows marked
+            raise ValueError(
+                f"linear state pool: conv state [conv_dim, conv_kernel - 1] = "
+                f"{list(st.conv.shape[1:])}, layer {self.layer_id} needs {list(want)}"
+            )
         if batch.mode is ForwardMode.TARGET_VERIFY:  # T drafts each, the state kept aside
             b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
             rows = batch.req_pool_indices.long()
