@@ -73,12 +73,11 @@ def config_from_hf(raw: dict[str, Any]) -> KimiLinearConfig:
             raise ValueError(f"{hub} {raw[hub]!r} and {ours} {raw[ours]!r} disagree")
     kinds = raw.get("mlp_layer_types")  # transformers' own save: the MLP of each layer
     if kinds is not None:
-        kinds = kinds if isinstance(kinds, list) else [kinds]  # not a list: refused below
-        dense = next((i for i, k in enumerate(kinds) if k != "dense"), len(kinds))
-        if any(k != "sparse" for k in kinds[dense:]) or raw["mlp_layer_types"] != kinds:
+        listed = isinstance(kinds, list)  # enumerate() over an int was a TypeError traceback
+        dense = next((i for i, k in enumerate(kinds) if k != "dense"), len(kinds)) if listed else 0
+        if not listed or any(k != "sparse" for k in kinds[dense:]):
             raise ValueError(
-                f"mlp_layer_types must be 'dense' layers then 'sparse' ones, got "
-                f"{raw['mlp_layer_types']!r}"
+                f"mlp_layer_types must be 'dense' layers then 'sparse' ones, got {kinds!r}"
             )
         raw["first_k_dense_replace"] = dense
     if raw.get("use_grouped_topk") is False:  # one group: plain top-k over every expert
