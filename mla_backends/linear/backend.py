@@ -84,9 +84,7 @@ class LinearAttentionBackend:
         self._cu = None  # Hazard: offsets left from an earlier EXTEND batch
         self._continues = None
         self._accept_pending = batch.mode is ForwardMode.TARGET_VERIFY
-        for staging in (self._verify_states, self._verify_conv):  # an unaccepted eager verify's
-            for key in [k for k in staging if k[1] is None]:
-                del staging[key]
+        self._drop_eager_staging()  # an unaccepted eager verify's
         if self.kernels == "fla" and batch.mode is ForwardMode.EXTEND:
             n = batch.extend_seq_lens_cpu.to(torch.int64)
             cu = torch.zeros(n.numel() + 1, dtype=torch.int64)
@@ -262,9 +260,13 @@ class LinearAttentionBackend:
             self.pool.conv[layer][rows] = win.gather(2, idx.expand(b, win.shape[1], w1)).float()
         self._accept_pending = False
         if size is None:  # an eager verify's staging is read once
-            for staging in (self._verify_states, self._verify_conv):
-                for key in [k for k in staging if k[1] is None]:
-                    del staging[key]
+            self._drop_eager_staging()
+
+    def _drop_eager_staging(self) -> None:
+        """Forget an eager verify's staging (size None); graph-captured sizes keep theirs."""
+        for staging in (self._verify_states, self._verify_conv):
+            for key in [k for k in staging if k[1] is None]:
+                del staging[key]
 
     def _decode(
         self,
