@@ -52,6 +52,14 @@ class LayerIndexError(IndexError):
     """A layer index outside 0..num_layers-1 was passed to the pool or a backend."""
 
 
+def check_layer_index(layer: int, num_layers: int, owner: str = "the pool has layers") -> int:
+    """`layer` as an int if it is in 0..num_layers-1, else LayerIndexError. Hazard: Python
+    indexing reads -1 as the last layer and True as layer 1, silently."""
+    if isinstance(layer, bool) or not 0 <= operator.index(layer) < num_layers:
+        raise LayerIndexError(f"layer {layer!r} is out of range: {owner} 0..{num_layers - 1}")
+    return operator.index(layer)
+
+
 class RequestRowError(ValueError):
     """A batch names a request row that was never allocated, or reads a different number of
     tokens of a row than it has stored (prefix_lens + new tokens != what the allocator holds)."""
@@ -67,11 +75,7 @@ class LayerBuffers(tuple):
 
     def __getitem__(self, layer):
         if not isinstance(layer, slice):
-            layer = operator.index(layer)
-            if not 0 <= layer < len(self):
-                raise LayerIndexError(
-                    f"layer {layer} is out of range: the pool has layers 0..{len(self) - 1}"
-                )
+            layer = check_layer_index(layer, len(self))
         return super().__getitem__(layer)
 
 
@@ -192,12 +196,7 @@ class MLATokenToKVPool:
     # ----------------------------------------------------------------- layers
     def check_layer(self, layer: int) -> int:
         """`layer` if it is one of this pool's layers, else LayerIndexError. Host only."""
-        layer = operator.index(layer)
-        if not 0 <= layer < self.num_layers:
-            raise LayerIndexError(
-                f"layer {layer} is out of range: the pool has layers 0..{self.num_layers - 1}"
-            )
-        return layer
+        return check_layer_index(layer, self.num_layers)
 
     # ----------------------------------------------------------------- scales
     def scale(self, layer: int) -> float:

@@ -135,7 +135,7 @@ def _tiny_q(batch, d):  # type: ignore[no-untyped-def]
     )
 
 
-@pytest.mark.parametrize("layer", [-1, 1, 7])
+@pytest.mark.parametrize("layer", [-1, 1, 7, True])
 def test_pool_rejects_a_layer_outside_its_range(layer: int) -> None:
     from mla_backends.pool import LayerIndexError, MLATokenToKVPool
 

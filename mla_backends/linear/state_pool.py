@@ -7,13 +7,12 @@ rows read and write. States are fp32 and reset to zero when a request takes a ro
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from mla_backends.batch import as_ints
-from mla_backends.pool import LayerIndexError
+from mla_backends.pool import check_layer_index
 
 
 class LinearStatePool:
@@ -51,12 +50,7 @@ class LinearStatePool:
     def check_layer(self, layer: int) -> int:
         """`layer` as an int if it is one of this pool's linear layers, else a LayerIndexError
         (a plain index took -1 as the last layer, silently)."""
-        if isinstance(layer, bool) or not 0 <= operator.index(layer) < self.num_layers:
-            raise LayerIndexError(
-                f"linear layer {layer!r} is out of range: the state pool has layers "
-                f"0..{self.num_layers - 1}"
-            )
-        return operator.index(layer)
+        return check_layer_index(layer, self.num_layers, "the state pool has linear layers")
 
     def reset(self, rows: Sequence[int]) -> None:
         """Zero the states of newly admitted requests (their rows may be reused)."""
