@@ -228,6 +228,26 @@ class ForwardBatch:
         n = int(self.extend_seq_lens_cpu.sum())
         for name, t in (("out_cache_loc", self.out_cache_loc), ("positions", self.positions)):
             _check_field(name, t, n, "new tokens (sum of extend_seq_lens_cpu)", device)
+        if self.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) and b:
+            self._check_q_len(n, b)
+
+    def _check_q_len(self, n: int, b: int) -> None:
+        """Hazard: decode kernels and DCP take every request's query count from the mode and
+        `num_draft_tokens` (1 in DECODE), not from `extend_seq_lens`: a verify batch built with
+        `num_draft_tokens` left at 0 was read as one token a request."""
+        d = self.num_draft_tokens
+        q = 1 if self.mode is ForwardMode.DECODE else d
+        if (self.mode is ForwardMode.DECODE and d > 1) or q < 1:
+            raise ShapeError(
+                f"ForwardBatch.num_draft_tokens: {d} in {self.mode.name} (DECODE takes 0 or 1, "
+                "TARGET_VERIFY the query tokens of each request, >= 1)"
+            )
+        # b * q tokens in all and none past q: then every request has q (one host op).
+        if n != b * q or int(self.extend_seq_lens_cpu.max()) != q:
+            raise ShapeError(
+                f"ForwardBatch.extend_seq_lens_cpu: {self.mode.name} with num_draft_tokens {d} "
+                f"needs {q} new token(s) per request, got {self.extend_seq_lens_cpu.tolist()}"
+            )
 
     @property
     def batch_size(self) -> int:

@@ -260,8 +260,22 @@ _DISAGREEING: list[tuple[dict[str, object], str]] = [
         r"seq_lens_cpu: expected device cpu",
     ),
     ({"req_pool_indices_cpu": _THREE}, r"req_pool_indices_cpu: expected shape \[2\]"),
+    # The query count a decode kernel reads is the mode's and num_draft_tokens', not ext's.
+    ({"num_draft_tokens": 3}, r"num_draft_tokens: 3 in DECODE"),
+    ({"mode": ForwardMode.TARGET_VERIFY}, r"num_draft_tokens: 0 in TARGET_VERIFY"),
+    (
+        {"mode": ForwardMode.TARGET_VERIFY, "num_draft_tokens": 2},
+        r"extend_seq_lens_cpu: TARGET_VERIFY .* needs 2 new token\(s\) per request, got \[1, 1\]",
+    ),
+    (
+        {"extend_seq_lens_cpu": torch.tensor([2, 0], dtype=torch.int32)},
+        r"extend_seq_lens_cpu: DECODE .* needs 1 new token\(s\) per request, got \[2, 0\]",
+    ),
 ]
-_DISAGREEING_IDS = "rows ext pre-cpu seq-2d positions loc float device cpu-copy rows-cpu".split()
+_DISAGREEING_IDS = (
+    "rows ext pre-cpu seq-2d positions loc float device cpu-copy rows-cpu "
+    "decode-draft verify-draft-0 verify-q decode-ext"
+).split()
 
 
 @pytest.mark.parametrize(
