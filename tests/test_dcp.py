@@ -183,6 +183,46 @@ def test_dcp_runtime_keeps_the_configs_context_limit() -> None:
         assert got[1] == "9: 9"
 
 
+def _pointer_check_worker(rank: int, group: Any) -> list[str]:
+    """A DCP graph runner (eager replay on the CPU): the pointers its check compares at each
+    replay, and the wrapped backend's metadata tensors they must include."""
+    from mla_backends.graph_runner import CudaGraphRunner, InputSpec, _collect
+
+    cfg = Config(
+        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+    )  # fmt: skip
+    rt = build_dcp_runtime(cfg, group)
+    d, be = cfg.model, rt.backend
+    rows = rt.req_pool.alloc(2)
+    rt.allocator.alloc_extend(rows, [5, 9])
+    specs = {
+        "qn": InputSpec((d.num_heads, d.kv_lora_rank), torch.float32),
+        "qr": InputSpec((d.num_heads, d.qk_rope_head_dim), torch.float32),
+    }
+    runner = CudaGraphRunner(
+        be, lambda b, i: be.forward_absorbed(0, i["qn"], i["qr"], None, None, b), specs, [2],
+        device="cpu", use_graphs=False,
+    )  # fmt: skip
+    runner.capture()
+    loc = rt.allocator.alloc_decode(rows)
+    batch = ForwardBatch.build(ForwardMode.DECODE, rows, [5, 9], [1, 1], loc, "cpu")
+    q = {k: torch.randn(2, *spec.shape) for k, spec in specs.items()}
+    runner.replay(batch, q, check_pointers=True)
+    inner: dict[str, int] = {}
+    _collect("inner", be.inner.metadata, inner)  # type: ignore[attr-defined]
+    seen = set(runner.pointer_snapshot().values())
+    return sorted(path for path, ptr in inner.items() if ptr not in seen)
+
+
+def test_dcp_graph_pointer_check_sees_the_wrapped_backends_buffers() -> None:
+    """Under DCP the graph runner's `check_pointers` compares the wrapped backend's metadata
+    too (page table, indptr...): before, it saw only DCP's own rows, so the attending
+    backend's buffers could move after capture unnoticed."""
+    for missing in spawn(_pointer_check_worker, 2, "gloo"):
+        assert missing == []
+
+
 def _wrong_length_worker(rank: int, group: Any, cases: list[tuple[int, int]]) -> list[str]:
     """Per case: a row storing `stored` tokens, a DECODE batch reading `claimed`; what this
     rank's metadata call says."""

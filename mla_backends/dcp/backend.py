@@ -250,4 +250,5 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
             self.inner.init_forward_metadata_capture(md.local)
         else:
             self.inner.init_forward_metadata_replay(md.local)
+        md.inner = self.inner.metadata
         return md

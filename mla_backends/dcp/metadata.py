@@ -20,6 +20,9 @@ class DCPMetadata:
     valid: torch.Tensor  # [N, T] bool, device: rank k holds at least one of them (vis > k)
     local: ForwardBatch  # this rank's batch for the wrapped backend
     perm: torch.Tensor | None  # EXTEND: [T'] int64, device: the token of each local row
+    # Graphs: the wrapped backend's metadata, so the graph runner's pointer check sees its
+    # buffers too (Hazard: without it a moved page table under DCP went unnoticed).
+    inner: object = None
 
 
 @dataclass
