@@ -127,7 +127,10 @@ def batch_reference(
     scale: float,
     expanded: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference over a whole batch whose new rows are already in the pool.
+    """Reference over a whole batch whose new rows are already in the pool. It reads the
+    keys from the pool, as the backends do: it checks attention, not what was stored where
+    (to check stores, slots and page reuse, keep your own rows and call `absorbed` /
+    `mha_expanded`).
 
     expanded=True: q_nope [T, h, p] -> (out [T, h, v], lse [T, h]) via `mha_expanded`.
     expanded=False: q_nope is q_latent [T, h, l] -> (out [T, h, l], lse) via `absorbed`."""
