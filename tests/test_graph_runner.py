@@ -218,7 +218,9 @@ def test_replay_refuses_a_batch_whose_tokens_are_not_q_len_a_request() -> None:
         seq_lens_cpu=batch.seq_lens_cpu + torch.tensor([0, 1], dtype=torch.int32),
     )
     inputs = {k: torch.cat([v, v[1:]]) for k, v in inputs.items()}
-    with pytest.raises(ValueError, match=r"q_len=1 tokens a request: got 3 tokens for 2"):
+    with pytest.raises(
+        ShapeError, match=r"DECODE .* needs 1 new token\(s\) per request, got \[1, 2\]"
+    ):
         runner.replay(bad, inputs)
 
 
