@@ -80,11 +80,11 @@ class PagedTokenAllocator:
         return len(self._free) * self.page_size
 
     def seq_len(self, row: int) -> int:
-        return self._lens.get(row, 0)
+        return self._lens.get(operator.index(row), 0)  # a torch integer hashes apart: 0
 
     def holds(self, row: int) -> bool:
         """True if the request row has been allocated KV (even if truncated to 0 since)."""
-        return row in self._lens
+        return operator.index(row) in self._lens
 
     def pages(self, row: int) -> list[int]:
         return list(self._pages.get(row, []))

@@ -426,10 +426,56 @@ def test_a_new_request_on_a_reused_row_starts_from_zero_state_without_a_reset() 
     eng.decode([a], [5])
     eng.free(a)
     row = eng.rt.req_pool.alloc(1)
-    assert row == [a] and float(eng.backend.linear.pool.recurrent[:, a].abs().max()) > 0
+    lin = eng.backend.linear.pool
+    lin.recurrent[:, a].fill_(0.5)  # an old request's states, as a backend-level engine
+    lin.conv[:, a].fill_(0.5)  # that frees rows without a reset leaves them
     r2 = fresh.new_requests(1)
     assert _rel(eng.extend(row, [[1, 2, 3]]), fresh.extend(r2, [[1, 2, 3]])) < 1e-6
     assert _rel(eng.decode(row, [4]), fresh.decode(r2, [4])) < 1e-6
+
+
+@pytest.mark.parametrize("first", ["decode", "verify"])
+def test_a_freed_row_taken_back_whose_first_step_is_a_decode_starts_from_zero(first: str) -> None:
+    """Only an EXTEND starts a request with no cached prefix from zero linear state; a row the
+    Engine freed and the request table handed out again, whose first step was a decode or a
+    verify, continued the freed request's states (1.4x off, silently; helper 62's review).
+    `Engine.free` now resets the row."""
+    m = _model()
+    eng, fresh = _engine(m), _engine(m)
+    (a,) = eng.new_requests(1)
+    eng.extend([a], [[9, 8, 7, 6]])
+    eng.free(a)
+    row, r2 = eng.rt.req_pool.alloc(1), fresh.new_requests(1)
+    if first == "decode":
+        assert _rel(eng.decode(row, [4]), fresh.decode(r2, [4])) < 1e-6
+    else:
+        assert _rel(eng.verify(row, [[4, 5]]), fresh.verify(r2, [[4, 5]])) < 1e-6
+
+
+def test_engine_rows_as_torch_integers_and_mode_and_graphs_mid_verify() -> None:
+    """Helper 62's review: a torch-integer row missed every lookup by row (its length read 0:
+    a refused decode's rollback truncated the request to nothing, the retry ran on an empty
+    context, silently); a string mode skipped the verify bookkeeping; `enable_graphs`
+    between a verify and its accept replaced the staged verify (accept then failed and
+    marked the rows)."""
+    m = _model()
+    eng, fresh = _engine(m), _engine(m)
+    rows, r2 = eng.new_requests(2), fresh.new_requests(2)
+    eng.extend(rows, [[9, 8, 7], [6, 5]])
+    fresh.extend(r2, [[9, 8, 7], [6, 5]])
+    t_rows = [torch.tensor(r) for r in rows]
+    assert eng.rt.allocator.seq_len(t_rows[0]) == 3 and eng.rt.allocator.holds(t_rows[1])
+    assert _rel(eng.decode(t_rows, [4, 3]), fresh.decode(r2, [4, 3])) < 1e-6
+    with pytest.raises(TypeError, match=r"mode must be a ForwardMode, got 'target_verify'"):
+        eng.step("target_verify", rows, [[1, 2], [3, 4]])  # type: ignore[arg-type]
+    eng.verify(t_rows, [[1, 2], [3, 4]])
+    with pytest.raises(RuntimeError, match=r"pending verify: accept\(rows, counts\) before"):
+        eng.enable_graphs([1, 2], use_graphs=False)
+    eng.accept(t_rows, [1, 2])
+    fresh.verify(r2, [[1, 2], [3, 4]])
+    fresh.accept(r2, [1, 2])
+    assert eng.rows_to_reset == [] and [eng.rt.allocator.seq_len(r) for r in rows] == [5, 5]
+    assert _rel(eng.decode(rows, [7, 7]), fresh.decode(r2, [7, 7])) < 1e-6
 
 
 def test_accept_is_once_per_whole_verify_and_not_after_its_rows_were_reset() -> None:

@@ -91,10 +91,10 @@ class DCPTokenAllocator:
 
     # ----------------------------------------------------------------- accounting
     def seq_len(self, row: int) -> int:
-        return self._lens.get(row, 0)
+        return self._lens.get(operator.index(row), 0)  # a torch integer hashes apart: 0
 
     def holds(self, row: int) -> bool:
-        return row in self._lens
+        return operator.index(row) in self._lens
 
     @property
     def available_pages(self) -> int:

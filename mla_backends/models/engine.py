@@ -70,6 +70,11 @@ class Engine:
         """Capture decode steps of the whole model (every layer, the LM head) once per batch
         size (default: the config's `cuda_graph_batch_sizes`); `decode` then replays the
         smallest captured size that fits, padded."""
+        if self._drafts is not None and self._verified:  # capture replaces the staged verify
+            raise RuntimeError(
+                f"request rows {self._verified} have a pending verify: accept(rows, counts) "
+                "before enable_graphs()"
+            )
         sizes = self.rt.config.cuda_graph_batch_sizes if batch_sizes is None else batch_sizes
         runner = CudaGraphRunner(
             self.backend,
@@ -94,9 +99,13 @@ class Engine:
         return rows
 
     def free(self, row: int) -> None:
+        [row] = as_ints([row], "row")
         self._end_verify([row])
         if self.rt.allocator.holds(row):
             self.rt.allocator.free(row)
+        # Hazard: a row taken back from the request table (not `new_requests`) whose first
+        # step is a decode or verify continued the freed request's linear states.
+        self.backend.reset_requests([row])
         self.rt.req_pool.free(row)
         self._unknown.discard(row)
 
@@ -109,7 +118,8 @@ class Engine:
     def reset(self, rows: Sequence[int]) -> None:
         """Start requests `rows` over on their rows: KV freed, request state zeroed (as for a
         new request); the caller re-prefills each whole sequence. Clears their marks."""
-        self.rt.req_pool.check_rows(list(rows))
+        rows = as_ints(rows, "rows")
+        self.rt.req_pool.check_rows(rows)
         self.backend.reset_requests(rows)
         self._end_verify(rows)  # a pending accept would write verify states into a reset row
         for row in rows:
@@ -170,8 +180,13 @@ class Engine:
         layers), a step that raised once the model ran also marks its rows: their states may
         have advanced in the layers before the failure, and a retry would compute over them
         without an error, so steps naming them are refused until `reset` (see the class)."""
+        if not isinstance(mode, ForwardMode):  # a string mode skipped the verify bookkeeping
+            raise TypeError(f"mode must be a ForwardMode, got {mode!r}")
         if len(rows) != len(tokens):
             raise ValueError(f"rows ({len(rows)}) and tokens ({len(tokens)}) differ")
+        # Hazard: torch integer rows missed every set and dict lookup by row (lengths read 0:
+        # a failed step's rollback then truncated the request to nothing).
+        rows = as_ints(rows, "rows")
         self._refuse_unknown(rows)
         vocab: int = cast(Any, self.model).cfg.vocab_size  # every model here keeps a cfg
         flat = [t for ts in tokens for t in ts]
@@ -229,10 +244,11 @@ class Engine:
         """After `verify(rows, drafts)`: request i keeps its first `accepted[i]` draft tokens.
         Rejected tokens' KV slots are freed; a hybrid backend's linear states advance to the
         last accepted token (if that raises, the rows are marked as a failed step's are)."""
+        rows = as_ints(rows, "rows")
         drafts = self._drafts
         if drafts is None:
             raise RuntimeError("accept() follows a verify() step")
-        if list(rows) != self._verified:
+        if rows != self._verified:
             raise ValueError(
                 f"accept() takes the rows of the verify step, in its order: {self._verified}, "
                 f"got {list(rows)}"
