@@ -87,7 +87,7 @@ class PagedTokenAllocator:
         return operator.index(row) in self._lens
 
     def pages(self, row: int) -> list[int]:
-        return list(self._pages.get(row, []))
+        return list(self._pages.get(operator.index(row), []))
 
     def _pages_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.page_size)

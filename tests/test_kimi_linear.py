@@ -464,7 +464,9 @@ def test_engine_rows_as_torch_integers_and_mode_and_graphs_mid_verify() -> None:
     eng.extend(rows, [[9, 8, 7], [6, 5]])
     fresh.extend(r2, [[9, 8, 7], [6, 5]])
     t_rows = [torch.tensor(r) for r in rows]
-    assert eng.rt.allocator.seq_len(t_rows[0]) == 3 and eng.rt.allocator.holds(t_rows[1])
+    alloc = eng.rt.allocator
+    assert alloc.seq_len(t_rows[0]) == 3 and alloc.holds(t_rows[1])
+    assert alloc.pages(t_rows[0]) == alloc.pages(rows[0]) != []
     assert _rel(eng.decode(t_rows, [4, 3]), fresh.decode(r2, [4, 3])) < 1e-6
     with pytest.raises(TypeError, match=r"mode must be a ForwardMode, got 'target_verify'"):
         eng.step("target_verify", rows, [[1, 2], [3, 4]])  # type: ignore[arg-type]
