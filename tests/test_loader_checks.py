@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Cli
 from test_deepseek_v3 import TINY_HF
 
 from mla_backends.models.deepseek_v3 import DeepseekV3Config
@@ -197,6 +198,43 @@ def test_run_names_the_checkpoint_tensors_it_left_unused() -> None:
     extra = ["model.layers.3.eh_proj.weight", "model.layers.1.self_attn.indexer.wk.weight", "x"]
     m = SimpleNamespace(cfg=SimpleNamespace(num_hidden_layers=3), extra_tensors=extra)
     assert _unused_tensors(m) == extra[1:]  # type: ignore[arg-type]
+
+
+def test_run_refuses_an_fp8_pool_over_a_checkpoint_with_kv_scales(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A checkpoint with KV-cache scales (k_scale / v_scale / kv_scale a layer) served with
+    an FP8 kv_dtype was stored at scale 1.0 with its scales left unused, and `run` said
+    "agree" (its reference run reads the same pool): one line, exit 2, before serving. The
+    same checkpoint with a bf16 pool is not refused."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_backends.models.run import save_random
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_random("tiny", ckpt, seed=0)
+    t = load_file(str(ckpt / "model.safetensors"))
+    for i in range(json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]):
+        for name in ("k_scale", "v_scale", "kv_scale"):
+            t[f"model.layers.{i}.self_attn.{name}"] = torch.tensor(0.01)
+    save_file(t, str(ckpt / "model.safetensors"))
+    fp8 = tmp_path / "fp8.yaml"
+    fp8.write_text(
+        "model: tiny-kernel\nprefill_backend: torch\ndecode_backend: torch\npage_size: 16\n"
+        "kv_dtype: float8_e4m3fn\ndtype: float32\ndevice: cpu\n"
+    )
+    argv = ("run", "--model", str(ckpt), "--requests", "1", "--max-new", "2")
+    proc = cli(*argv, "--config", str(fp8), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "KV-cache scales" in line and "self_attn.k_scale" in line, line
+    assert "use kv_dtype bfloat16" in line, line
+    bf16 = tmp_path / "bf16.yaml"
+    bf16.write_text(fp8.read_text().replace("float8_e4m3fn", "bfloat16"))
+    proc = cli(*argv, "--config", str(bf16), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "left unused" in proc.stdout and "self_attn.k_scale" in proc.stdout, proc.stdout
 
 
 def test_kimi_a_log_is_read_in_the_hubs_layout_and_ours(kimi: Path) -> None:

@@ -134,6 +134,24 @@ def _unused_tensors(model: DeepseekV3ForCausalLM) -> list[str]:
     return [t for t in model.extra_tensors if not ((m := mtp.match(t)) and int(m.group(1)) >= n)]
 
 
+# KV-cache scales as quantised checkpoints name them (SGLang / vLLM / llm-compressor)
+_KV_SCALE = re.compile(r"\.self_attn\.(k|v|kv)_scale$")
+
+
+def _check_kv_scales(model: DeepseekV3ForCausalLM, config: Config, path: Path) -> None:
+    """UsageError for an FP8 pool over a checkpoint that carries KV-cache scales: `run`
+    stores FP8 KV at scale 1.0 a layer (SGLang's convention for checkpoints without them)
+    and would ignore the checkpoint's, and its reference run reads the same pool, so no
+    comparison would notice (the SGLang adapter refuses a k_scale other than 1 likewise)."""
+    found = [t for t in model.extra_tensors if _KV_SCALE.search(t)]
+    if found and KV_DTYPES[config.kv_dtype] in FP8_DTYPES:
+        raise UsageError(
+            f"{path}: the checkpoint carries KV-cache scales ({found[0]}, {len(found)} in "
+            f"all) and kv_dtype is {config.kv_dtype}: run stores FP8 KV at scale 1.0 a layer "
+            "and does not read them; use kv_dtype bfloat16"
+        )
+
+
 def random_model(
     raw: dict, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> DeepseekV3ForCausalLM:
@@ -272,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             save_random(args.random, path, args.seed)
         model = load_model(path, dtype=base.torch_dtype, device=base.torch_device)
+    _check_kv_scales(model, base, path)
     c = model.cfg
     config = resolve_backends(
         dataclasses.replace(base, model=c.attention_dims, num_layers=c.num_hidden_layers),
