@@ -200,9 +200,7 @@ def test_run_names_the_checkpoint_tensors_it_left_unused() -> None:
     assert _unused_tensors(m) == extra[1:]  # type: ignore[arg-type]
 
 
-def test_run_refuses_an_fp8_pool_over_a_checkpoint_with_kv_scales(
-    cli: Cli, tmp_path: Path
-) -> None:
+def test_run_refuses_an_fp8_pool_over_a_checkpoint_with_kv_scales(cli: Cli, tmp_path: Path) -> None:
     """A checkpoint with KV-cache scales (k_scale / v_scale / kv_scale a layer) served with
     an FP8 kv_dtype was stored at scale 1.0 with its scales left unused, and `run` said
     "agree" (its reference run reads the same pool): one line, exit 2, before serving. The
