@@ -106,6 +106,10 @@ def test_fp8_row_store_kernel_writes_pack_rows_bytes() -> None:
     k_nope[1, :128] = torch.linspace(-448.0 * 4, 448.0 * 4, 128)  # amax 4 * 448: scale 4
     k_nope[2, 128:256] = 448.0 * torch.tensor([1.0, 1.0625, 0.5, -0.0]).repeat(32) / 8
     k_nope[3, 256:384] = (torch.arange(128) - 64) * 2.0**-9 * 9  # many e4m3 ties
+    # +-inf: the tile's scale from its finite values (an inf made the kernel's scale inf and
+    # every code of the tile read back NaN), inf saturating to +-448 (NaN: on the GPU only,
+    # tests/test_triton.py: the interpreter's fp8 cast gives a NaN a finite code)
+    k_nope[3, 130:132] = torch.tensor([float("inf"), float("-inf")])  # slot 63
     # rope arrives in bf16 here: the interpreter truncates fp32 -> bf16 (a GPU rounds, as
     # torch does; tests/test_triton.py checks that case on the GPU)
     k_rope = (torch.randn(6, 64, generator=g) * 50).bfloat16()
@@ -114,6 +118,7 @@ def test_fp8_row_store_kernel_writes_pack_rows_bytes() -> None:
     got = want.clone()
     want[slots_or_dummy(loc, 64)] = pack_rows(fmt, k_nope, k_rope)
     store_fp8_rows(got, loc, k_nope, k_rope, fmt)
+    assert dequant_rows(fmt, got[[5, 40, 63, 9]]).isfinite().all()
     keep = torch.ones(64, dtype=torch.bool)
     keep[0] = False  # two rows race for the dummy slot
     assert torch.equal(got[keep], want[keep])

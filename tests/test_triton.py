@@ -212,8 +212,10 @@ def test_fused_store_equals_pool_store(dtype: torch.dtype) -> None:
 def test_gpu_pool_store_equals_the_torch_store(dtype: torch.dtype) -> None:
     """On a GPU the pools' own stores are fused Triton kernels (one launch; every backend
     without a store of its own takes them), latent rows and FP8 rows: the same bytes as the
-    torch stores on a CPU, -1 and past-the-pool slots on the dummy slot 0."""
-    from mla_backends.sparse.fp8_row import Fp8RowPool
+    torch stores on a CPU, -1 and past-the-pool slots on the dummy slot 0; NaN and +-inf
+    read back alike (the kernels turned a NaN into -448 x scale, and an inf in an FP8 row's
+    tile made its scale inf)."""
+    from mla_backends.sparse.fp8_row import Fp8RowPool, dequant_rows
 
     pools = [MLATokenToKVPool(2, 4, 16, 512, 64, dtype, device=d) for d in ("cpu", "cuda")]
     for p in pools:
@@ -221,11 +223,19 @@ def test_gpu_pool_store_equals_the_torch_store(dtype: torch.dtype) -> None:
             p.set_scale(1, 0.05)
     loc = torch.tensor([17, 63, -1, 20, 16, 80])
     k_nope, k_rope = torch.randn(6, 512) * 3, torch.randn(6, 64) * 30
+    special = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    k_nope[3, 200:203], k_rope[3, 10:13] = special, special  # slot 20 (NaN bits may differ)
     for p in pools:
         dev = p.device
         p.set_mla_kv_buffer(1, loc.to(dev), k_nope.to(dev), k_rope.to(dev))
     cpu, gpu = (p.kv_buffer[1].view(torch.uint8).cpu() for p in pools)
-    assert torch.equal(cpu[1:], gpu[1:]) and (gpu[1:16] == 0).all() and (gpu[64:] == 0).all()
+    keep = torch.ones(cpu.shape[0], dtype=torch.bool)
+    keep[[0, 20]] = False
+    assert torch.equal(cpu[keep], gpu[keep]) and (gpu[1:16] == 0).all() and (gpu[64:] == 0).all()
+    row20 = [p.kv_buffer[1][20].float().cpu() for p in pools]
+    torch.testing.assert_close(row20[1], row20[0], rtol=0, atol=0, equal_nan=True)
+    assert row20[1][[200, 522]].isnan().all()
+    assert bool(row20[1][[201, 202]].isfinite().all()) == pools[0].is_fp8  # FP8 saturates
     assert gpu[0].any() and not pools[1].kv_buffer[0].view(torch.uint8).any()  # layer 0 untouched
     # the FP8 rows: the fused store on the GPU against pack_rows and the scatter on a CPU
     # (fp32 inputs: e4m3 and bf16 rounding, ue8m0 scales from the bits against frexp)
@@ -237,7 +247,15 @@ def test_gpu_pool_store_equals_the_torch_store(dtype: torch.dtype) -> None:
     a, b = (r.kv_buffer[0].cpu() for r in rows)
     written = torch.zeros(64, dtype=torch.bool)
     written[[0, 16, 17, 20, 63]] = True
-    assert torch.equal(a[1:], b[1:]) and b[written].any(1).all() and not b[~written].any()
+    keep[:] = True
+    keep[[0, 20]] = False
+    assert torch.equal(a[keep], b[keep]) and b[written].any(1).all() and not b[~written].any()
+    fmt = rows[0].fmt
+    torch.testing.assert_close(
+        dequant_rows(fmt, b[20:21]), dequant_rows(fmt, a[20:21]), rtol=0, atol=0, equal_nan=True
+    )
+    # the tile's scale from its finite values: only the NaN reads back NaN, inf saturates
+    assert dequant_rows(fmt, b[20:21])[0, :512].isnan().sum() == 1
 
 
 # ------------------------------------------------- offline SM90 compiles (no GPU needed)

@@ -27,6 +27,15 @@ def _pow2_ceil(x):
 
 
 @triton.jit
+def _finite_abs(x):
+    """|x| where finite, else 0: a tile's scale comes from its finite values (`quant.
+    block_quant`'s rule). Hazard: an inf in the amax made the tile's scale inf (its finite
+    values then read back NaN) where the torch form's was 1.0."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN fails the test too
+
+
+@triton.jit
 def _round_e4m3(x):
     """Round fp32 to the nearest float8_e4m3fn value (ties to even), staying in fp32.
     Only used under the Triton interpreter, whose own fp8 cast mis-rounds (124.0 -> 64.0);
@@ -76,9 +85,10 @@ def _store_kernel(
     kr = tl.load(KRope + t * stride_kr + offs_r, mask=offs_r < R).to(tl.float32)
     if IS_FP8:
         inv = 1.0 / tl.load(Scale)
-        # e4m3fn has no inf: out-of-range values would become NaN, so saturate first.
-        kn = tl.clamp(kn * inv, -448.0, 448.0)
-        kr = tl.clamp(kr * inv, -448.0, 448.0)
+        # e4m3fn has no inf: out-of-range values would become NaN, so saturate first. A NaN
+        # stays NaN, as `pool.quantize` keeps it (clamp's default turned it into -448).
+        kn = tl.clamp(kn * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        kr = tl.clamp(kr * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         if EXACT_FP8_ROUND:
             kn = _round_e4m3(kn)
             kr = _round_e4m3(kr)
@@ -173,8 +183,8 @@ def _fp8_row_store_kernel(
     tiles = tl.arange(0, L // TILE)
     x = tl.load(KNope + t * stride_kn + tiles[:, None] * TILE + tl.arange(0, TILE)[None, :])
     x = x.to(tl.float32)
-    scale = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) / 448.0)  # >= 2.2e-7: normal
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    scale = _pow2_ceil(tl.maximum(tl.max(_finite_abs(x), 1), 1e-4) / 448.0)  # >= 2.2e-7
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if EXACT_FP8_ROUND:
         q = _round_e4m3(q)
     row = slot * ROW_E8

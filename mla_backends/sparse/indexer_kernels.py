@@ -15,7 +15,7 @@ from mla_backends.arith import cdiv, next_pow2
 from mla_backends.checks import check_tensor, unit_stride
 from mla_backends.kernels.common import dot_precision, interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
-from mla_backends.kernels.store import _pow2_ceil, _round_e4m3, _slot_or_dummy
+from mla_backends.kernels.store import _finite_abs, _pow2_ceil, _round_e4m3, _slot_or_dummy
 from mla_backends.sparse.index_k import PAGE, IndexerDims, IndexKCache
 from mla_backends.sparse.topk_kernel import _count_digit, check_counts, check_rows
 
@@ -64,9 +64,9 @@ def _rotate_quant(y, zero, D: tl.constexpr, LOWP_DOT: tl.constexpr, EXACT_FP8_RO
     else:
         y = tl.dot(y, h, input_precision="ieee")
     y = (y * (1.0 / tl.sqrt(D * 1.0))).to(act).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), 1), 1e-4)
+    amax = tl.maximum(tl.max(_finite_abs(y), 1), 1e-4)
     scale = _pow2_ceil(tl.math.div_rn(amax, 448.0))
-    y = tl.clamp(y * (1.0 / scale)[:, None], -448.0, 448.0)
+    y = tl.clamp(y * (1.0 / scale)[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if EXACT_FP8_ROUND:
         y = _round_e4m3(y)
     return y, scale

@@ -53,12 +53,15 @@ def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def block_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., n] -> (codes [..., n] float8_e4m3fn, scales [..., n // block] fp32)."""
+    """x [..., n] -> (codes [..., n] float8_e4m3fn, scales [..., n // block] fp32). A block's
+    scale comes from its finite values; a NaN stays NaN and +-inf saturates to +-448 x scale
+    (the store kernels' rule: `kernels.store._finite_abs`)."""
     n = x.shape[-1]
     if n % block:
         raise ValueError(f"block_quant: last dim {n} is not a multiple of the block {block}")
     xs = x.float().unflatten(-1, (n // block, block))
-    s = ue8m0_scale(xs.abs().amax(-1))
+    a = xs.abs()
+    s = ue8m0_scale(torch.where(a.isfinite(), a, 0.0).amax(-1))
     codes = (xs / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.flatten(-2), s
 
