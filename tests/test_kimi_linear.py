@@ -900,3 +900,97 @@ def test_a_state_pool_of_another_conv_shape_is_one_error_naming_it(conv: str) ->
     rows = bad.new_requests(1)
     with pytest.raises(ValueError, match=r"linear state pool: conv state \[conv_dim, conv_kernel"):
         bad.extend(rows, [[1, 2, 3]])
+
+
+# ------------------------------------------------------------ verify through graph runners
+def _verify_runners(
+    model: KimiLinearForCausalLM, eng: Engine, q_lens: list[int], graphs: bool
+) -> dict[int, Any]:
+    """Verify runners of batch size 2 on the engine's backend, one a draft count, captured
+    in that order (a graph runner, not the Engine: it captures decode graphs only)."""
+    from mla_backends.graph_runner import CudaGraphRunner, InputSpec
+
+    be = eng.backend
+    dev = str(eng.rt.kv_pool.device)
+
+    def fwd(batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(inputs["ids"], batch, be)
+
+    runners = {}
+    for q in q_lens:
+        ids = {"ids": InputSpec((), torch.long)}
+        run = CudaGraphRunner(be, fwd, ids, [2], q_len=q, device=dev, use_graphs=graphs)
+        run.capture()
+        runners[q] = run
+    return runners
+
+
+def _runner_verify(eng: Engine, run: Any, rows: list[int], drafts: list[list[int]]) -> None:
+    al, q = eng.rt.allocator, len(drafts[0])
+    pre = [al.seq_len(r) for r in rows]
+    loc = al.alloc_extend(rows, [q] * len(rows))
+    dev = str(eng.rt.kv_pool.device)
+    batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, rows, pre, [q] * len(rows), loc, dev)
+    run.replay(batch, {"ids": torch.tensor([t for d in drafts for t in d], device=dev)})
+
+
+def _truncate(eng: Engine, rows: list[int], rejected: list[int]) -> None:
+    for r, n in zip(rows, rejected):
+        eng.rt.allocator.truncate(r, eng.rt.allocator.seq_len(r) - n)
+
+
+@pytest.mark.parametrize("where", ["last-linear-layer", "first-layer"])
+def test_a_runner_verify_that_failed_part_way_is_not_accepted(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify replayed by a `use_graphs=False` runner (Python runs the model) that failed
+    part-way: accept took the staging an earlier replay left under the graph's key as
+    complete and wrote that rejected verify's states, silently (helper 64's review). Refused
+    now, whether the failure came before any linear layer staged or after some did."""
+    model = _model()
+    eng = _engine(model)
+    run = _verify_runners(model, eng, [3], graphs=False)[3]
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2, 3, 4], [5, 6, 7]])
+    _runner_verify(eng, run, rows, [[8, 9, 10], [11, 12, 13]])
+    eng.backend.accept(torch.tensor([0, 0]))
+    _truncate(eng, rows, [3, 3])
+    linear = [i for i, k in enumerate(CFG.kinds) if k == "linear"]
+    failing = model.layers[linear[-1] if where == "last-linear-layer" else 0].attn
+    monkeypatch.setattr(failing, "forward", _raise)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        _runner_verify(eng, run, rows, [[20, 21, 22], [23, 24, 25]])
+    monkeypatch.undo()
+    _truncate(eng, rows, [3, 3])
+    pool = eng.backend.linear.pool
+    before = pool.recurrent.clone(), pool.conv.clone()
+    staged = 0 if where == "first-layer" else len(linear) - 1
+    with pytest.raises(RuntimeError, match=rf"staged {staged} of {len(linear)} linear layers"):
+        eng.backend.accept(torch.tensor([2, 2]))
+    assert torch.equal(pool.recurrent, before[0]) and torch.equal(pool.conv, before[1])
+
+
+@pytest.mark.gpu
+def test_gpu_verify_runners_of_two_draft_counts_accept_their_own_staging() -> None:
+    """Two verify graphs of one batch size, 3 and 2 draft tokens: the staging was keyed by
+    batch size alone, so the second capture's replaced the first's, and accept after a
+    3-token replay read the 2-token graph's stale states (a count of 3 indexed past them: a
+    device-side assert). Keyed by (batch size, draft count) now: the states and the next
+    logits equal the Engine's eager verify and accept of the same drafts (the same kernels)."""
+    model = _model(GPU_CFG, "cuda", torch.bfloat16)
+    eng, ref = (_engine(model, "triton", "cuda", "bfloat16", page=64) for _ in range(2))
+    runners = _verify_runners(model, eng, [3, 2], graphs=True)
+    prompts, drafts, accepted = [[1, 2, 3, 4], [5, 6, 7]], [[8, 9, 10], [11, 12, 13]], [2, 1]
+    rows, r2 = eng.new_requests(2), ref.new_requests(2)
+    for e, r in ((eng, rows), (ref, r2)):
+        e.extend(r, prompts)
+    _runner_verify(eng, runners[3], rows, drafts)
+    eng.backend.accept(torch.tensor(accepted, device="cuda"))
+    _truncate(eng, rows, [3 - a for a in accepted])
+    ref.verify(r2, drafts)
+    ref.accept(r2, accepted)
+    for name in ("recurrent", "conv"):
+        a = getattr(eng.backend.linear.pool, name)[:, rows]
+        b = getattr(ref.backend.linear.pool, name)[:, r2]
+        assert _rel(a, b) <= 1e-3, name
+    assert _rel(eng.decode(rows, [7, 8]), ref.decode(r2, [7, 8])) <= 1e-3

@@ -59,16 +59,23 @@ class LinearAttentionBackend:
         self.scale = scale
         self._batch: ForwardBatch | None = None
         self._cu: torch.Tensor | None = None  # varlen offsets of an EXTEND batch (fla)
-        # TARGET_VERIFY staging per (linear layer, batch size): states after each draft token
+        # TARGET_VERIFY staging per (linear layer, key): states after each draft token
         # [B, T, H, K, V] and the short-conv input windows [B, C, W - 1 + T]. Hazard: under
         # CUDA graphs these are the captured tensors, refreshed by each replay without Python
-        # running, so they are kept per captured size and read by batch size. An eager verify
-        # stages under size None: one set, dropped by its accept (kept per size, every batch
-        # size ever verified held its staging for good, and one of a captured size replaced
-        # the graph's, which accept then read stale after the next replay).
-        self._verify_states: dict[tuple[int, int | None], torch.Tensor] = {}
-        self._verify_conv: dict[tuple[int, int | None], torch.Tensor] = {}
+        # running, so they are kept per captured (batch size, draft count), the key accept
+        # reads after a replay (keyed by batch size alone, a second runner's capture at the
+        # same size with another draft count replaced the first's, which accept then read
+        # stale). A verify that Python runs (eager, or a graph runner's `use_graphs=False`
+        # replay) stages under None: one set, dropped by its accept and by the next batch
+        # (kept per size, every batch size ever verified held its staging for good).
+        self._verify_states: dict[tuple[int, tuple[int, int] | None], torch.Tensor] = {}
+        self._verify_conv: dict[tuple[int, tuple[int, int] | None], torch.Tensor] = {}
         self._graphed = False  # whether the current batch runs through the graph hooks
+        self._capturing = False  # whether it is being captured (the graph's staging)
+        # The linear layers this batch's Python staged (under None). Hazard: a Python replay
+        # that failed part-way left the earlier staging in place, and accept took it as
+        # complete, writing a rejected verify's states.
+        self._staged_now: set[int] = set()
         # The verify batch `accept` may still follow (its staging complete, its rows not
         # reset since). Hazard: a second accept rewrote graph-staged states the KV had been
         # truncated past; one after a verify that failed part-way mixed two verifies' states.
@@ -80,7 +87,8 @@ class LinearAttentionBackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._batch = batch
-        self._graphed = False
+        self._graphed = self._capturing = False
+        self._staged_now = set()
         self._cu = None  # Hazard: offsets left from an earlier EXTEND batch
         self._continues = None
         self._accept_pending = batch.mode is ForwardMode.TARGET_VERIFY
@@ -109,15 +117,20 @@ class LinearAttentionBackend:
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self.init_forward_metadata(batch)
-        self._graphed = True
+        self._graphed = self._capturing = True
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.init_forward_metadata(batch)
         self._graphed = True
 
-    def _stage_size(self, batch_size: int) -> int | None:
-        """The staging key's size: the batch size under the graph hooks, None eager."""
-        return batch_size if self._graphed else None
+    def _graph_key(self, batch_size: int) -> tuple[int, int]:
+        assert self._batch is not None
+        return batch_size, max(self._batch.num_draft_tokens, 1)
+
+    def _stage_key(self, batch_size: int) -> tuple[int, int] | None:
+        """Where a verify run by Python stages: the captured graph's key while capturing,
+        else None (eager, and a graph runner's Python replay)."""
+        return self._graph_key(batch_size) if self._capturing else None
 
     def forward(
         self,
@@ -201,13 +214,14 @@ class LinearAttentionBackend:
             o, s = self._step(s, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
             outs.append(o)
             states.append(s)
-        self._verify_states[layer, self._stage_size(b)] = torch.stack(states, 1)
+        self._verify_states[layer, self._stage_key(b)] = torch.stack(states, 1)
+        self._staged_now.add(layer)
         return torch.stack(outs, 1).flatten(0, 1)
 
     def stage_verify_conv(self, layer: int, windows: torch.Tensor) -> None:
         """The model's short-conv inputs of a verify batch: [B, C, W - 1 + T] (the stored
         window, then the T draft tokens), so `accept` can keep the window after token a."""
-        self._verify_conv[layer, self._stage_size(windows.shape[0])] = windows
+        self._verify_conv[layer, self._stage_key(windows.shape[0])] = windows
 
     def accept(self, num_accepted: torch.Tensor) -> None:
         """After a TARGET_VERIFY batch: request i keeps its first `num_accepted[i]` draft tokens
@@ -234,7 +248,10 @@ class LinearAttentionBackend:
         host = num_accepted
         if host.device.type == "cpu" and b and not 0 <= int(host.min()) <= int(host.max()) <= t:
             raise ValueError(f"num_accepted: counts must be in 0..{t}, got {host.tolist()}")
-        size = self._stage_size(b)
+        # A graph replay runs no Python: its staging is the captured tensors. Anything this
+        # batch's Python staged is under None, and a Python replay that failed before its
+        # first linear layer staged nothing under None (the eager runner captures no graph).
+        size = self._graph_key(b) if self._graphed and not self._staged_now else None
         done = sum(key[1] == size for key in self._verify_states)
         if b and done != self.pool.num_layers:
             raise RuntimeError(
