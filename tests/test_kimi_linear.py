@@ -994,3 +994,24 @@ def test_gpu_verify_runners_of_two_draft_counts_accept_their_own_staging() -> No
         b = getattr(ref.backend.linear.pool, name)[:, r2]
         assert _rel(a, b) <= 1e-3, name
     assert _rel(eng.decode(rows, [7, 8]), ref.decode(r2, [7, 8])) <= 1e-3
+
+
+def test_accept_after_a_padded_runner_verify_takes_the_captured_batchs_counts() -> None:
+    """A runner pads one request to its captured size 2: accept takes a count for every row
+    of that batch, 0 for the padding, and says so when given the real batch's; the real
+    row's states then equal the Engine's eager verify and accept."""
+    model = _model()
+    eng, ref = _engine(model), _engine(model)
+    run = _verify_runners(model, eng, [2], graphs=False)[2]
+    (row,), (r2,) = eng.new_requests(1), ref.new_requests(1)
+    for e, r in ((eng, row), (ref, r2)):
+        e.extend([r], [[1, 2, 3]])
+    _runner_verify(eng, run, [row], [[4, 5]])
+    with pytest.raises(ValueError, match=r"expected shape \[2\] .* 0 for each padding row"):
+        eng.backend.accept(torch.tensor([1]))
+    eng.backend.accept(torch.tensor([1, 0]))
+    ref.verify([r2], [[4, 5]])
+    ref.accept([r2], [1])
+    for name in ("recurrent", "conv"):
+        a = getattr(eng.backend.linear.pool, name)[:, row]
+        assert _rel(a, getattr(ref.backend.linear.pool, name)[:, r2]) <= 1e-6, name

@@ -226,7 +226,8 @@ class LinearAttentionBackend:
     def accept(self, num_accepted: torch.Tensor) -> None:
         """After a TARGET_VERIFY batch: request i keeps its first `num_accepted[i]` draft tokens
         (0..T, a device tensor [B]); its recurrent and conv states become those after that
-        token (unchanged for 0). No host sync; padded rows write the dummy slot."""
+        token (unchanged for 0). No host sync; padded rows write the dummy slot. After a
+        graph runner's replay B is the captured (padded) batch size: 0 for each padding row."""
         batch = self._batch
         if batch is None or batch.mode is not ForwardMode.TARGET_VERIFY:
             raise RuntimeError("accept() follows a TARGET_VERIFY batch")
@@ -242,7 +243,11 @@ class LinearAttentionBackend:
         n = num_accepted.to(device=rows.device, dtype=torch.long)
         b, t = rows.numel(), max(batch.num_draft_tokens, 1)
         if n.shape != (b,):
-            raise ValueError(f"num_accepted: expected shape [{b}], got {list(n.shape)}")
+            raise ValueError(
+                f"num_accepted: expected shape [{b}] (a count for every row of the verify batch; "
+                f"after a graph runner's padded replay, 0 for each padding row), got "
+                f"{list(n.shape)}"
+            )
         # Checked before any state is written where it costs no sync (a host tensor): a count
         # out of range wrote the recurrent states, then failed in the conv gather
         host = num_accepted
