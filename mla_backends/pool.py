@@ -278,8 +278,18 @@ class MLATokenToKVPool:
         This reads a max back to the host; call it at calibration time, never in decode.
         """
         layer = self.check_layer(layer)
-        amax = max(k_nope.abs().max().item(), k_rope.abs().max().item() if k_rope.numel() else 0.0)
-        return self.set_scale(layer, max(amax, 1e-12) / FP8_MAX)
+        amax = {
+            n: t.abs().max().item() if t.numel() else 0.0
+            for n, t in (("k_nope", k_nope), ("k_rope", k_rope))
+        }
+        # Hazard: max() skipped a NaN amax after a finite one (NaN rope rows were ignored,
+        # silently) and kept it before one (refused as a NaN scale, naming no row)
+        if not all(math.isfinite(a) for a in amax.values()):
+            raise ValueError(
+                f"calibrate_scale: the sample rows are not finite (amax {amax}): calibrate on "
+                "rows without NaN or inf"
+            )
+        return self.set_scale(layer, max(*amax.values(), 1e-12) / FP8_MAX)
 
     # ----------------------------------------------------------------- store / load
     def check_store(

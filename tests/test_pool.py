@@ -28,6 +28,20 @@ def test_store_load_round_trip_is_bitwise(dtype: torch.dtype) -> None:
     assert torch.equal(pool.get_kv_buffer(0), torch.zeros_like(pool.get_kv_buffer(0)))
 
 
+@pytest.mark.parametrize("bad", ["nope-nan", "rope-nan", "rope-inf"])
+def test_calibrate_scale_refuses_rows_that_are_not_finite(bad: str) -> None:
+    """A NaN in the rope sample was skipped by max() (the scale set from the latent alone,
+    silently); one in the latent was a NaN scale refused without naming the rows (helper 63's
+    review). Refused in one message, the scale left unset."""
+    pool = _pool(torch.float8_e4m3fn)
+    k_nope, k_rope = torch.randn(4, 512), torch.randn(4, 64)
+    part, value = bad.split("-")
+    (k_nope if part == "nope" else k_rope)[1, 3] = float(value)
+    with pytest.raises(ValueError, match=r"calibrate_scale: the sample rows are not finite"):
+        pool.calibrate_scale(0, k_nope, k_rope)
+    assert not pool.scale_is_set(0)
+
+
 def test_fp8_round_trip_within_e4m3_precision_and_scale_applies() -> None:
     pool = _pool(torch.float8_e4m3fn)
     k_nope = torch.randn(64, 512) * 3.0
