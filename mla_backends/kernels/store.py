@@ -86,7 +86,8 @@ def _store_kernel(
     if IS_FP8:
         inv = 1.0 / tl.load(Scale)
         # e4m3fn has no inf: out-of-range values would become NaN, so saturate first. A NaN
-        # stays NaN, as `pool.quantize` keeps it (clamp's default turned it into -448).
+        # stays NaN, as `pool.quantize` keeps it (clamp's default does not promise that: the
+        # Triton interpreter turned it into -448; the H200 kept it).
         kn = tl.clamp(kn * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         kr = tl.clamp(kr * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         if EXACT_FP8_ROUND:
