@@ -64,6 +64,17 @@ def radix_passes(logits: torch.Tensor, k: int, digits: tuple[int, ...] = DIGITS[
     return len(digits)
 
 
+def draw_queries(b: int, h: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """One draw of a decode step's queries: the indexer's q [B, 64, 128] and head weights,
+    RoPE cos / sin, the attention's q_nope / q_rope (random, bf16 where the model's are)."""
+    q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
+    w = torch.randn(b, 64, device=dev)
+    ang = torch.rand(b, 32, device=dev) * 6
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    q = torch.randn(b, h, 576, device=dev).bfloat16()
+    return q_idx, w, cos, sin, q[..., :512], q[..., 512:]
+
+
 def run_point(
     ctx: int, b: int, heads: list[int], draws: int, pools, splits: list[int]
 ) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -84,12 +95,7 @@ def run_point(
         cfg = launch_config(h, False, b, idims.topk, num_sms(dev), gluon_here(dev))
         per_draw = []
         for _ in range(draws):
-            q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
-            w = torch.randn(b, 64, device=dev)
-            ang = torch.rand(b, 32, device=dev) * 6
-            cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-            q = torch.randn(b, h, 576, device=dev).bfloat16()
-            qn, qr = q[..., :512], q[..., 512:]
+            q_idx, w, cos, sin, qn, qr = draw_queries(b, h, dev)
 
             def step() -> object:
                 slots = ix.select(0, q_idx, w, cos, sin)

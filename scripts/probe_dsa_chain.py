@@ -17,6 +17,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from bench_dsa_draws import draw_queries
 from bench_sparse import decode_batch, dense, start, timed
 
 from mla_backends.config import MLADims
@@ -62,12 +63,7 @@ def main() -> None:
                 be.init_forward_metadata(batch)
                 got: dict[str, list[float]] = {}
                 for _ in range(a.draws):
-                    q_idx = torch.randn(b, 64, 128, device=dev).bfloat16()
-                    w = torch.randn(b, 64, device=dev)
-                    ang = torch.rand(b, 32, device=dev) * 6
-                    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-                    q = torch.randn(b, h, 576, device=dev).bfloat16()
-                    qn, qr = q[..., :512], q[..., 512:]
+                    q_idx, w, cos, sin, qn, qr = draw_queries(b, h, dev)
                     fixed = ix.select(0, q_idx, w, cos, sin).clone()
 
                     def step() -> object:
