@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mla_backends.arith import cdiv
-from mla_backends.batch import as_ints
+from mla_backends.batch import as_int, as_ints
 from mla_backends.pool import ReqToTokenPool
 
 
@@ -157,7 +157,7 @@ class PagedTokenAllocator:
 
     def truncate(self, row: int, new_len: int) -> None:
         """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages."""
-        row, new_len = operator.index(row), operator.index(new_len)
+        row, new_len = as_int(row, "row"), operator.index(new_len)
         truncate_from(self._lens, row, new_len)
         pages = self._pages.get(row, [])
         keep = self._pages_for(new_len)
@@ -168,6 +168,7 @@ class PagedTokenAllocator:
 
     def free(self, row: int) -> None:
         """Return all pages of a request. Its req_to_token row is left as is (stale, unread)."""
+        row = as_int(row, "row")
         if row not in self._lens:
             raise ValueError(f"row {row} holds no KV pages")
         self._free.extend(reversed(self._pages.pop(row)))

@@ -35,6 +35,12 @@ def as_ints(values: Sequence[int], name: str) -> list[int]:
         raise TypeError(f"{name} must be integers, got {list(values)}") from None
 
 
+def as_int(value: int, name: str) -> int:
+    """One `as_ints` value. Hazard: a bool row (numpy's `a[True] = x` sets every entry) or a
+    float (found in a dict by its hash, then refused by numpy half-way) rewrote host state."""
+    return as_ints([value], name)[0]
+
+
 _CPU = torch.device("cpu")
 _INT_DTYPES = frozenset(
     (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mla_backends.batch import as_ints
+from mla_backends.batch import as_int, as_ints
 from mla_backends.checks import check_tensor
 
 if TYPE_CHECKING:
@@ -432,6 +432,7 @@ class ReqToTokenPool:
         """Return a request row. Hazard: a row whose KV pages an allocator still holds is
         refused: handed out again it would keep the old request's length and slots, and the
         new request would attend over the old one's KV (free its KV first: `allocator.free`)."""
+        row = as_int(row, "row")
         if row not in self._used_rows:
             raise ValueError(f"ReqToTokenPool: row {row} is not an allocated request row")
         if any(holds(row) for holds in self._holders):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -267,3 +268,65 @@ def test_an_allocations_tensor_work_does_not_grow_with_batch_or_context() -> Non
         assert slots.tolist() == want
         assert rp.req_to_token[rows, ctx].tolist() == want
     assert ops[0] == ops[1] <= 8, ops
+
+
+def _allocators() -> list[tuple[str, ReqToTokenPool, object]]:
+    """A plain allocator and both ranks of a DCP 2 allocator, each over its own table,
+    rows 1 and 2 holding 5 and 30 tokens."""
+    from mla_backends.dcp import DCPLayout, DCPTokenAllocator
+
+    out: list[tuple[str, ReqToTokenPool, object]] = []
+    for name in ("plain", "dcp-0", "dcp-1"):
+        table = ReqToTokenPool(3, 64, "cpu")
+        table.alloc(2)
+        alloc: object = PagedTokenAllocator(8, 16, table)
+        if name != "plain":
+            alloc = DCPTokenAllocator(DCPLayout(int(name[-1]), 2), alloc)  # type: ignore[arg-type]
+        out.append((name, table, alloc))
+    for _, _, a in out:
+        a.alloc_extend([1, 2], [5, 30])  # type: ignore[attr-defined]
+    return out
+
+
+def _host_state(table: ReqToTokenPool, alloc: object) -> tuple:
+    inner = getattr(alloc, "local", alloc)
+    return (
+        table.filled.tolist(), table.allocated.tolist(), list(table._free_rows),
+        sorted(table._used_rows), getattr(alloc, "filled", table.filled).tolist(),
+        {r: inner.seq_len(r) for r in (1, 2)}, list(inner._free),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "1"], ids=["bool", "float", "str"])
+def test_free_and_truncate_refuse_a_row_that_is_not_an_integer(bad: object) -> None:
+    """The free and truncate paths took the row as given: `free(True)` freed row 1 and then
+    set every row's stored length to 0 (numpy's `filled[True] = 0`), so a batch reading 0 of
+    row 2's 30 tokens passed the table's check; `free(1.0)` released row 1's pages, then
+    failed before its length was cleared, and a batch over its old slots (another request's
+    now) passed; DCP's `truncate(True, 3)` set every row's length to 3 (helper 65's fuzzing).
+    Refused before anything changes, as every other row argument is."""
+    for name, table, alloc in _allocators():
+        calls: list[tuple[Any, tuple]] = [(alloc.free, (bad,)), (alloc.truncate, (bad, 3))]  # type: ignore[attr-defined]
+        if name == "plain":
+            calls.append((table.free, (bad,)))
+        for fn, args in calls:
+            before = _host_state(table, alloc)
+            with pytest.raises(TypeError, match=r"row must be integers"):
+                fn(*args)
+            assert _host_state(table, alloc) == before, (name, fn.__name__)
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_free_and_truncate_take_numpy_and_torch_integer_rows(kind: str) -> None:
+    """As every other row argument: a torch integer was refused by the free paths as a row
+    holding nothing (it hashes apart from the int), and a numpy one went back on the free
+    list, to be handed out as a numpy integer."""
+    wrap = torch.tensor if kind == "torch" else np.int64
+    for name, table, alloc in _allocators():
+        alloc.truncate(wrap(2), 17)  # type: ignore[attr-defined]
+        assert alloc.seq_len(2) == 17, name  # type: ignore[attr-defined]
+        for r in (1, 2):
+            alloc.free(wrap(r))  # type: ignore[attr-defined]
+        if name == "plain":
+            table.free(wrap(1))  # type: ignore[arg-type]
+            assert all(type(r) is int for r in table.alloc(1)), name

@@ -32,7 +32,7 @@ import torch
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator, truncate_from
 from mla_backends.arith import cdiv
-from mla_backends.batch import as_ints
+from mla_backends.batch import as_int, as_ints
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class DCPTokenAllocator:
 
     def truncate(self, row: int, new_len: int) -> None:
         """Shrink a request to `new_len` global tokens (rejected draft tokens)."""
-        new_len = operator.index(new_len)
+        row, new_len = as_int(row, "row"), operator.index(new_len)
         old = truncate_from(self._lens, row, new_len)
         self.local.truncate(row, self.layout.local_len(new_len))
         for k, d in enumerate(self._page_delta(old, new_len)):
@@ -165,6 +165,7 @@ class DCPTokenAllocator:
         self._lens[row] = self.filled[row] = new_len
 
     def free(self, row: int) -> None:
+        row = as_int(row, "row")
         if row not in self._lens:
             raise ValueError(f"row {row} holds no KV pages")
         self.local.free(row)  # first: if it raises, nothing here has changed
