@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check: GPU tests, then the benchmarks; logs, JUnit XML and JSON under $OUT.
 #   usage (device machine, repo root):  bash scripts/gpu_check.sh MODE [pytest args]
-#   tests-1 .. tests-7: one slice of the GPU tests (tests/gpu_slices.py says which tests and
+#   tests-1 .. tests-8: one slice of the GPU tests (tests/gpu_slices.py says which tests and
 #     its estimate), each sized for one 10-minute device call on a fresh H100; on a warm
 #     machine a slice reuses the compile caches of the ones before (Triton, FlashInfer JIT,
 #     autotuning under /tmp); tests-all or tests: every slice in one run (no time limit);
@@ -206,7 +206,7 @@ elif [ "$mode" = quick ] || [ "$mode" = full ]; then
     --backends triton,flashinfer_mla,flashmla --peers raw_flashmla,raw_flashinfer_fa3 \
     ${opts[@]+"${opts[@]}"} --out "$out"
 elif [ "$mode" != tests ] && [[ $mode != tests-* ]]; then
-  echo "unknown mode $mode (tests-1 .. tests-7, tests-all, tests, quick, full, models, fi, triton," \
+  echo "unknown mode $mode (tests-1 .. tests-8, tests-all, tests, quick, full, models, fi, triton," \
     "sglang-entry, sglang-kit, sglang-compare, sglang-bench, sglang-tests, sglang-dsa, dcp, dsa, hopper, suite," \
     "compare)" >&2
   exit 2

@@ -49,6 +49,7 @@ SLICES: dict[str, str] = {
     "tests-6": "linear attention through fla (its autotuning is slow)",
     "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon routes' "
     "parity cases (64-row and narrow); any test no rule names",
+    "tests-8": "hybrid Kimi-Linear verify graphs of two draft counts (tests-7 is full)",
 }
 
 PARITY = "test_parity.py"
@@ -181,6 +182,14 @@ RULES: list[Rule] = [
         "test_kimi_linear.py",
         ("test_verify_then_accept_equals_decoding_the_accepted_tokens",),
         seconds=70.0,
+    ),
+    # tests-8: alone, it took 95 s in its own process on an H200 (thirty-sixth session,
+    # compiles and two graph captures included)
+    Rule(
+        "tests-8",
+        "test_kimi_linear.py",
+        ("test_gpu_verify_runners_of_two_draft_counts_accept_their_own_staging",),
+        seconds=100.0,
     ),
     # tests-7: the rest
     Rule("tests-7", "test_kimi_linear.py", seconds=50.0),
