@@ -157,7 +157,7 @@ class PagedTokenAllocator:
 
     def truncate(self, row: int, new_len: int) -> None:
         """Shrink a request to `new_len` tokens (rejected draft tokens), freeing whole pages."""
-        row, new_len = as_int(row, "row"), operator.index(new_len)
+        row, new_len = as_int(row, "row"), as_int(new_len, "new_len")
         truncate_from(self._lens, row, new_len)
         pages = self._pages.get(row, [])
         keep = self._pages_for(new_len)

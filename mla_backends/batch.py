@@ -24,11 +24,17 @@ class ForwardMode(enum.Enum):
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
 
+def is_bool(v: object) -> bool:
+    """A Python bool or a torch bool tensor (operator.index takes both as 0 / 1; numpy's
+    bool it refuses itself)."""
+    return isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+
+
 def as_ints(values: Sequence[int], name: str) -> list[int]:
     """Python ints (numpy / torch integers too); anything else is a TypeError naming `name`.
     Hazard: an int32 tensor made from floats truncates them, silently (prefix 1.5 -> 1)."""
     try:
-        if any(isinstance(v, bool) for v in values):  # operator.index(True) is 1
+        if any(is_bool(v) for v in values):  # operator.index(True) is 1
             raise TypeError
         return [operator.index(v) for v in values]
     except TypeError:

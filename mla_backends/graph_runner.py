@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
 from mla_backends.checks import check_tensor
 from mla_backends.pool import no_scale_freeze
 
@@ -54,6 +54,7 @@ class CudaGraphRunner:
         """`device`: the static buffers' (default: the backend's, else "cuda")."""
         if not backend.supports_graphs:
             raise ValueError(f"backend {backend.name!r} does not support CUDA graphs")
+        batch_sizes = as_ints(batch_sizes, "batch_sizes")  # before anything is allocated
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"CudaGraphRunner: batch sizes must be >= 1, got {list(batch_sizes)}")
         if isinstance(q_len, bool) or operator.index(q_len) < 1:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mla_backends.batch import as_int, as_ints
+from mla_backends.batch import as_int, as_ints, is_bool
 from mla_backends.checks import check_tensor
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class LayerIndexError(IndexError):
 def check_layer_index(layer: int, num_layers: int, owner: str = "the pool has layers") -> int:
     """`layer` as an int if it is in 0..num_layers-1, else LayerIndexError. Hazard: Python
     indexing reads -1 as the last layer and True as layer 1, silently."""
-    if isinstance(layer, bool) or not 0 <= operator.index(layer) < num_layers:
+    if is_bool(layer) or not 0 <= operator.index(layer) < num_layers:
         raise LayerIndexError(f"layer {layer!r} is out of range: {owner} 0..{num_layers - 1}")
     return operator.index(layer)
 
@@ -208,6 +208,7 @@ class MLATokenToKVPool:
     def warn_if_uncalibrated(self, layer: int) -> None:
         """Warn once per layer when an FP8 layer is used under the default scale 1.0 that was
         never set. A host-side flag: no device work, nothing once warned or calibrated."""
+        layer = self.check_layer(layer)
         if self.is_fp8 and not self._scale_set[layer] and not self._scale_warned[layer]:
             self._scale_warned[layer] = True
             warnings.warn(

@@ -330,3 +330,16 @@ def test_free_and_truncate_take_numpy_and_torch_integer_rows(kind: str) -> None:
         if name == "plain":
             table.free(wrap(1))  # type: ignore[arg-type]
             assert all(type(r) is int for r in table.alloc(1)), name
+
+
+def test_truncate_takes_an_integer_length() -> None:
+    """`truncate(row, True)` cut the row to 1 token, silently, in both allocators; a float
+    length was a TypeError that named no argument (helper 67's sweep)."""
+    for name, table, alloc in _allocators():
+        for bad in (True, torch.tensor(True), 3.0):
+            before = _host_state(table, alloc)
+            with pytest.raises(TypeError, match=r"new_len must be integers"):
+                alloc.truncate(2, bad)  # type: ignore[attr-defined]
+            assert _host_state(table, alloc) == before, name
+        alloc.truncate(2, torch.tensor(17))  # type: ignore[attr-defined]
+        assert alloc.seq_len(2) == 17, name  # type: ignore[attr-defined]

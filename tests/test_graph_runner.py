@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from parity import graph_params
@@ -132,6 +133,22 @@ def test_runner_refuses_oversized_and_mismatched_batches() -> None:
                 be, partial(absorbed_forward, be), _specs(case), sizes, device="cpu",
                 use_graphs=False,
             )  # fmt: skip
+    # A bool or float size failed inside capture() with a torch traceback, after the largest
+    # size had taken the backend's graph state, which then refused every larger runner
+    # (helper 67's sweep): one TypeError naming the argument, before anything is allocated.
+    fresh = DecodeStream(case, "cpu", num_requests=4).rt.backend
+    for sizes in ([True, 4], [1.0, 2]):
+        with pytest.raises(TypeError, match=r"batch_sizes must be integers"):
+            CudaGraphRunner(
+                fresh, partial(absorbed_forward, fresh), _specs(case), sizes, device="cpu",
+                use_graphs=False,
+            )  # fmt: skip
+    assert fresh._graph_sizes is None and not fresh._graph_captured
+    runner = CudaGraphRunner(
+        fresh, partial(absorbed_forward, fresh), _specs(case), [np.int64(2)], device="cpu",
+        use_graphs=False,
+    )  # fmt: skip
+    assert runner.batch_sizes == [2] and type(runner.batch_sizes[0]) is int
 
 
 def _cpu_runner(q_len: int = 1, sizes=(4,), forward=absorbed_forward):  # type: ignore[no-untyped-def]

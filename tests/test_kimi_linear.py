@@ -1015,3 +1015,25 @@ def test_accept_after_a_padded_runner_verify_takes_the_captured_batchs_counts() 
     for name in ("recurrent", "conv"):
         a = getattr(eng.backend.linear.pool, name)[:, row]
         assert _rel(a, getattr(ref.backend.linear.pool, name)[:, r2]) <= 1e-6, name
+
+
+def test_hybrid_layer_ids_are_integers() -> None:
+    """The hybrid backend looked its layer up in a dict: True and 1.0 hash as 1 and ran as
+    layer 1, silently, and a torch integer was refused as no layer (helper 67's sweep).
+    Now the model's layer range check: bools and floats refused, integers of any kind taken."""
+    from mla_backends.pool import LayerIndexError
+
+    eng = _engine(_model())
+    be, pool = eng.backend, eng.rt.kv_pool
+    full = CFG.kinds.index("full")
+    loc = torch.tensor([17])
+    kn, kr = torch.randn(1, pool.kv_lora_rank), torch.randn(1, pool.qk_rope_head_dim)
+    before = pool.kv_buffer[0].clone()
+    for bad in (True, torch.tensor(True)):
+        with pytest.raises(LayerIndexError, match=r"layer .* is out of range"):
+            be.store_kv(bad, loc, kn, kr)
+    with pytest.raises(TypeError):
+        be.store_kv(float(full), loc, kn, kr)
+    assert torch.equal(pool.kv_buffer[0], before)
+    be.store_kv(torch.tensor(full), loc, kn, kr)  # the first full layer: pool layer 0
+    assert torch.equal(pool.kv_buffer[0][17], torch.cat([kn, kr], -1)[0].to(pool.dtype))

@@ -252,3 +252,29 @@ def test_scale_check_sees_the_stored_value_and_its_reciprocal(bad: float) -> Non
         used = pool.set_scale(0, ok)
         assert used == pool.scale(0) == float(pool.scales[0]) >= ok
         assert tiny <= float(pool.scales[0].reciprocal()) < float("inf")
+
+
+def test_layer_and_row_checks_refuse_a_torch_bool() -> None:
+    """operator.index takes a torch bool tensor as 0 / 1: `check_layer_index` and `as_ints`
+    refused Python's bool only, so torch.tensor(True) stored into layer 1 and freed row 1;
+    `warn_if_uncalibrated(True)` (no range check) marked layer 1 as warned, and a real
+    uncalibrated store there then warned nothing (helper 67's sweep)."""
+    import warnings
+
+    from mla_backends.batch import as_int
+    from mla_backends.pool import LayerIndexError, check_layer_index
+
+    for bad in (True, torch.tensor(True), torch.tensor(False)):
+        with pytest.raises(LayerIndexError):
+            check_layer_index(bad, 2)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="row must be integers"):
+            as_int(bad, "row")  # type: ignore[arg-type]
+    assert check_layer_index(torch.tensor(1), 2) == as_int(np.int64(1), "row") == 1  # type: ignore[arg-type]
+    pool = MLATokenToKVPool(2, 4, 16, 512, 64, torch.float8_e4m3fn)
+    for bad in (True, -1):
+        with pytest.raises(LayerIndexError):
+            pool.warn_if_uncalibrated(bad)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pool.set_mla_kv_buffer(1, torch.tensor([17]), torch.randn(1, 512), torch.randn(1, 64))
+    assert any("layer 1" in str(w.message) for w in seen), [str(w.message) for w in seen]

@@ -18,6 +18,7 @@ import torch
 from mla_backends.backends.base import MLABackend
 from mla_backends.batch import ForwardBatch
 from mla_backends.linear.backend import LinearAttentionBackend
+from mla_backends.pool import check_layer_index
 
 KINDS = ("full", "linear")
 
@@ -106,6 +107,8 @@ class HybridBackend:
         return self.full.metadata
 
     def _slot(self, layer_id: int, kind: str) -> int:
+        # Hazard: the layer as a dict key: True and 1.0 hash as 1 (run as layer 1, silently)
+        layer_id = check_layer_index(layer_id, len(self.layers), "the hybrid model has layers")
         slot = self.layers.get(layer_id)
         if slot is None or slot.kind != kind:
             got = None if slot is None else slot.kind

@@ -157,7 +157,7 @@ class DCPTokenAllocator:
 
     def truncate(self, row: int, new_len: int) -> None:
         """Shrink a request to `new_len` global tokens (rejected draft tokens)."""
-        row, new_len = as_int(row, "row"), operator.index(new_len)
+        row, new_len = as_int(row, "row"), as_int(new_len, "new_len")
         old = truncate_from(self._lens, row, new_len)
         self.local.truncate(row, self.layout.local_len(new_len))
         for k, d in enumerate(self._page_delta(old, new_len)):
