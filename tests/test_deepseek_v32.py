@@ -21,7 +21,7 @@ from mla_backends.models.deepseek_v32 import (
 )
 from mla_backends.models.engine import Engine
 from mla_backends.models.loader import CheckpointError
-from mla_backends.pool import RequestRowError
+from mla_backends.pool import MLATokenToKVPool, RequestRowError
 from mla_backends.runtime import Runtime
 from mla_backends.sparse.base import runs_dense
 from mla_backends.sparse.dsa import DSABackend
@@ -428,3 +428,29 @@ def test_model_refuses_a_dsa_backend_of_other_indexer_dims() -> None:
     eng.rt.backend.init_forward_metadata(batch)
     with pytest.raises(TypeError, match="runs on a DSABackend"):
         model(torch.arange(20), batch, eng.rt.backend)
+
+
+def test_a_dense_backend_over_another_latent_pool_is_refused() -> None:
+    """DSABackend took a dense backend over a pool other than the sparse backend's (another
+    latent pool, or beside FP8 rows): the dense batches stored rows the sparse ones never
+    read, and a request that grew past top-k attended over empty rows, 0.24-0.35 off,
+    silently (helper 68's review). The constructor refuses both, as `build` did FP8 rows."""
+    from mla_backends.backends.base import BackendContext
+    from mla_backends.backends.registry import get_backend_class
+
+    torch.manual_seed(0)
+    model = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(TINY_HF)).eval()
+    eng, dsa = _engine(model)
+    rt, p = eng.rt, eng.rt.kv_pool
+    other = MLATokenToKVPool(
+        p.num_layers, p.num_pages, p.page_size, p.kv_lora_rank, p.qk_rope_head_dim, p.dtype
+    )
+    torch_cls = get_backend_class("torch")
+    elsewhere = torch_cls(BackendContext(rt.config, other, rt.req_pool))
+    with pytest.raises(ValueError, match="another latent pool than the sparse backend reads"):
+        DSABackend(elsewhere, dsa.indexer, dsa.sparse)
+    wide = DeepseekV32ForCausalLM(DeepseekV32Config.from_hf(dict(TINY_HF, kv_lora_rank=128)))
+    eng8, rows = _engine(wide.eval(), fp8_rows=True)  # FP8 rows: 128-wide latent tiles
+    with pytest.raises(ValueError, match="reads FP8 rows, which no dense backend stores"):
+        DSABackend(eng8.rt.backend, rows.indexer, rows.sparse)
+    DSABackend(rt.backend, dsa.indexer, dsa.sparse)  # the runtime's own: the same pool

@@ -7,8 +7,10 @@ slots (any order, duplicate-free) and -1 for unused entries; token t attends exa
 rows those slots hold. A row with no valid slot gives out 0 and lse -inf. The new latent rows
 are stored first (`store_kv`), as the selection may include the token's own slot.
 Hazard: every entry must be -1 or a slot of the pool. Nothing checks it on the device (a
-check would cost a host sync a call): the `torch` backend raises IndexError on a CPU, the
-kernels (ours, FlashMLA's, FlashInfer's) read whatever lies at that address. The indexer's
+check would cost a host sync a call): the `torch` backend raises IndexError on a CPU for a
+slot past the pool and reads every negative entry as unused (so it hides a -2 that the
+kernels would not), the kernels (ours, FlashMLA's, FlashInfer's) read whatever lies at that
+address. The indexer's
 top-k writes only slots of the request's table row (`topk_kernel.check_rows`).
 
 Valid counts: an indexer row holds exactly min(topk, pos(t) + 1) valid slots; backends that

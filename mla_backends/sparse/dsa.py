@@ -30,6 +30,12 @@ from mla_backends.sparse.fp8_row import Fp8RowPool
 from mla_backends.sparse.indexer import PAGE, Indexer, IndexerDims, IndexKCache
 
 
+def _latent_pool(backend: AttentionBackend) -> object | None:
+    """The latent pool a backend stores into (a dispatch backend's two sides share one), or
+    None where it does not say."""
+    return getattr(getattr(backend, "decode", backend), "pool", None)
+
+
 class DSABackend:
     """The `AttentionBackend` of a DeepSeek-V3.2 model: the dense verbs go to the dense
     backend (dense batches, MHA-mode prefill); a sparse layer reaches `indexer` and `sparse`
@@ -58,6 +64,19 @@ class DSABackend:
         a, b = indexer.req_to_token, sparse.req_to_token
         if a.data_ptr() != b.data_ptr() or a.shape != b.shape:
             raise ValueError("the indexer and the sparse backend read different request tables")
+        # Hazard: dense batches store rows through the dense backend's pool, sparse ones read
+        # the sparse backend's: over two pools a request that grew past top-k attended over
+        # empty rows where its dense-phase tokens should be, silently (helper 68's review)
+        if dense is not None and isinstance(pool, Fp8RowPool):
+            raise ValueError(
+                "DSABackend: the sparse backend reads FP8 rows, which no dense backend stores; "
+                "leave dense None (short requests then run on the sparse backend)"
+            )
+        if dense is not None and _latent_pool(dense) not in (None, pool):
+            raise ValueError(
+                "DSABackend: the dense backend stores into another latent pool than the "
+                "sparse backend reads; build both over the runtime's pool (DSABackend.build)"
+            )
         self._dense_batch = False
         # FP8 rows' dense batches: every visible key's slot per query token, built once per
         # batch (`init_forward_metadata`) for every layer, and the batch it was built for
