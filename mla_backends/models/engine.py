@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
+from mla_backends.batch import ForwardBatch, ForwardMode, as_int, as_ints
 from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.runtime import Runtime
@@ -99,7 +99,7 @@ class Engine:
         return rows
 
     def free(self, row: int) -> None:
-        [row] = as_ints([row], "row")
+        row = as_int(row, "row")
         self._end_verify([row])
         if self.rt.allocator.holds(row):
             self.rt.allocator.free(row)
