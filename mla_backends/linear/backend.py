@@ -72,10 +72,6 @@ class LinearAttentionBackend:
         self._verify_conv: dict[tuple[int, tuple[int, int] | None], torch.Tensor] = {}
         self._graphed = False  # whether the current batch runs through the graph hooks
         self._capturing = False  # whether it is being captured (the graph's staging)
-        # The linear layers this batch's Python staged (under None). Hazard: a Python replay
-        # that failed part-way left the earlier staging in place, and accept took it as
-        # complete, writing a rejected verify's states.
-        self._staged_now: set[int] = set()
         # The verify batch `accept` may still follow (its staging complete, its rows not
         # reset since). Hazard: a second accept rewrote graph-staged states the KV had been
         # truncated past; one after a verify that failed part-way mixed two verifies' states.
@@ -88,7 +84,6 @@ class LinearAttentionBackend:
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._batch = batch
         self._graphed = self._capturing = False
-        self._staged_now = set()
         self._cu = None  # Hazard: offsets left from an earlier EXTEND batch
         self._continues = None
         self._accept_pending = batch.mode is ForwardMode.TARGET_VERIFY
@@ -215,7 +210,6 @@ class LinearAttentionBackend:
             outs.append(o)
             states.append(s)
         self._verify_states[layer, self._stage_key(b)] = torch.stack(states, 1)
-        self._staged_now.add(layer)
         return torch.stack(outs, 1).flatten(0, 1)
 
     def stage_verify_conv(self, layer: int, windows: torch.Tensor) -> None:
@@ -253,10 +247,14 @@ class LinearAttentionBackend:
         host = num_accepted
         if host.device.type == "cpu" and b and not 0 <= int(host.min()) <= int(host.max()) <= t:
             raise ValueError(f"num_accepted: counts must be in 0..{t}, got {host.tolist()}")
-        # A graph replay runs no Python: its staging is the captured tensors. Anything this
-        # batch's Python staged is under None, and a Python replay that failed before its
-        # first linear layer staged nothing under None (the eager runner captures no graph).
-        size = self._graph_key(b) if self._graphed and not self._staged_now else None
+        # A graph replay runs no Python: its staging is the captured tensors. What this
+        # batch's Python staged is under None (every batch drops the last one's), so a None
+        # key says Python ran it. Hazard: a Python replay that failed part-way left the
+        # graph-keyed staging in place, and accept took it as complete, writing a rejected
+        # verify's states; one that failed before its first linear layer staged nothing,
+        # and the eager runner captures no graph-keyed staging either: refused below.
+        python_ran = any(key[1] is None for key in self._verify_states)
+        size = self._graph_key(b) if self._graphed and not python_ran else None
         done = sum(key[1] == size for key in self._verify_states)
         if b and done != self.pool.num_layers:
             raise RuntimeError(
