@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import operator
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
+from mla_backends.batch import ForwardBatch, ForwardMode, as_int, as_ints
 from mla_backends.checks import check_tensor
 from mla_backends.pool import no_scale_freeze
 
@@ -57,7 +56,8 @@ class CudaGraphRunner:
         batch_sizes = as_ints(batch_sizes, "batch_sizes")  # before anything is allocated
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"CudaGraphRunner: batch sizes must be >= 1, got {list(batch_sizes)}")
-        if isinstance(q_len, bool) or operator.index(q_len) < 1:
+        q_len = as_int(q_len, "q_len")  # a torch bool once passed as 1
+        if q_len < 1:
             raise ValueError(f"CudaGraphRunner: q_len must be >= 1, got {q_len!r}")
         self.backend, self.forward, self.q_len = backend, forward, q_len
         self.batch_sizes = sorted(set(batch_sizes))

@@ -187,6 +187,9 @@ def test_replay_checks_its_inputs_and_slices_every_output() -> None:
     assert out.shape == (3, 16, 512) and lse.shape == (3, 16)
     with pytest.raises(ValueError, match="q_len must be >= 1, got 0"):
         _cpu_runner(q_len=0)
+    for q_len in (torch.tensor(True), 2.0):  # a torch bool was taken as q_len 1
+        with pytest.raises(TypeError, match="q_len must be integers"):
+            _cpu_runner(q_len=q_len)  # type: ignore[arg-type]
 
 
 def test_a_second_runner_keeps_the_first_runners_graph_state() -> None:
