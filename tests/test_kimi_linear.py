@@ -13,6 +13,7 @@ import torch
 
 from mla_backends.backends.hybrid import HybridBackend
 from mla_backends.batch import ForwardBatch, ForwardMode
+from mla_backends.checks import ShapeError
 from mla_backends.config import Config, MLADims
 from mla_backends.linear.backend import LinearAttentionBackend
 from mla_backends.linear.state_pool import LinearStatePool
@@ -23,6 +24,7 @@ from mla_backends.models.kimi_linear import (
     short_conv,
     short_conv_step,
 )
+from mla_backends.pool import LayerIndexError
 from mla_backends.runtime import Runtime
 
 CFG = KimiLinearConfig()
@@ -542,6 +544,30 @@ def test_accept_needs_a_verify_batch() -> None:
     assert eng.rt.allocator.seq_len(rows[0]) == 4  # a refused accept changed nothing
 
 
+def test_stage_verify_conv_refuses_a_bad_layer_or_window_and_keeps_the_staging() -> None:
+    """Layer -1 staged the last layer's windows, and a window of other channels failed in
+    accept's gather after the recurrent states were written: both refused at staging, and
+    the verify's own staging is accepted as if nothing happened."""
+    model = _model()
+    eng, ref = _engine(model), _engine(model)
+    for e in (eng, ref):
+        rows = e.new_requests(1)
+        e.extend(rows, [[1, 2, 3]])
+    lin = eng.backend.linear
+    _, _, channels, kept = lin.pool.conv.shape
+    with pytest.raises(RuntimeError, match="stages a TARGET_VERIFY batch"):
+        lin.stage_verify_conv(0, torch.zeros(1, channels, kept + 1))
+    eng.verify(rows, [[4, 5]])
+    with pytest.raises(LayerIndexError):
+        lin.stage_verify_conv(-1, torch.zeros(1, channels, kept + 2))
+    with pytest.raises(ShapeError, match=rf"windows: expected shape \[1, {channels}, {kept + 2}\]"):
+        lin.stage_verify_conv(0, torch.zeros(1, channels + 1, kept + 2))
+    eng.accept(rows, [1])
+    ref.decode(rows, [4])
+    for name in ("conv", "recurrent"):  # verify and decode sum in another order
+        assert _rel(getattr(lin.pool, name), getattr(ref.backend.linear.pool, name)) <= 1e-6
+
+
 def _raise(*args, **kwargs):  # type: ignore[no-untyped-def]
     raise RuntimeError("a kernel failed")
 
@@ -1021,8 +1047,6 @@ def test_hybrid_layer_ids_are_integers() -> None:
     """The hybrid backend looked its layer up in a dict: True and 1.0 hash as 1 and ran as
     layer 1, silently, and a torch integer was refused as no layer (helper 67's sweep).
     Now the model's layer range check: bools and floats refused, integers of any kind taken."""
-    from mla_backends.pool import LayerIndexError
-
     eng = _engine(_model())
     be, pool = eng.backend, eng.rt.kv_pool
     full = CFG.kinds.index("full")

@@ -215,7 +215,16 @@ class LinearAttentionBackend:
     def stage_verify_conv(self, layer: int, windows: torch.Tensor) -> None:
         """The model's short-conv inputs of a verify batch: [B, C, W - 1 + T] (the stored
         window, then the T draft tokens), so `accept` can keep the window after token a."""
-        self._verify_conv[layer, self._stage_key(windows.shape[0])] = windows
+        batch = self._batch
+        if batch is None or batch.mode is not ForwardMode.TARGET_VERIFY:
+            raise RuntimeError("stage_verify_conv() stages a TARGET_VERIFY batch's windows")
+        # Hazard: -1 staged the last layer; a window of other channels failed in accept's
+        # gather after the recurrent states were written (half a request accepted)
+        layer = self.pool.check_layer(layer)
+        _, _, channels, kept = self.pool.conv.shape
+        t = max(batch.num_draft_tokens, 1)
+        check_tensor("windows", windows, (batch.batch_size, channels, kept + t))
+        self._verify_conv[layer, self._stage_key(batch.batch_size)] = windows
 
     def accept(self, num_accepted: torch.Tensor) -> None:
         """After a TARGET_VERIFY batch: request i keeps its first `num_accepted[i]` draft tokens
