@@ -250,6 +250,36 @@ def test_start_up_check_refuses_with_our_reason(
         sa.check_server_args()
 
 
+@pytest.mark.parametrize(
+    ("kw", "heads"),
+    [
+        ({"tp_size": 2}, 8),
+        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, 16),
+        ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, 8),
+    ],
+    ids=["tp2", "tp2-dp2-attention", "tp4-dp2-attention"],
+)
+def test_start_up_check_counts_the_heads_a_worker_builds(
+    kw: dict[str, Any], heads: int, tiny_model: Path, on_h100: Capability,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The workers split a layer's heads over SGLang's attention-TP size (tp_size / dp_size
+    under --enable-dp-attention); the launch check divided by tp_size, so a head limit the
+    workers refuse after loading the weights (CUTLASS's 128) passed there (helper 70)."""
+    seen: list[int] = []
+    choose = binding.choose_roles
+
+    def spy(sgl_name: str, name: str, config: Any, cap: Capability) -> Any:
+        seen.append(config.model.num_heads)
+        return choose(sgl_name, name, config, cap)
+
+    monkeypatch.setattr(binding, "choose_roles", spy)
+    _server_args(
+        tiny_model, attention_backend="mlab_triton", page_size=64, **kw
+    ).check_server_args()
+    assert seen == [heads]
+
+
 SERVER_REFUSALS = {
     "dcp": ({"dcp_size": 2, "tp_size": 2}, r"decode context parallelism \(--dcp-size > 1\)"),
     "eagle-tree": (

@@ -168,6 +168,17 @@ def _is_dsa(model_config: Any) -> bool:
     return bool(is_deepseek_dsa(getattr(model_config, "hf_config", None)))
 
 
+def _attn_tp_size(sa: Any) -> int:
+    """The ranks a layer's heads are split over, as SGLang's `compute_dp_attention_world_info`
+    derives the workers' `attn_tp_size`. Hazard: tp_size alone counted fewer heads a rank than
+    the workers build under --enable-dp-attention, so a head limit that they refuse after
+    loading the weights passed here."""
+    from mla_backends.integrations.sglang.settings import int_flag
+
+    dp = int_flag(sa, "dp_size") if getattr(sa, "enable_dp_attention", False) else 1
+    return max(int_flag(sa, "tp_size") // dp // int_flag(sa, "attn_cp_size"), 1)
+
+
 def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
     """After `ServerArgs.check_server_args` (launching process): refuse settings our chosen
     backends cannot run, with our reason, before a worker starts. Only the model's dims and
@@ -205,7 +216,7 @@ def check_server_args_hook(result: Any, server_args: Any, *args: Any, **kwargs: 
     else:
         device = torch.device("cpu")
     cap = binding.detect_capability(device)
-    heads = int(mc.num_attention_heads) // max(int(getattr(sa, "tp_size", 1) or 1), 1)
+    heads = int(mc.num_attention_heads) // _attn_tp_size(sa)
     dims = settings.model_dims(mc, max(heads, 1))
     for sgl_name in ours:
         config = settings.settings_config(
