@@ -135,6 +135,19 @@ class MLADims:
             raise ConfigError(
                 f"model.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}"
             )
+        # Hazard: a negative mscale_all_dim made the softmax scale 0 (attention a plain mean
+        # of the values) and `verify` agreed, its reference reading the same scale
+        if self.mscale_all_dim < 0:
+            raise ConfigError(f"model.mscale_all_dim must be >= 0, got {self.mscale_all_dim}")
+        try:
+            scale = self.softmax_scale
+        except OverflowError:
+            scale = math.inf
+        if not 0.0 < scale < math.inf:
+            raise ConfigError(
+                f"model: rope_scaling_factor {self.rope_scaling_factor} with mscale_all_dim "
+                f"{self.mscale_all_dim} gives a softmax scale of {scale}"
+            )
 
     @property
     def kv_dim(self) -> int:
@@ -282,8 +295,9 @@ class Config:
                 f"indexer_topk={self.indexer_topk!r} is not one of {list(TOPK_PATHS)}"
             )
         _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
+        # torch refuses a leading zero ("cuda:01") and an index past int64: a traceback later
         if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(
-            r"cuda:\d+", self.device
+            r"cuda:(0|[1-9]\d{0,8})", self.device
         ):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
@@ -405,6 +419,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+    def construct_decimal_int(self, node: yaml.ScalarNode) -> int:
+        """Hazard: YAML 1.1 reads `020` as 16, `0b11` as 3 and `1:00` as 60, silently."""
+        value = self.construct_yaml_int(node)
+        digits = str(self.construct_scalar(node)).replace("_", "").lstrip("+-")
+        if ":" in digits or (len(digits) > 1 and digits[0] == "0"):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value} is read as {value} in YAML 1.1: write it in decimal",
+                node.start_mark,
+            )  # fmt: skip
+        return value
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_decimal_int)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -96,6 +96,17 @@ def test_a_yaml_merge_key_is_overridden_not_a_key_given_twice(tmp_path: Path) ->
         ("device: tpu\n", r"device='tpu' is not one of"),
         ("device: 'cuda:-1'\n", r"device='cuda:-1' is not one of auto, cpu, cuda, cuda:N"),
         ("device: 'cuda:x'\n", r"device='cuda:x' is not one of"),
+        ("device: 'cuda:01'\n", r"device='cuda:01' is not one of"),  # torch's traceback later
+        # the softmax scale was 0 (attention a plain mean of the values), and verify agreed
+        ("model: {base: tiny, mscale_all_dim: -7.2}\n", r"model.mscale_all_dim must be >= 0"),
+        (
+            "model: {rope_scaling_factor: 40.0, mscale_all_dim: 1.0e+200}\n",
+            r"mscale_all_dim 1e\+200 gives a softmax scale of inf",
+        ),
+        # YAML 1.1 reads these as 16, 3 and 60, silently
+        ("page_size: 020\n", r"line 1, column 12: 020 is read as 16 in YAML 1.1: write it in"),
+        ("num_pages: 0b11\n", r"0b11 is read as 3 in YAML 1.1"),
+        ("num_layers: 1:00\n", r"1:00 is read as 60 in YAML 1.1"),
         ("model: {rope_scaling_factor: .nan}\n", r"model.rope_scaling_factor must be a finite"),
         ("model: {mscale_all_dim: .inf}\n", r"model.mscale_all_dim must be a finite number"),
         ("model: {mscale_all_dim: 1" + "0" * 400 + "}\n", r"model.mscale_all_dim must be a finite"),
