@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -64,8 +64,40 @@ def _too_large(e: BaseException) -> bool:
     return any(words in str(e) for words in _SIZE_ERRORS)
 
 
+class _StoreOnce(argparse._StoreAction):
+    """A value option given twice is an error. Hazard: argparse keeps the last, so
+    `bench --batch 1 --batch 2` timed batch 2 alone and `run --random tiny-v32 --random tiny`
+    served tiny, silently."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given: set[str] = getattr(parser, "given", set())
+        if self.dest in given:
+            raise argparse.ArgumentError(self, "given twice")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad value in one line (no usage block), exit status 2."""
+    """argparse that reports a bad value in one line (no usage block), exit status 2, and
+    refuses a value option given twice."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.given: set[str] = set()
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.given = set()  # each parse counts afresh (a subcommand's parser counts its own)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -132,6 +132,17 @@ BAD_INPUTS = [
         r"bench: error: argument --stack-size: invalid choice: 'tiny-v32'",
     ),
     (
+        # argparse kept the last value: batch 2 alone was timed, silently (helper 69)
+        "bench-option-given-twice",
+        lambda t: ["bench", "--batch", "1", "--batch", "2", "--out", str(t / "o")],
+        r"bench: error: argument --batch: given twice \(see mla-backends bench --help\)",
+    ),
+    (
+        "run-option-given-twice",
+        lambda t: ["run", "--random", "tiny-v32", "--random", "tiny"],
+        r"run: error: argument --random: given twice",
+    ),
+    (
         "run-zero-requests",
         lambda t: ["run", "--requests", "0"],
         r"run: error: argument --requests: 0 is out of range: must be >= 1",
