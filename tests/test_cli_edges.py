@@ -186,8 +186,17 @@ def test_verify_of_a_model_too_large_for_memory_is_one_line(cli: Cli, tmp_path: 
             ["--batch", "1,1", "--kv-len", "16"],
             "argument --batch: '1,1': 1 appears twice",
         ),
+        (
+            ["--suite", "anchors", "--shapes", "4:1:1:64,4:1:1:64"],
+            "argument --shapes: '4:1:1:64,4:1:1:64': 4:1:1:64 given twice",
+        ),
+        (  # the empty field was skipped: 4:1:1:64, the fields moved along (helper 69)
+            ["--suite", "anchors", "--shapes", "4::1:1:64"],
+            "argument --shapes: '4::1:1:64' is not H:q:B:kv (four integers >= 1, e.g. "
+            "16:1:64:4096)",
+        ),
     ],
-    ids=["backends", "peers", "batch"],
+    ids=["backends", "peers", "batch", "shapes", "shape-field"],
 )
 def test_bench_names_given_twice_are_refused(
     cli: Cli, tmp_path: Path, argv: list[str], message: str
@@ -196,6 +205,15 @@ def test_bench_names_given_twice_are_refused(
     size twice, the same row twice."""
     line = _one_line(cli, "bench", *argv, "--out", str(tmp_path / "out"))
     assert line == f"mla-backends bench: error: {message} (see mla-backends bench --help)"
+
+
+def test_bench_quick_with_shapes_is_refused(cli: Cli, tmp_path: Path) -> None:
+    """--quick picks the shapes: beside --shapes it was ignored, silently (helper 69)."""
+    argv = ["--suite", "anchors", "--shapes", "4:1:1:64", "--quick"]
+    line = _one_line(cli, "bench", *argv, "--out", str(tmp_path / "out"))
+    assert line == (
+        "mla-backends bench: error: --quick picks the first 3 shapes: give it or --shapes, not both"
+    )
 
 
 def test_out_of_memory_keeps_a_float_overflow_as_the_bug_it_is() -> None:

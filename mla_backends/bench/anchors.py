@@ -23,7 +23,7 @@ from mla_backends.bench.peers import DECODE_PEERS, RAW_PEER
 from mla_backends.bench.prefill import check_prefill_backends, default_tokens, prefill_table
 from mla_backends.bench.report import format_result, write
 from mla_backends.bench.timing import ceilings
-from mla_backends.cli import out_of_memory
+from mla_backends.cli import UsageError, out_of_memory
 from mla_backends.config import Config
 
 # (heads, q_len, batch, kv_len): the decode table of ../shared/ANCHORS.md.
@@ -83,6 +83,8 @@ def run(opts: Options, config: Config) -> None:
     backends = opts.backends or [config.decode_backend]
     default_peers = [RAW_PEER[b] for b in backends if b in RAW_PEER and dev.type == "cuda"]
     peers = pick(opts.peers, list(dict.fromkeys(default_peers)))
+    if opts.quick and opts.shapes:  # --quick was ignored, silently
+        raise UsageError("--quick picks the first 3 shapes: give it or --shapes, not both")
     shapes = opts.shapes or (QUICK_SHAPES if opts.quick else ANCHOR_SHAPES)
     tokens = pick(opts.prefill_tokens, default_tokens(dev, 2048 if opts.quick else 8192))
     for shape in shapes:  # every backend runs every shape and fits, or nothing is timed

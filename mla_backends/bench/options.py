@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import TypeVar
 
 from mla_backends.backends.registry import available_backends
 from mla_backends.bench.peers import DECODE_PEERS
-from mla_backends.cli import UsageError, int_list
+from mla_backends.cli import UsageError
 
 T = TypeVar("T")
 Shape = tuple[int, int, int, int]  # heads, q_len, batch, kv_len
@@ -134,18 +135,21 @@ def shape_text(shape: Shape) -> str:
 def shape_list(text: str) -> list[Shape]:
     """A comma list of H:q:B:kv shapes (heads, query tokens, batch, KV length), e.g.
     16:1:64:4096; every KV length must hold the step's query tokens."""
-    shapes = []
+    shapes: list[Shape] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        try:
-            h, q, b, kv = int_list(1, distinct=False)(part.replace(":", ","))
-        except (argparse.ArgumentTypeError, ValueError):
+        # Hazard: an empty field (`16:1::64:4096`) was skipped, the next one moving into it
+        fields = [f.strip() for f in part.split(":")]
+        if len(fields) != 4 or not all(re.fullmatch(r"0*[1-9][0-9]*", f) for f in fields):
             raise argparse.ArgumentTypeError(
                 f"{part!r} is not H:q:B:kv (four integers >= 1, e.g. 16:1:64:4096)"
-            ) from None
+            )
+        h, q, b, kv = (int(f) for f in fields)
         if kv < q:
             raise argparse.ArgumentTypeError(f"{part!r}: kv {kv} is shorter than q {q}")
+        if (h, q, b, kv) in shapes:  # it was timed twice, its rows side by side
+            raise argparse.ArgumentTypeError(f"{text!r}: {part} given twice")
         shapes.append((h, q, b, kv))
     if not shapes:
         raise argparse.ArgumentTypeError(f"{text!r}: expected at least one H:q:B:kv shape")
