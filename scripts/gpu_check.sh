@@ -151,7 +151,7 @@ elif [ "$mode" = suite ]; then
   # the no-wait tests run alone first; fla's autotuning (linear and Kimi tests) once a group
   TRITON_CACHE_AUTOTUNING=1 timeout ${SUITE_TIMEOUT:-570} python3 scripts/pytest_shards.py \
     --shards "${SHARDS:-12}" --timeout $((${SUITE_TIMEOUT:-570} - 15)) --cwd "$tree" \
-    ${SUITE_ARGS:---serial does_not_wait --group linear_hybrid --group kimi_linear} \
+    ${SUITE_ARGS:---serial does_not_wait --group linear_hybrid --group kimi_linear --group test_large_pool_gpu} \
     ${SUITE_IDS:+--ids-from "$SUITE_IDS"} --out "$out/suite-$label" -- "${select[@]}" \
     2>&1 | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1

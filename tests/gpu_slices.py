@@ -49,7 +49,8 @@ SLICES: dict[str, str] = {
     "tests-6": "linear attention through fla (its autotuning is slow)",
     "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon routes' "
     "parity cases (64-row and narrow); any test no rule names",
-    "tests-8": "hybrid Kimi-Linear verify graphs of two draft counts (tests-7 is full)",
+    "tests-8": "hybrid Kimi-Linear verify graphs of two draft counts (tests-7 is full); pools "
+    "past the int32 marks",
 }
 
 PARITY = "test_parity.py"
@@ -191,6 +192,10 @@ RULES: list[Rule] = [
         ("test_gpu_verify_runners_of_two_draft_counts_accept_their_own_staging",),
         seconds=100.0,
     ),
+    # tests-8: pools past the int32 marks (helper 71): the 16 tests took 53 s on a fresh H200
+    # (thirty-seventh session), compiles included; ~27 GB of GPU memory at the peak, so
+    # gpu_check.sh's suite runs them in one shard of their own
+    Rule("tests-8", "test_large_pool_gpu.py", seconds=5.0),
     # tests-7: the rest
     Rule("tests-7", "test_kimi_linear.py", seconds=50.0),
     Rule("tests-7", "test_dcp.py", seconds=120.0),

@@ -66,9 +66,9 @@ def _issue(
 
 
 @gluon.jit
-def _slots(R2T, r2t_row, n, vis):
+def _slots(R2TRow, n, vis):
     """Pool slots of the keys at positions n (0 past the context: never read)."""
-    return gl.load(R2T + r2t_row + n, mask=n < vis, other=0)
+    return gl.load(R2TRow + n, mask=n < vis, other=0)
 
 
 @gluon.jit
@@ -109,7 +109,9 @@ def _logits_gluon_kernel(
         if not EARLY_KEYS:
             gdc_wait()
     vis = gl.load(Vis + t)
-    r2t_row = gl.load(Rows + t) * stride_r2t
+    # Hazard: rows may be int32; row x max_context_len passes 2^31 at 4096 rows of a 1M
+    # context. Widened once; the row's pointer (not base + int64 offset) is what stays live.
+    R2TRow = R2T + gl.load(Rows + t).to(gl.int64) * stride_r2t
     mine = gl.maximum(gl.cdiv(gl.cdiv(vis, BLOCK_N) - p, g), 0)  # tiles p, p + g, ... < vis
 
     k8_smem = gl.allocate_shared_memory(
@@ -126,13 +128,13 @@ def _logits_gluon_kernel(
     for i in gl.static_range(STAGES - 1):
         n_i = (p + i * g) * BLOCK_N + tile_n
         s_i = (p + i * g) * BLOCK_N + tile_s
-        _issue(Data, Scale, k8_smem, ks_smem, _slots(R2T, r2t_row, n_i, vis),
-               _slots(R2T, r2t_row, s_i, vis), n_i, s_i, vis, i, LD_L, D, BLK_E, BLK_S,
+        _issue(Data, Scale, k8_smem, ks_smem, _slots(R2TRow, n_i, vis),
+               _slots(R2TRow, s_i, vis), n_i, s_i, vis, i, LD_L, D, BLK_E, BLK_S,
                SCALE_OFF, STAGES)  # fmt: skip
     n_next = (p + (STAGES - 1) * g) * BLOCK_N + tile_n
     s_next = (p + (STAGES - 1) * g) * BLOCK_N + tile_s
-    slot_next = _slots(R2T, r2t_row, n_next, vis)
-    slot_s_next = _slots(R2T, r2t_row, s_next, vis)
+    slot_next = _slots(R2TRow, n_next, vis)
+    slot_s_next = _slots(R2TRow, s_next, vis)
     # Hazard: with EARLY_KEYS the reads above (visible counts, slots, keys) ran before the
     # wait; only a launch that released this one after its own wait makes that safe
     # (`index_logits(early_keys=)`). At batch 1 they are most of a program's chain.
@@ -166,8 +168,8 @@ def _logits_gluon_kernel(
                it + STAGES - 1, LD_L, D, BLK_E, BLK_S, SCALE_OFF, STAGES)  # fmt: skip
         n_next += g * BLOCK_N
         s_next += g * BLOCK_N
-        slot_next = _slots(R2T, r2t_row, n_next, vis)
-        slot_s_next = _slots(R2T, r2t_row, s_next, vis)
+        slot_next = _slots(R2TRow, n_next, vis)
+        slot_s_next = _slots(R2TRow, s_next, vis)
         cur = it % STAGES
         k = k8_smem.index(cur).load(A_L).to(gl.float16)
         s = warpgroup_mma(

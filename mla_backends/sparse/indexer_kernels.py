@@ -338,7 +338,9 @@ def _logits_kernel(
     t = tl.program_id(0).to(tl.int64)
     vis = tl.load(Vis + t)
     if LOOP:
-        r2t_row = R2T + tl.load(Rows + t) * stride_r2t
+        # Hazard: rows may be int32 (a request index): widened before the multiply, or row x
+        # max_context_len past 2^31 wraps (4096 rows of a 1M context read row 0's slots).
+        r2t_row = R2T + tl.load(Rows + t).to(tl.int64) * stride_r2t
         g = tl.num_programs(1)
         visible_blocks = tl.cdiv(vis, BLOCK_N)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -368,7 +370,7 @@ def _logits_kernel(
             tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=n < width)
             launch_next(USE_GDC)
             return
-        row = tl.load(Rows + t)
+        row = tl.load(Rows + t).to(tl.int64)  # int32 rows: see the LOOP branch
         # Masked: keys past the context are never read (stale or NaN-poisoned rows stay out).
         slot = tl.load(R2T + row * stride_r2t + n, mask=n < vis, other=0)
         logit = _block_logits(Q, W, Data, Scale, t, slot, n, vis, stride_q_t, stride_q_h,
