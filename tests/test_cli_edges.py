@@ -216,6 +216,18 @@ def test_bench_quick_with_shapes_is_refused(cli: Cli, tmp_path: Path) -> None:
     )
 
 
+def test_bench_stack_too_large_for_memory_is_one_line(cli: Cli, tmp_path: Path) -> None:
+    """The random model was built with no size check: Linux overcommits, so --layers 40 was
+    killed for memory with no message, and a huge --layers built layers without end."""
+    argv = ["bench", "--suite", "stack", "--stack-size", "tiny", "--layers", str(10**20)]
+    line = _one_line(cli, *argv, "--out", str(tmp_path / "out"))
+    assert re.fullmatch(
+        rf"mla-backends bench: error: --layers {10**20}, --stack-size tiny: the model needs over "
+        r"\d+ GiB on cpu \(built in fp32, then cast\), \d+ GiB free; give fewer --layers",
+        line,
+    ), line
+
+
 def test_out_of_memory_keeps_a_float_overflow_as_the_bug_it_is() -> None:
     """`out_of_memory` turns a size past the C index range into one line, but a float overflow
     inside the run (a numeric bug) keeps its traceback: it was reported as out of memory."""

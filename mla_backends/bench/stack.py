@@ -21,10 +21,11 @@ from mla_backends.backends.base import Capability
 from mla_backends.bench.fixtures import require_runs
 from mla_backends.bench.options import Options, pick
 from mla_backends.bench.report import write
-from mla_backends.cli import out_of_memory
+from mla_backends.cli import UsageError, out_of_memory
 from mla_backends.config import Config
 from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from mla_backends.models.engine import Engine
+from mla_backends.models.loader import available_host_bytes
 from mla_backends.models.run import RANDOM_SIZES, random_model
 from mla_backends.runtime import Runtime
 
@@ -194,6 +195,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _require_model_fits(raw: dict, dev: torch.device, options: str) -> None:
+    """UsageError unless the random model (built in fp32, then cast to bf16) fits the memory
+    free on `dev`. Hazard: Linux overcommits, so a host build too large was killed for memory
+    with no message (`out_of_memory` never saw an error)."""
+    need = DeepseekV3Config.from_hf(raw).mlp_parameters() * (4 + 2)  # a floor: MLPs alone
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_host_bytes()
+    if free is not None and need > free:
+        raise UsageError(
+            f"{options}: the model needs over {need / 2**30:.0f} GiB on {dev} (built in fp32, "
+            f"then cast), {free / 2**30:.0f} GiB free; give fewer --layers"
+        )
+
+
 def run(opts: Options, config: Config) -> None:
     dev = config.torch_device
     cap = Capability.detect(dev)
@@ -208,6 +222,7 @@ def run(opts: Options, config: Config) -> None:
     for cfg in cfgs:  # before the model is built: a backend that cannot run here is one line
         require_runs(cfg.decode_backend, cfg, cap, "decode")
         require_runs(cfg.prefill_backend, cfg, cap, "prefill")
+    _require_model_fits(raw, dev, f"--layers {layers}, --stack-size {size}")
     fixed = {k: getattr(cfgs[0], k) for k in ("page_size", "kv_dtype", "dtype")}  # _config's
     differ = [f"{k} {getattr(config, k)}" for k, v in fixed.items() if getattr(config, k) != v]
     if differ:  # said, not silently replaced: the suite times a real model at one setting
