@@ -383,6 +383,8 @@ def config_source(path: str | Path | None) -> Path | Traversable:
     shipped = shipped_configs()
     if path is None:
         return shipped["default"]
+    if not str(path).strip():  # Path("") is "." (reported as a directory)
+        raise ConfigError("--config is empty; give a YAML path or a shipped config name")
     p = Path(path)
     try:
         if p.is_dir():
@@ -394,10 +396,11 @@ def config_source(path: str | Path | None) -> Path | Traversable:
     except OSError as e:  # a name too long for the file system
         raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
     name = p.name[:-5] if p.name.endswith(".yaml") else p.name
-    if p.parent == Path(".") and name in shipped:
+    # a bare name only: Path("./default") is Path("default"), but "./" asked for a file
+    if os.path.dirname(str(path)) == "" and name in shipped:
         return shipped[name]
     raise ConfigError(
-        f"{p}: no such config file; give a YAML path or a shipped config: {sorted(shipped)}"
+        f"{path}: no such config file; give a YAML path or a shipped config: {sorted(shipped)}"
     )
 
 

@@ -41,6 +41,10 @@ def test_config_argument_takes_a_path_or_a_shipped_name(tmp_path: Path) -> None:
         load_config(tmp_path)
     with pytest.raises(ConfigError, match=r"default: no such config file"):
         load_config(tmp_path / "default")  # a shipped name only without a folder
+    with pytest.raises(ConfigError, match=r"^\./default: no such config file"):
+        load_config("./default")  # "./" asks for a file (it loaded the shipped default)
+    with pytest.raises(ConfigError, match=r"--config is empty"):
+        load_config("")  # it was reported as "."'s being a directory
 
 
 def test_auto_on_a_cpu_never_picks_an_interpreted_backend(monkeypatch: pytest.MonkeyPatch) -> None:
