@@ -62,7 +62,10 @@ def _string_number_hint(value: object, integer: bool = False) -> str:
         return ""
     if not math.isfinite(number):
         return ""
-    loaded = yaml.safe_load(value)
+    try:  # as the config's own loader reads it: "020" unquoted is refused there too
+        loaded = yaml.load(value, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError:
+        loaded = value
     if integer:
         if isinstance(loaded, int) and not isinstance(loaded, bool):
             return "; write the number without quotes"
@@ -295,10 +298,7 @@ class Config:
                 f"indexer_topk={self.indexer_topk!r} is not one of {list(TOPK_PATHS)}"
             )
         _check_str("device", self.device, "auto, cpu, cuda, cuda:N")
-        # torch refuses a leading zero ("cuda:01") and an index past int64: a traceback later
-        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(
-            r"cuda:(0|[1-9]\d{0,8})", self.device
-        ):
+        if self.device not in ("auto", "cpu", "cuda") and not _cuda_index(self.device):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
     @property
@@ -314,6 +314,13 @@ class Config:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def _cuda_index(device: str) -> bool:
+    """Whether `device` is cuda:N as torch keeps it. Hazard: torch refuses "cuda:01" (a
+    traceback later) and keeps an index in 8 bits: "cuda:256" is cuda:0, silently."""
+    m = re.fullmatch(r"cuda:(0|[1-9]\d{0,2})", device)
+    return m is not None and torch.device(device).index == int(m[1])
 
 
 def _unknown_keys(raw: dict[Any, Any], allowed: set[str]) -> list[Any]:
@@ -423,19 +430,31 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep)
 
-    def construct_decimal_int(self, node: yaml.ScalarNode) -> int:
-        """Hazard: YAML 1.1 reads `020` as 16, `0b11` as 3 and `1:00` as 60, silently."""
-        value = self.construct_yaml_int(node)
-        digits = str(self.construct_scalar(node)).replace("_", "").lstrip("+-")
-        if ":" in digits or (len(digits) > 1 and digits[0] == "0"):
+    def _refuse_surprise(self, node: yaml.ScalarNode, value: object) -> None:
+        """Hazard: YAML 1.1 reads `020` as 16 (octal), `0b11` as 3 and `1:00` / `1:30.0` as
+        60 / 90.0 (base 60), silently. Hex (`0x40`) says what it is and stays."""
+        text = str(node.value).replace("_", "").lstrip("+-")
+        if ":" in text or re.fullmatch(r"0[0-9]+|0b[01]+", text):
             raise yaml.constructor.ConstructorError(
                 None, None, f"{node.value} is read as {value} in YAML 1.1: write it in decimal",
                 node.start_mark,
             )  # fmt: skip
+
+    def construct_decimal_int(self, node: yaml.ScalarNode) -> int:
+        value = self.construct_yaml_int(node)
+        self._refuse_surprise(node, value)
+        return value
+
+    def construct_decimal_float(self, node: yaml.ScalarNode) -> float:
+        value = self.construct_yaml_float(node)
+        self._refuse_surprise(node, value)
         return value
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_decimal_int)
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:float", _UniqueKeyLoader.construct_decimal_float
+)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -66,6 +66,11 @@ def test_model_mapping_overrides_a_named_base(tmp_path: Path) -> None:
     assert cfg.model.softmax_scale == DEEPSEEK_V3.softmax_scale
 
 
+def test_hex_integers_load(tmp_path: Path) -> None:
+    """YAML 1.1's octal / binary / base-60 numbers are refused; hex says what it is."""
+    assert load_config(_write(tmp_path, "page_size: 0x40\ndevice: cpu\n")).page_size == 64
+
+
 def test_a_yaml_merge_key_is_overridden_not_a_key_given_twice(tmp_path: Path) -> None:
     text = "model:\n  <<: {base: tiny, num_heads: 8}\n  num_heads: 2\ndevice: cpu\n"
     assert load_config(_write(tmp_path, text)).model.num_heads == 2
@@ -101,6 +106,7 @@ def test_a_yaml_merge_key_is_overridden_not_a_key_given_twice(tmp_path: Path) ->
         ("device: 'cuda:-1'\n", r"device='cuda:-1' is not one of auto, cpu, cuda, cuda:N"),
         ("device: 'cuda:x'\n", r"device='cuda:x' is not one of"),
         ("device: 'cuda:01'\n", r"device='cuda:01' is not one of"),  # torch's traceback later
+        ("device: 'cuda:256'\n", r"device='cuda:256' is not one of"),  # torch keeps 8 bits: 0
         # the softmax scale was 0 (attention a plain mean of the values), and verify agreed
         ("model: {base: tiny, mscale_all_dim: -7.2}\n", r"model.mscale_all_dim must be >= 0"),
         (
@@ -111,6 +117,8 @@ def test_a_yaml_merge_key_is_overridden_not_a_key_given_twice(tmp_path: Path) ->
         ("page_size: 020\n", r"line 1, column 12: 020 is read as 16 in YAML 1.1: write it in"),
         ("num_pages: 0b11\n", r"0b11 is read as 3 in YAML 1.1"),
         ("num_layers: 1:00\n", r"1:00 is read as 60 in YAML 1.1"),
+        ("model: {rope_scaling_factor: 1:30.0}\n", r"1:30.0 is read as 90.0 in YAML 1.1"),
+        ("page_size: '020'\n", r"got '020' \(str\); an integer key takes digits, e.g. 20$"),
         ("model: {rope_scaling_factor: .nan}\n", r"model.rope_scaling_factor must be a finite"),
         ("model: {mscale_all_dim: .inf}\n", r"model.mscale_all_dim must be a finite number"),
         ("model: {mscale_all_dim: 1" + "0" * 400 + "}\n", r"model.mscale_all_dim must be a finite"),
