@@ -199,7 +199,8 @@ def _require_model_fits(raw: dict, dev: torch.device, options: str) -> None:
     """UsageError unless the random model (built in fp32, then cast to bf16) fits the memory
     free on `dev`. Hazard: Linux overcommits, so a host build too large was killed for memory
     with no message (`out_of_memory` never saw an error)."""
-    need = DeepseekV3Config.from_hf(raw).mlp_parameters() * (4 + 2)  # a floor: MLPs alone
+    # a floor: the MLPs' fp32 parameters alone (the cast to bf16 goes a tensor at a time)
+    need = DeepseekV3Config.from_hf(raw).mlp_parameters() * 4
     free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_host_bytes()
     if free is not None and need > free:
         raise UsageError(
