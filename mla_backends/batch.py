@@ -44,7 +44,10 @@ def as_ints(values: Sequence[int], name: str) -> list[int]:
 def as_int(value: int, name: str) -> int:
     """One `as_ints` value. Hazard: a bool row (numpy's `a[True] = x` sets every entry) or a
     float (found in a dict by its hash, then refused by numpy half-way) rewrote host state."""
-    return as_ints([value], name)[0]
+    try:
+        return as_ints([value], name)[0]
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
 _CPU = torch.device("cpu")

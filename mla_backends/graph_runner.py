@@ -56,7 +56,7 @@ class CudaGraphRunner:
         batch_sizes = as_ints(batch_sizes, "batch_sizes")  # before anything is allocated
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"CudaGraphRunner: batch sizes must be >= 1, got {list(batch_sizes)}")
-        q_len = as_int(q_len, "q_len")  # a torch bool once passed as 1
+        q_len = as_int(q_len, "CudaGraphRunner: q_len")  # a torch bool once passed as 1
         if q_len < 1:
             raise ValueError(f"CudaGraphRunner: q_len must be >= 1, got {q_len!r}")
         self.backend, self.forward, self.q_len = backend, forward, q_len

@@ -415,7 +415,7 @@ class ReqToTokenPool:
         return len(self._free_rows)
 
     def alloc(self, n: int = 1) -> list[int]:
-        if isinstance(n, bool) or operator.index(n) < 0:  # numpy / torch integers work too
+        if is_bool(n) or operator.index(n) < 0:  # numpy / torch integers work too
             raise ValueError(f"ReqToTokenPool: request rows to allocate must be >= 0, got {n!r}")
         n = operator.index(n)
         if n > len(self._free_rows):

@@ -311,7 +311,7 @@ def test_free_and_truncate_refuse_a_row_that_is_not_an_integer(bad: object) -> N
             calls.append((table.free, (bad,)))
         for fn, args in calls:
             before = _host_state(table, alloc)
-            with pytest.raises(TypeError, match=r"row must be integers"):
+            with pytest.raises(TypeError, match=r"row must be an integer"):
                 fn(*args)
             assert _host_state(table, alloc) == before, (name, fn.__name__)
 
@@ -338,7 +338,7 @@ def test_truncate_takes_an_integer_length() -> None:
     for name, table, alloc in _allocators():
         for bad in (True, torch.tensor(True), 3.0):
             before = _host_state(table, alloc)
-            with pytest.raises(TypeError, match=r"new_len must be integers"):
+            with pytest.raises(TypeError, match=r"new_len must be an integer"):
                 alloc.truncate(2, bad)  # type: ignore[attr-defined]
             assert _host_state(table, alloc) == before, name
         alloc.truncate(2, torch.tensor(17))  # type: ignore[attr-defined]

@@ -215,6 +215,8 @@ def test_engine_step_checks_ids_and_rolls_back_a_failed_step(hf_checkpoint, monk
     vocab = model.cfg.vocab_size
     with pytest.raises(ValueError, match=rf"token ids \[{vocab}\] are outside the vocabulary"):
         eng.extend(rows, [[4, vocab], [5]])
+    with pytest.raises(ValueError, match=r"token ids \[tensor\(True\)\] are outside"):
+        eng.extend(rows, [[torch.tensor(True)], [5]])  # it ran as token 1
     assert [eng.rt.allocator.seq_len(r) for r in rows] == [2, 1]
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -188,7 +188,7 @@ def test_replay_checks_its_inputs_and_slices_every_output() -> None:
     with pytest.raises(ValueError, match="q_len must be >= 1, got 0"):
         _cpu_runner(q_len=0)
     for q_len in (torch.tensor(True), 2.0):  # a torch bool was taken as q_len 1
-        with pytest.raises(TypeError, match="q_len must be integers"):
+        with pytest.raises(TypeError, match="CudaGraphRunner: q_len must be an integer"):
             _cpu_runner(q_len=q_len)  # type: ignore[arg-type]
 
 

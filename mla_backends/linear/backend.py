@@ -223,7 +223,9 @@ class LinearAttentionBackend:
         layer = self.pool.check_layer(layer)
         _, _, channels, kept = self.pool.conv.shape
         t = max(batch.num_draft_tokens, 1)
-        check_tensor("windows", windows, (batch.batch_size, channels, kept + t))
+        check_tensor(
+            "windows", windows, (batch.batch_size, channels, kept + t), None, self.pool.conv.device
+        )
         self._verify_conv[layer, self._stage_key(batch.batch_size)] = windows
 
     def accept(self, num_accepted: torch.Tensor) -> None:

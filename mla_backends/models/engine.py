@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from mla_backends.backends.protocol import AttentionBackend
-from mla_backends.batch import ForwardBatch, ForwardMode, as_int, as_ints
+from mla_backends.batch import ForwardBatch, ForwardMode, as_int, as_ints, is_bool
 from mla_backends.config import MLADims
 from mla_backends.graph_runner import CudaGraphRunner, InputSpec
 from mla_backends.runtime import Runtime
@@ -190,7 +190,7 @@ class Engine:
         self._refuse_unknown(rows)
         vocab: int = cast(Any, self.model).cfg.vocab_size  # every model here keeps a cfg
         flat = [t for ts in tokens for t in ts]
-        bad = [t for t in flat if isinstance(t, bool) or not 0 <= operator.index(t) < vocab]
+        bad = [t for t in flat if is_bool(t) or not 0 <= operator.index(t) < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
         lens = [len(t) for t in tokens]

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
+from mla_backends.batch import is_bool
 from mla_backends.checks import unit_stride
 from mla_backends.kernels.common import interpreting
 
@@ -471,7 +472,7 @@ def topk_slots(
         )
     if path not in ("auto", "launches", "fused"):
         raise ValueError(f"topk_slots: path must be auto, launches or fused, got {path!r}")
-    if isinstance(k, bool) or not hasattr(k, "__index__") or operator.index(k) < 1:
+    if is_bool(k) or not hasattr(k, "__index__") or operator.index(k) < 1:
         raise ValueError(f"topk_slots: k must be an integer >= 1, got {k!r}")
     k = operator.index(k)
     t, width = logits.shape
