@@ -4,8 +4,9 @@ ceilings measured at the start of the same run (CUDA-event medians, random data)
 - grid (default): the config's backends (or --backends) over a grid of heads x q_len x batch
   x kv_len: decode / verify calls, whole decode steps eager vs one CUDA graph (--graphs), raw
   peers (--raw), one MHA-mode prefill (--prefill-tokens); table, grid.json, roofline.png;
-- anchors: the decode table of ANCHORS.md (DeepSeek-V3 dims, page 64, bf16) against raw
-  FlashMLA / FlashInfer fa3 (--peers), then the MHA-mode prefill table; anchors.json;
+- anchors: the decode shapes of the project's reference table (anchors.ANCHOR_SHAPES;
+  DeepSeek-V3 dims, page 64, bf16) against raw FlashMLA / FlashInfer fa3 (--peers), then the
+  MHA-mode prefill table; anchors.json;
 - prefill: MHA-mode prefill of one causal request vs torch SDPA and raw FlashInfer;
   prefill.json;
 - stack: real-size DeepSeek-V3 layers decoding through each backend, eager vs whole-model

@@ -98,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shapes",
         type=shape_list,
         help=f"anchors: H:q:B:kv comma list (default: the {len(anchors.ANCHOR_SHAPES)} shapes of "
-        "ANCHORS.md); hopper: replaces the part's shapes",
+        "the project's reference table, anchors.ANCHOR_SHAPES); hopper: replaces the part's "
+        "shapes",
     )
     p.add_argument(
         "--quick",
