@@ -285,6 +285,29 @@ def test_runner_defaults_to_a_dispatch_backends_device() -> None:
     assert runner.replay(batch, inputs).shape[0] == 3
 
 
+def test_padded_rows_go_back_to_row_zero_after_a_larger_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Padded rows name request row 0 on every replay, not only after capture (whose static
+    rows were still zeros): a replay of 4 real requests, then one of 2, must not leave rows
+    2..3 naming the first batch's requests, whose recurrent states a hybrid model's padded
+    rows would then write (mutation testing, helper 73)."""
+    stream, runner = _cpu_runner(sizes=(4,))
+    be = runner.backend
+    seen: list[torch.Tensor] = []
+    orig = be.init_forward_metadata_replay
+
+    def spy(b: ForwardBatch) -> None:
+        seen.append(b.req_pool_indices.clone())
+        orig(b)
+
+    monkeypatch.setattr(be, "init_forward_metadata_replay", spy)
+    runner.capture()
+    runner.replay(*stream.step(4))
+    runner.replay(*stream.step(2))
+    assert (seen[0] != 0).all() and (seen[-1][2:] == 0).all(), [s.tolist() for s in seen]
+
+
 def test_padded_verify_rows_see_a_key_for_every_query(monkeypatch: pytest.MonkeyPatch) -> None:
     """A q_len-3 runner padding 2 real requests to 4, and its capture (all padding): padded
     rows carried the decode fill (seq_len 1) under 3 queries, so their first two queries saw
@@ -312,6 +335,7 @@ def test_padded_verify_rows_see_a_key_for_every_query(monkeypatch: pytest.Monkey
     runner.replay(batch, inputs)
     assert [n for n, _ in seen] == [0, 2]
     fill, width = be.cuda_graph_seq_len_fill_value, be.req_to_token.shape[1]
+    assert fill >= 1  # checked against fill alone, a fill of 0 passed (helper 73's mutant)
     for n, b in seen:
         seq, pre = b.seq_lens[n:], b.extend_prefix_lens[n:]
         assert (b.req_pool_indices[n:] == 0).all() and (b.out_cache_loc[n * 3 :] == 0).all()

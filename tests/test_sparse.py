@@ -628,6 +628,29 @@ def test_triton_sparse_backend_matches_reference(case: SparseCase) -> None:
 
 
 @pytest.mark.interp
+@pytest.mark.interp
+def test_triton_sparse_kernel_reads_slot_zero_as_a_row() -> None:
+    """The kernel's contract is "int32 slots, -1 unused": slot 0 is a row like any other (the
+    pool keeps it as the dummy page; every harness built its indices from request pages, so
+    a kernel that took 0 as unused passed; mutation testing, helper 73)."""
+    from mla_backends.sparse.triton_kernel import sparse_mla
+
+    torch.manual_seed(0)
+    t, h, lat, r, k, slots = 2, 16, 32, 16, 16, 8
+    kv = torch.randn(slots, lat + r)
+    qn, qr = torch.randn(t, h, lat), torch.randn(t, h, r)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    idx[0, :3] = torch.tensor([0, 3, 5])
+    idx[1, :2] = torch.tensor([1, 0])
+    out, lse = torch.empty(t, h, lat), torch.empty(t, h)
+    sparse_mla(qn, qr, kv, idx, 0.2, 1.0, 1, out, lse, block_m=16, block_n=16, dot_f32=True)
+    valid = idx >= 0
+    rows = torch.where(valid[..., None], kv[idx.clamp(min=0).long()], 0.0)
+    ref_o, ref_lse = sparse_attention(qn, qr, rows, valid, 0.2, torch.float32)
+    torch.testing.assert_close(out, ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_triton_sparse_exact_counts_and_contexts_shorter_than_topk() -> None:
     """Indexer-shaped rows (exactly min(topk, visible) valid) at every context around topk."""
     case = SparseCase("triton", "bfloat16", "bfloat16", kv_lens=(1, 31, 32, 33, 64), topk=32)

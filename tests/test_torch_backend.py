@@ -134,3 +134,26 @@ def test_extend_reads_no_device_value_back_per_request_or_layer() -> None:
         for _ in range(2):  # layers
             be.forward_absorbed(0, *args, batch, return_lse=True)
     assert Reads.count == 0
+
+
+def test_decode_ignores_nan_rows_behind_stale_table_entries() -> None:
+    """Table entries past a request's length are stale (a reused row keeps its old request's
+    slots, which may hold anything, NaN included). The parity pools point them at the dummy
+    slot, which a zero-length request's store makes finite again, so the backend's zeroing of
+    rows past the length went untested: without it, a masked score times a NaN row is NaN in
+    P @ V (mutation testing, helper 73)."""
+    torch.manual_seed(0)
+    case = Case(mode=ForwardMode.DECODE, kv_lens=(3, 40, 17), dtype="float32", kv_dtype="float32")
+    rt, batch = build_case(case, torch.device("cpu"))
+    be, pool = rt.backend, rt.backend.pool
+    nan_slot = pool.num_slots - 1
+    pool.kv_buffer[0][nan_slot] = float("nan")
+    for row, n in zip(batch.rows_host, batch.seq_lens_cpu.tolist()):
+        be.req_to_token[row, n:] = nan_slot
+    h, lat, r = case.num_heads, case.dims.kv_lora_rank, case.dims.qk_rope_head_dim
+    be.init_forward_metadata(batch)
+    out, lse = be.forward_absorbed(
+        0, torch.randn(3, h, lat), torch.randn(3, h, r), torch.randn(3, lat), torch.randn(3, r),
+        batch, return_lse=True,
+    )  # fmt: skip
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
