@@ -204,3 +204,24 @@ def test_vendor_kernels_refuse_a_query_of_another_dtype(
     with pytest.raises(ShapeError, match=r"q_nope: expected dtype in \['torch.bfloat16'\]"):
         rt.backend.forward_absorbed(0, *q, *k, batch)
     assert torch.equal(rt.kv_pool.kv_buffer[0].view(torch.int16), before)
+
+
+def test_flashmla_schedule_counts_q_len_times_heads_rows() -> None:
+    """FlashMLA's metadata takes q_len x H query rows a KV head. The dense backend has no CPU
+    emulation, so H alone survived every CPU test (helper 75)."""
+    from types import SimpleNamespace
+
+    from mla_backends.backends.flashmla import FlashMLABackend
+
+    calls: list[tuple[list[int], int, int]] = []
+
+    def meta(lens: torch.Tensor, rows: int, heads_k: int) -> tuple[None, None]:
+        calls.append((lens.tolist(), rows, heads_k))
+        return None, None
+
+    be = FlashMLABackend.__new__(FlashMLABackend)
+    be._fm = SimpleNamespace(get_mla_metadata=meta)
+    be.dims = SimpleNamespace(num_heads=16)
+    be._schedule(torch.tensor([7, 9], dtype=torch.int32), 3)
+    be._schedule(torch.tensor([7, 9], dtype=torch.int32), 1)
+    assert calls == [([7, 9], 48, 1), ([7, 9], 16, 1)]

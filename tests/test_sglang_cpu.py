@@ -1044,3 +1044,34 @@ def test_graph_refill_recorded_in_graph(on_device: bool, monkeypatch: pytest.Mon
     if on_device:  # replay of a size never captured: a clear error, not stale metadata
         with pytest.raises(RuntimeError, match="no graph captured for batch size 3"):
             adapter.init_forward_metadata_out_graph(_graph_view(fb, 3, 1, ForwardMode.DECODE))
+
+
+def test_graph_replay_padding_writes_the_dummy_slot_after_a_fuller_replay() -> None:
+    """Padded rows write the dummy slot on every replay: the replay test captured with zero
+    slots, so the static buffer was zero anyway; after a replay with more live requests the
+    padding kept their real slots and would overwrite their KV (helper 75)."""
+    from mla_backends.integrations.sglang.batches import GraphBuffers
+
+    bufs = GraphBuffers.allocate(4, 4, torch.device("cpu"))
+
+    def view(live: list[int]) -> SimpleNamespace:
+        n, pad = len(live), 4 - len(live)
+        rows = list(range(1, n + 1)) + [0] * pad
+        lens = [10 + i for i in range(n)] + [1] * pad
+        return SimpleNamespace(
+            batch_size=4,
+            forward_mode=ForwardMode.DECODE,
+            input_ids=torch.zeros(4, dtype=torch.int64),
+            positions=torch.zeros(4, dtype=torch.int64),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+            seq_lens=torch.tensor(lens, dtype=torch.int64),
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int64),
+            seq_lens_sum=None,
+            num_padding=pad,
+            out_cache_loc=torch.tensor(live, dtype=torch.int64),
+            spec_info=None,
+        )
+
+    bufs.load(view([33, 34, 35, 36]))  # every row live: real slots fill the buffer
+    b = bufs.load(view([40, 41]))  # 2 live + 2 padded
+    assert b.out_cache_loc.tolist() == [40, 41, 0, 0]

@@ -1279,3 +1279,48 @@ def test_dsa_build_refuses_a_dense_backend_beside_fp8_rows() -> None:
     with pytest.raises(ValueError, match="fp8_rows=True keeps the latent rows in their own"):
         DSABackend.build(rt, idims, "torch", fp8_rows=True, dense=rt.backend)
     assert DSABackend.build(rt, idims, "torch", fp8_rows=True).dense is None
+
+
+def test_indexer_head_weights_carry_both_scale_factors() -> None:
+    """A factor lost from the head weights' scale survived the suite: torch and the kernels
+    share the constant, and a positive factor on every logit keeps the top-k (helper 75)."""
+    from mla_backends.sparse.index_k import IndexerDims, prepare_q
+
+    assert IndexerDims().weight_scale == pytest.approx(64**-0.5 * 128**-0.5, rel=1e-12)
+    d = IndexerDims(n_heads=4, head_dim=16, rope_dim=8, topk=4, quantized=False)
+    gen = torch.Generator().manual_seed(0)
+    q, w = torch.randn(3, 4, 16, generator=gen), torch.randn(3, 4, generator=gen)
+    cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+    _, wp = prepare_q(d, q, w, cos, sin)
+    torch.testing.assert_close(wp, w * (4**-0.5 * 16**-0.5), rtol=1e-6, atol=0)
+
+
+def test_flashmla_fp8_schedule_gives_empty_rows_length_one() -> None:
+    """FlashMLA's FP8 decode metadata gets length 1 for a row with no selected key (the
+    clamp the real kernel needs): the emulation takes length 0 as well, so the suite could
+    not see the clamp dropped (helper 75)."""
+    from mla_backends.sparse.emulation import FlashMLAEmulation
+    from mla_backends.sparse.flashmla import FlashMLASparseBackend
+
+    seen: list[list[int]] = []
+    fm = FlashMLAEmulation()
+    real = fm.get_mla_metadata
+
+    def spy(**kw):  # type: ignore[no-untyped-def]
+        seen.append(kw["cache_seqlens"].tolist())
+        return real(**kw)
+
+    fm.get_mla_metadata = spy  # type: ignore[method-assign]
+    be = FlashMLASparseBackend.__new__(FlashMLASparseBackend)
+    be._fm, be._hp, be.topk = fm, 64, 128
+    seqlens, _, splits = be._schedule(torch.tensor([0, 5, 128, 0], dtype=torch.int32))
+    assert seqlens.tolist() == [1, 5, 128, 1]
+    assert seen == [[1, 5, 128, 1]] and splits.numel() == 5
+
+
+def test_flashmla_sparse_pads_heads_to_the_smallest_kernel_width() -> None:
+    """64 heads padded to 128 gave the same output (the zero heads sliced off) at twice the
+    kernel's query rows; no contract case runs 64 heads (helper 75)."""
+    from mla_backends.sparse.flashmla import padded_heads
+
+    assert [padded_heads(h) for h in (1, 16, 63, 64, 65, 128)] == [64, 64, 64, 64, 128, 128]
