@@ -195,12 +195,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _require_model_fits(raw: dict, dev: torch.device, options: str) -> None:
+def _require_model_fits(c: DeepseekV3Config, dev: torch.device, options: str) -> None:
     """UsageError unless the random model (built in fp32, then cast to bf16) fits the memory
     free on `dev`. Hazard: Linux overcommits, so a host build too large was killed for memory
     with no message (`out_of_memory` never saw an error)."""
     # a floor: the MLPs' fp32 parameters alone (the cast to bf16 goes a tensor at a time)
-    need = DeepseekV3Config.from_hf(raw).mlp_parameters() * 4
+    need = c.mlp_parameters() * 4
     free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_host_bytes()
     if free is not None and need > free:
         raise UsageError(
@@ -217,13 +217,12 @@ def run(opts: Options, config: Config) -> None:
     prompt, steps, layers = pick(opts.prompt, 1024), pick(opts.steps, 20), pick(opts.layers, 4)
     size = pick(opts.stack_size, "real")
     raw = dict(SIZES[size], num_hidden_layers=layers)
-    cfgs = [
-        _config(DeepseekV3Config.from_hf(raw), be, batches, prompt, steps, dev) for be in backends
-    ]
+    model_cfg = DeepseekV3Config.from_hf(raw)
+    cfgs = [_config(model_cfg, be, batches, prompt, steps, dev) for be in backends]
     for cfg in cfgs:  # before the model is built: a backend that cannot run here is one line
         require_runs(cfg.decode_backend, cfg, cap, "decode")
         require_runs(cfg.prefill_backend, cfg, cap, "prefill")
-    _require_model_fits(raw, dev, f"--layers {layers}, --stack-size {size}")
+    _require_model_fits(model_cfg, dev, f"--layers {layers}, --stack-size {size}")
     fixed = {k: getattr(cfgs[0], k) for k in ("page_size", "kv_dtype", "dtype")}  # _config's
     differ = [f"{k} {getattr(config, k)}" for k, v in fixed.items() if getattr(config, k) != v]
     if differ:  # said, not silently replaced: the suite times a real model at one setting
