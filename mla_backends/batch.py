@@ -273,6 +273,13 @@ class ForwardBatch:
         return self.out_cache_loc.numel()
 
     @property
+    def q_len(self) -> int:
+        """Query tokens of every request in DECODE (1) and TARGET_VERIFY (`num_draft_tokens`):
+        what decode kernels, graph runners and the linear layers size from. `check` holds
+        `extend_seq_lens_cpu` to it. Not defined for EXTEND, whose requests differ."""
+        return max(self.num_draft_tokens, 1)
+
+    @property
     def has_prefix(self) -> bool:
         return bool(self.extend_prefix_lens_cpu.numel()) and bool(
             (self.extend_prefix_lens_cpu > 0).any()

@@ -186,10 +186,10 @@ class CudaGraphRunner:
     ) -> torch.Tensor:
         """Run `batch` (n real requests) on the captured graph of the next size; returns the
         real tokens' outputs (a view of the static output, valid until the next replay)."""
-        if batch.mode is not self.mode or max(batch.num_draft_tokens, 1) != self.q_len:
+        if batch.mode is not self.mode or batch.q_len != self.q_len:
             raise ValueError(
                 f"runner captured {self.mode.name} q_len={self.q_len}, got "
-                f"{batch.mode.name} q_len={max(batch.num_draft_tokens, 1)}"
+                f"{batch.mode.name} q_len={batch.q_len}"
             )
         if not self._graphs:
             raise RuntimeError("capture() first")

@@ -70,6 +70,13 @@ def test_batch_build_rejects_inconsistent_modes() -> None:
         ForwardBatch.build(ForwardMode.EXTEND, [1, 2], [0, 0], [2, 2], loc, "cpu")
 
 
+def test_batch_q_len_is_one_in_decode_and_the_draft_count_in_verify() -> None:
+    loc = torch.zeros(6, dtype=torch.int64)
+    decode = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [4, 4], [1, 1], loc[:2], "cpu")
+    verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [1, 2], [4, 4], [3, 3], loc, "cpu")
+    assert (decode.q_len, verify.q_len) == (1, 3)
+
+
 def test_metadata_must_be_built_first(setup) -> None:  # type: ignore[no-untyped-def]
     rt, batch = setup
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):

@@ -62,7 +62,7 @@ class PageTableBackend(GraphCapable[PageTableMetadata, PageTableGraphState]):
                 f"{self.name} serves DECODE and TARGET_VERIFY only, got {batch.mode.name}; "
                 "EXTEND batches go to the configured prefill backend"
             )
-        return max(batch.num_draft_tokens, 1)
+        return batch.q_len
 
     def _table(self, batch: ForwardBatch, width: int, out: torch.Tensor | None) -> torch.Tensor:
         return build_page_table(

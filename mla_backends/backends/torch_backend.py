@@ -76,7 +76,7 @@ class TorchBackend(GraphCapable[TorchMetadata, TorchGraphState]):
     def _bind_graph(
         self, batch: ForwardBatch, state: TorchGraphState, capture: bool
     ) -> TorchMetadata:
-        key = (batch.batch_size, max(batch.num_draft_tokens, 1))
+        key = (batch.batch_size, batch.q_len)
         new = build_torch_metadata(self.req_to_token, batch, key[1], state.kv_max)
         if capture:  # the tensors built now are the ones the graph reads
             state.captured[key] = new

@@ -187,7 +187,7 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
     def _bind_graph(
         self, batch: ForwardBatch, state: TritonGraphState, capture: bool
     ) -> TritonMetadata:
-        bs, max_q = batch.batch_size, max(batch.num_draft_tokens, 1)
+        bs, max_q = batch.batch_size, batch.q_len
         key = (bs, max_q)
         if capture:
             # Rows a program and splits are fixed per captured size, for the longest context

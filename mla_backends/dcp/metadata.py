@@ -71,7 +71,7 @@ def rows_metadata(
     place into `static` (a graph refill is then ~7 launches, not ~27: the ops are the cost
     of a decode step's host side on a rank)."""
     b = batch.batch_size
-    q = 1 if batch.mode is ForwardMode.DECODE else batch.num_draft_tokens
+    q = batch.q_len
     t, n, c = b * q, layout.size, layout.size - 1 - layout.rank
     dev = batch.seq_lens.device
     if static is None:

@@ -120,7 +120,7 @@ class LinearAttentionBackend:
 
     def _graph_key(self, batch_size: int) -> tuple[int, int]:
         assert self._batch is not None
-        return batch_size, max(self._batch.num_draft_tokens, 1)
+        return batch_size, self._batch.q_len
 
     def _stage_key(self, batch_size: int) -> tuple[int, int] | None:
         """Where a verify run by Python stages: the captured graph's key while capturing,
@@ -201,7 +201,7 @@ class LinearAttentionBackend:
         """T draft tokens per request, all requests at once, step by step (the same maths as
         decode, fp32, on every device): outputs, and the state after every token staged for
         `accept`. The pool is not written."""
-        b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
+        b, t = batch.batch_size, batch.q_len
         s = self.pool.recurrent[layer][batch.req_pool_indices.long()]  # [B, H, K, V] copy
         q, k, v, g, beta = (x.view(b, t, *x.shape[1:]) for x in (q, k, v, g, beta))
         outs, states = [], []
@@ -222,7 +222,7 @@ class LinearAttentionBackend:
         # gather after the recurrent states were written (half a request accepted)
         layer = self.pool.check_layer(layer)
         _, _, channels, kept = self.pool.conv.shape
-        t = max(batch.num_draft_tokens, 1)
+        t = batch.q_len
         check_tensor(
             "windows", windows, (batch.batch_size, channels, kept + t), None, self.pool.conv.device
         )
@@ -246,7 +246,7 @@ class LinearAttentionBackend:
             raise TypeError(f"num_accepted: expected an int32 / int64 tensor, got {got}")
         rows = batch.req_pool_indices.long()
         n = num_accepted.to(device=rows.device, dtype=torch.long)
-        b, t = rows.numel(), max(batch.num_draft_tokens, 1)
+        b, t = rows.numel(), batch.q_len
         if n.shape != (b,):
             raise ValueError(
                 f"num_accepted: expected shape [{b}] (a count for every row of the verify batch; "

@@ -185,7 +185,7 @@ class KDALayer(nn.Module):
                 f"{list(st.conv.shape[1:])}, layer {self.layer_id} needs {list(want)}"
             )
         if batch.mode is ForwardMode.TARGET_VERIFY:  # T drafts each, the state kept aside
-            b, t = batch.batch_size, max(batch.num_draft_tokens, 1)
+            b, t = batch.batch_size, batch.q_len
             rows = batch.req_pool_indices.long()
             win = torch.cat([st.conv[rows].to(x.dtype), x.view(b, t, x.shape[-1]).mT], dim=2)
             st.stage_verify_conv(win)  # [B, C, W - 1 + T]
