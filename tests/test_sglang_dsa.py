@@ -135,6 +135,38 @@ def test_bad_inputs_refused_with_a_reason() -> None:
         dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 48, idx, 0.1)
 
 
+def test_hook_runs_eagerly_inside_a_compiled_model(
+    hooks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--enable-torch-compile`: SGLang's `dsa` backend calls the hook inside the model's
+    compiled forward; our kernel launch must run eagerly there, never traced by Dynamo (the
+    adapter's twin: tests/test_sglang_torch_compile.py)."""
+    from mla_backends.sparse import triton_kernel
+
+    traced: list[bool] = []
+
+    def attend(q_nope: torch.Tensor, *args: object) -> tuple[torch.Tensor, None]:
+        traced.append(torch.compiler.is_compiling())
+        return q_nope * 2, None
+
+    monkeypatch.setattr(triton_kernel, "attend", attend)
+    monkeypatch.setenv(dsa.ENV, "triton")
+    dsa.register_hook()
+    HookRegistry.apply_hooks()
+    backend = object.__new__(DeepseekSparseAttnBackend)
+    q_all, pool = torch.randn(2, 16, 48), torch.randn(8, 1, 48)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+
+    def layer(q: torch.Tensor) -> torch.Tensor:
+        return backend._forward_flashmla_sparse(q + 1, pool, 32, idx, 0.1, None) - 1
+
+    torch._dynamo.reset()
+    got = torch.compile(layer, backend="aot_eager")(q_all)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, (q_all[..., :32] + 1) * 2 - 1)
+    assert traced == [False], f"Dynamo traced our sparse call ({traced})"
+
+
 def test_auto_wraps_sglangs_call(hooks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """`MLAB_DSA_SPARSE=auto` wraps SGLang's method (HookType.AROUND): SGLang's own call
     still runs for calls above `auto_rows` query rows."""

@@ -243,6 +243,16 @@ class MLABackendAdapter(AttentionBackend):
             f"{d.v_head_dim}) shape"
         )
 
+    # Hazard (--enable-torch-compile): SGLang wraps the model's forward in torch.compile for
+    # the decode graphs' small batch sizes (torch_compile_decoration.patch_model), and
+    # RadixAttention calls the backend inside that trace. Traced by Dynamo, our forward
+    # path (Triton / Gluon launches with TMA descriptors and PDL, FlashInfer / FlashMLA
+    # extension calls, host branches on CPU lengths, the Gluon launch's try/except that
+    # turns Gluon off for the process on any exception) is compiled code no test of ours
+    # ran; SGLang's own triton backend keeps its kernels out the same way
+    # (triton_backend.py, torch.compiler.disable). Run eagerly, it is recorded in the CUDA
+    # graph exactly as without the flag; the layers around it stay compiled.
+    forward_extend = torch.compiler.disable(forward_extend)
     forward_decode = forward_extend
 
     def _layer_index(self, layer: Any) -> int:

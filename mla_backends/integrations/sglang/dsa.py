@@ -119,6 +119,13 @@ def forward_sparse(
     return triton_kernel.attend(q_nope, q_rope, kv, indices, sm_scale, 1.0, launch)[0]
 
 
+# Hazard (--enable-torch-compile): SGLang compiles the model's forward for its small decode
+# graphs, and its `dsa` backend calls this inside that trace; Dynamo would trace our kernel
+# launches (Gluon's, with PDL and a try/except that turns Gluon off for the process). Run
+# eagerly, as the adapter's `forward_extend` is.
+forward_sparse = torch.compiler.disable(forward_sparse)
+
+
 def auto_sparse(
     original: Any,
     backend: Any,
