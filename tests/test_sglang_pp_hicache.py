@@ -1,0 +1,130 @@
+"""Pipeline parallelism and HiCache's layer-wise load with our names (sglang 0.5.17, CPU).
+
+- PP: a rank holds layers start_layer..end_layer-1; SGLang's MLATokenToKVPool indexes them
+  by layer_id - start_layer (memory_pool.py, get_key_buffer / set_mla_kv_buffer). Ours must
+  store into and read the same buffer SGLang does for every layer id, and refuse another
+  rank's layer.
+- HiCache: the device pool stays SGLang's (HiRadixCache builds MLATokenToKVPoolHost over it);
+  what a backend owes it is the per-layer wait (`layer_transfer_counter.wait_until(layer_id
+  - start_layer)`, through get_key_buffer) before the layer's first kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from sglang_cpu.env import load_sglang
+
+try:
+    load_sglang()
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.plugins import load_plugins
+except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+    pytest.skip(f"sglang unavailable: {' '.join(str(e).split())[:160]}", allow_module_level=True)
+
+import test_sglang_cpu as base  # noqa: E402
+
+from mla_backends.integrations.sglang.batches import BatchError  # noqa: E402
+from mla_backends.reference import absorbed  # noqa: E402
+from mla_backends.testing import TOLERANCES  # noqa: E402
+
+START = 4  # this rank: layers 4 and 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin() -> Any:
+    load_plugins()
+    undo = base.ks.use_torch_kv_writer()
+    yield
+    undo()
+
+
+class Counter:
+    """SGLang's LayerDoneCounter as the backend sees it: records the waits, and when."""
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def wait_until(self, threshold: int) -> None:
+        self.log.append(("wait", threshold))
+
+
+def _pp_adapter(backend: str) -> tuple[Any, Any]:
+    _, runner = base._adapter(backend, page=16, dims=base.SMALL)
+    old = runner.token_to_kv_pool
+    runner.token_to_kv_pool = MLATokenToKVPool(
+        old.size,
+        page_size=16,
+        dtype=old.dtype,
+        kv_lora_rank=old.kv_lora_rank,
+        qk_rope_head_dim=old.qk_rope_head_dim,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=START,
+        end_layer=START + 2,
+    )
+    return base.ATTENTION_BACKENDS[backend](runner), runner
+
+
+@pytest.mark.parametrize(
+    "backend", ["mlab_torch", pytest.param("mlab_triton", marks=pytest.mark.interp)]
+)
+def test_pp_rank_layers_and_hicache_waits(backend: str) -> None:
+    adapter, runner = _pp_adapter(backend)
+    pool, d = runner.token_to_kv_pool, adapter.dims
+    assert [adapter.binding.layer_index(i) for i in range(3, 7)] == [None, 0, 1, None]
+    log: list[Any] = []
+    pool.register_layer_transfer_counter(Counter(log))
+    inner = adapter.backend.forward_absorbed
+
+    def spy(layer: int, *args: Any, **kwargs: Any) -> Any:
+        log.append(("attend", layer))
+        return inner(layer, *args, **kwargs)
+
+    adapter.backend.forward_absorbed = spy
+    fb = base._extend_batch(runner, 16, (0, 7), (5, 2), seed=5)
+    t = sum(fb.extend_seq_lens_cpu)
+    r2t = runner.req_to_token_pool.req_to_token
+    gen = torch.Generator().manual_seed(1)
+    for b in pool.kv_buffer:  # each layer's prefix rows its own
+        b.fill_(float("nan"))
+        b[r2t[1, :7].long()] = torch.randn(7, 1, d.kv_dim, generator=gen).bfloat16()
+    atol, rtol, _ = TOLERANCES["bfloat16"]
+    for lid in (START, START + 1):
+        q_nope, q_rope = (
+            torch.randn(t, d.num_heads, w, generator=gen).bfloat16() for w in (32, 16)
+        )
+        k_nope, k_rope = (torch.randn(t, 1, w, generator=gen).bfloat16() for w in (32, 16))
+        layer = base._mqa_layer(adapter)
+        layer.layer_id = lid
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+            adapter.init_forward_metadata(fb)
+            out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope)
+        rows = pool.get_key_buffer(lid)  # SGLang's view of this layer
+        assert torch.equal(rows[fb.out_cache_loc, 0], torch.cat([k_nope, k_rope], -1)[:, 0])
+        want, s = [], 0
+        for i, (p, n) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            kv = rows[r2t[i, : p + n].long(), 0].double()
+            want.append(
+                absorbed(
+                    q_nope[s : s + n], q_rope[s : s + n], kv[:, :32], kv[:, 32:], d.softmax_scale
+                )[0]
+            )
+            s += n
+        got = out.view(t, d.num_heads, -1).double()
+        torch.testing.assert_close(got, torch.cat(want), atol=atol, rtol=rtol)
+    # every layer waited for its own load (local index), before its attention
+    waits = [e for e in log if e[0] == "wait"]
+    assert waits[:1] == [("wait", 0)] and ("wait", 1) in waits
+    assert log.index(("wait", 0)) < log.index(("attend", 0)) < log.index(("wait", 1))
+    assert log.index(("wait", 1)) < log.index(("attend", 1))
+    layer = base._mqa_layer(adapter)
+    layer.layer_id = START - 1  # the previous rank's layer
+    with forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        with pytest.raises(BatchError, match="layer 3 is outside this rank's KV pool layers"):
+            layer(q_nope, k_nope, k_nope, fb, q_rope=q_rope, k_rope=k_rope)
