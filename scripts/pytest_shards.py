@@ -14,8 +14,9 @@ tests a process of its own (autotuning of different kernels side by side). `--on
     python3 scripts/pytest_shards.py ... --ids-from FILE   (node ids, one a line: no collection)
 
 DIR gets shard-K.log / shard-K.xml (JUnit) per shard and summary.json: counts, failures with
-their first message line, each shard's wall time. Exit 1 if any test failed or errored or a
-shard ran out of time, 2 on a usage error.
+their first message line, each shard's wall time. A shard killed at the time limit writes no
+JUnit file: its counts come from its verbose log, and `stopped_in` names the test it was in.
+Exit 1 if any test failed or errored or a shard ran out of time, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Shard:
     seconds: float = 0.0
     returncode: int | None = None  # None: killed at the time limit
     counts: dict[str, int] = field(default_factory=dict)
+    stopped_in: str | None = None  # killed: the first of its tests with no outcome in its log
 
 
 def collect(selection: list[str], cwd: Path) -> list[str]:
@@ -82,6 +84,28 @@ def junit_counts(path: Path) -> tuple[dict[str, int], list[str]]:
     return counts, failures
 
 
+_LOG_WORDS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
+
+
+def log_counts(s: Shard, log: Path) -> tuple[dict[str, int], list[str]]:
+    """A killed shard's outcomes from its `-v` log ("node-id PASSED  [ 50%]" lines), and
+    `s.stopped_in` set: without this a shard killed in its last test reported none of those
+    before it (an early autotuning shard showed 0 of 4 passed, three of them had)."""
+    seen: dict[str, str] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in s.ids and parts[1] in _LOG_WORDS:
+            seen.setdefault(parts[0], _LOG_WORDS[parts[1]])
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for outcome in seen.values():
+        counts[outcome] += 1
+    s.stopped_in = next((i for i in s.ids if i not in seen), None)
+    failures = [
+        f"{i}: {o} (shard killed; see its log)" for i, o in seen.items() if o in OUTCOMES[1:3]
+    ]
+    return counts, failures
+
+
 def run_shards(shards: list[Shard], out: Path, cwd: Path, deadline: float) -> None:
     """Start every shard, then poll: each shard's own wall time; past the deadline the
     running ones are killed (returncode stays None)."""
@@ -89,7 +113,7 @@ def run_shards(shards: list[Shard], out: Path, cwd: Path, deadline: float) -> No
     running = {}
     for s in shards:
         log = (out / f"{s.name}.log").open("w")
-        cmd = [*PYTEST, "-q", "-rfEs", "--junitxml", str(out / f"{s.name}.xml"), *s.ids]
+        cmd = [*PYTEST, "-v", "-rfEs", "--junitxml", str(out / f"{s.name}.xml"), *s.ids]
         running[s.name] = (s, subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
     while running:
         for name, (s, p) in list(running.items()):
@@ -161,7 +185,10 @@ def main() -> int:
     total = dict.fromkeys(OUTCOMES, 0)
     failures: list[str] = []
     for s in shards:
-        s.counts, fails = junit_counts(args.out / f"{s.name}.xml")
+        if s.returncode is None:
+            s.counts, fails = log_counts(s, args.out / f"{s.name}.log")
+        else:
+            s.counts, fails = junit_counts(args.out / f"{s.name}.xml")
         failures += fails
         for k, v in s.counts.items():
             total[k] += v
@@ -172,6 +199,7 @@ def main() -> int:
         "not_reported": len(ids) - sum(total.values()),
         "failures": failures,
         "timed_out": timed_out,
+        "stopped_in": [s.stopped_in for s in shards if s.stopped_in],
         "wall_s": round(time.monotonic() - start, 1),
         "cwd": str(args.cwd),
         "selection": args.selection,
@@ -179,7 +207,11 @@ def main() -> int:
         "shards": [{k: v for k, v in asdict(s).items() if k != "ids"} for s in shards],
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: summary[k] for k in ("total", "not_reported", "timed_out", "wall_s")}))
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("total", "not_reported", "timed_out", "stopped_in", "wall_s")}
+        )
+    )
     for f in failures:
         print("FAILED", f)
     return 1 if failures or timed_out or summary["not_reported"] else 0

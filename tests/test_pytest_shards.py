@@ -60,3 +60,26 @@ def test_a_run_counts_failures_skips_and_routes(tmp_path: Path) -> None:
     names = {s["name"]: s["counts"] for s in summary["shards"]}
     assert names["serial"]["passed"] == 1
     assert sum(n.startswith("each-") for n in names) == 2
+
+
+def test_a_shard_killed_at_the_limit_reports_what_finished(tmp_path: Path) -> None:
+    """A shard killed at the time limit writes no JUnit file: what it finished before comes
+    from its verbose log, and the test it was in is named."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n"
+        "def test_a(): pass\n"
+        "def test_b(): assert 1 == 2\n"
+        "def test_c(): time.sleep(120)\n"
+        "def test_d(): pass\n"
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts/pytest_shards.py"), "--shards", "1"]
+    cmd += ["--timeout", "15", "--out", str(out), "--cwd", str(tmp_path), "--", "test_slow.py"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["timed_out"] == ["shard-0"]
+    assert summary["total"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0}
+    assert summary["not_reported"] == 2
+    assert summary["stopped_in"] == ["test_slow.py::test_c"]
+    assert summary["failures"] == ["test_slow.py::test_b: failed (shard killed; see its log)"]
