@@ -116,6 +116,20 @@ def test_padding_contract_without_capture(
     _run(case, "cpu", steps=steps, use_graphs=False, ref_every=ref_every)
 
 
+@pytest.mark.interp
+def test_padding_contract_with_forced_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton route's split count is fixed at capture (for the longest context) and its
+    partials live in the graph state's workspace: FP8 pool, four splits, rows padded."""
+    from parity import SMALL
+
+    from mla_backends.kernels import tuning
+
+    monkeypatch.setattr(tuning, "choose_num_splits", lambda *a, **k: 4)
+    case = Case("triton", page_size=16, num_heads=4, kv_dtype="float8_e4m3fn",
+                dtype="bfloat16", dims=SMALL)  # fmt: skip
+    _run(case, "cpu", steps=3, use_graphs=False, ref_every=1)
+
+
 def test_runner_refuses_oversized_and_mismatched_batches() -> None:
     case = Case("torch", page_size=16, num_heads=16, kv_dtype="float32", dtype="float32")
     stream = DecodeStream(case, "cpu", num_requests=12)

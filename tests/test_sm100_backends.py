@@ -22,7 +22,7 @@ from mla_backends.backends.base import Capability
 from mla_backends.backends.registry import get_backend_class
 from mla_backends.batch import ForwardMode
 from mla_backends.config import DEEPSEEK_V3, Config
-from mla_backends.testing import Case, build_case
+from mla_backends.testing import Case, build_case, run_case
 
 CPU = torch.device("cpu")
 H100 = Capability("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
@@ -170,3 +170,27 @@ def test_refused_on_hopper_with_a_clear_reason(
         )
         is None
     )
+
+
+def test_cutlass_always_one_kv_split_and_workspace_for_one(
+    emulated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN: CUTLASS split-KV > 1 is not graph-safe (a peer hung): every call, eager and
+    verify, passes num_kv_splits=1, and the workspace is sized for one split."""
+    seen: list[int] = []
+    sized: list[int] = []
+
+    def decode(*a: object, **k: object) -> torch.Tensor:
+        seen.append(int(k.get("num_kv_splits", a[7] if len(a) > 7 else 1)))  # type: ignore[arg-type]
+        return emulation.cutlass_mla_decode(*a, **k)  # type: ignore[arg-type]
+
+    def ws(max_len: int, rows: int, sms: int = 0, splits: int = 1) -> int:
+        sized.append(splits)
+        return 1 << 20
+
+    monkeypatch.setattr(cutlass_mod, "load_kernel", lambda: (decode, ws))
+    for mode, q in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)):
+        case = Case("cutlass_mla", mode, 128, 16, "bfloat16", "bfloat16", q, (0, 3, 129, 300))
+        r = run_case(case)
+        assert r.ok, r.detail
+    assert seen and set(seen) == {1} and set(sized) == {1}, (seen, sized)

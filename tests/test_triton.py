@@ -16,6 +16,7 @@ from mla_backends.config import MLADims
 from mla_backends.indices import build_page_indices, build_page_table, build_token_indices
 from mla_backends.pool import MLATokenToKVPool
 from mla_backends.testing import (
+    DTYPE_PAIRS,
     Case,
     build_case,
     edge_kv_lens,
@@ -69,6 +70,43 @@ def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int
         )
         r = run_case(case)
         assert r.ok, r.detail
+
+
+# (page, heads, DTYPE_PAIRS key, mode, q_len, kv lens, splits): the merge past fp16 at page
+# 16 (helper 78's coverage audit): FP8's scale in the partials, bf16 at page 1, fp32 at page
+# 64, verify at 16 heads (several row blocks), and more splits than any row has keys.
+FORCED_SPLITS = [
+    (16, 4, "fp8", ForwardMode.DECODE, 1, (0, 1, 3, 17, 45), 4),
+    (1, 4, "bfloat16", ForwardMode.DECODE, 1, (0, 1, 2, 17, 45), 8),
+    (64, 4, "float32", ForwardMode.DECODE, 1, (0, 1, 63, 64, 65), 2),
+    (16, 16, "fp8", ForwardMode.TARGET_VERIFY, 3, (0, 3, 16, 17, 45), 4),
+    (16, 4, "float16", ForwardMode.TARGET_VERIFY, 3, (3, 4, 5), 64),
+]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(
+    "page, heads, pair, mode, q, lens, splits",
+    FORCED_SPLITS,
+    ids=[f"p{c[0]}-h{c[1]}-{c[2]}-{c[3].value}-s{c[6]}" for c in FORCED_SPLITS],
+)
+def test_interpreter_forced_splits_across_pools(
+    monkeypatch: pytest.MonkeyPatch,
+    page: int,
+    heads: int,
+    pair: str,
+    mode: ForwardMode,
+    q: int,
+    lens: tuple[int, ...],
+    splits: int,
+) -> None:
+    """The split merge against both references on every pool dtype and several pages."""
+    from mla_backends.kernels import tuning
+
+    monkeypatch.setattr(tuning, "choose_num_splits", lambda *a, **k: splits)
+    act, kv = DTYPE_PAIRS[pair]
+    r = run_case(Case("triton", mode, page, heads, kv, act, q, lens, dims=SMALL, seed=splits))
+    assert r.ok, r.detail
 
 
 @pytest.mark.interp
