@@ -10,7 +10,7 @@ afford them all (the interpreter is slow). From the rows:
   and LSE against both references (tests/test_parity.py);
 - `batch_sweep`: decode and verify at batch 1, 7 and 130;
 - `mha`: MHA-mode prefill of a ragged batch, causal and full;
-- `graphs`: decode streams through the CUDA-graph runner (tests/test_graph_runner.py);
+- `graphs`: decode streams through the CUDA-graph runner, out and LSE (tests/test_graph_runner.py);
 - `mha_backends`: who has an MHA-prefill path where (tests/test_zero_key_rows.py).
 Every case carries its place's marker (`-m gpu` picks the GPU cases) and an id that starts
 with the place.

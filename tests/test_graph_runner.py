@@ -65,9 +65,10 @@ def _run(
         max_context=200 + steps * max(case.q_len, 1) + 64,
     )
     be = stream.rt.backend
+    lse = be.caps.lse  # the LSE through the graph too (CUTLASS's kernel returns none)
     runner = CudaGraphRunner(
         be,
-        partial(absorbed_forward, be),
+        partial(absorbed_forward, be, return_lse=lse),
         _specs(case),
         sizes,
         q_len=max(case.q_len, 1),
@@ -75,7 +76,7 @@ def _run(
         use_graphs=use_graphs,
     )
     runner.capture()
-    atol, rtol, _ = TOLERANCES[case.dtype]
+    atol, rtol, lse_tol = TOLERANCES[case.dtype]
     buf, page = stream.rt.kv_pool.kv_buffer[0], case.page_size
     for i in range(steps):
         n = (i % 7) + 1  # 1..7 real requests: every size pads except 1, 2, 4
@@ -84,7 +85,8 @@ def _run(
         if use_graphs:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            got = runner.replay(batch, inputs, check_pointers=True).clone()
+            replayed = runner.replay(batch, inputs, check_pointers=True)
+            got, got_lse = (t.clone() for t in replayed) if lse else (replayed.clone(), None)
         finally:
             if use_graphs:
                 torch.cuda.set_sync_debug_mode(0)
@@ -95,11 +97,16 @@ def _run(
         # Eager may split the KV differently (split counts follow the real lengths, a graph's
         # the longest context), so equality is within the dtype's tolerance, not bitwise.
         be.init_forward_metadata(batch)
-        eager = absorbed_forward(be, batch, inputs)
+        eager = absorbed_forward(be, batch, inputs, lse)
+        eager, eager_lse = eager if lse else (eager, None)
         _close(got, eager, atol, rtol, f"step {i} (n={n}) graph vs eager")
-        if i % ref_every == 0:
-            ref = stream.reference(batch, inputs)
+        ref, ref_lse = stream.reference(batch, inputs) if i % ref_every == 0 else (None, None)
+        if ref is not None:
             _close(got.double().cpu(), ref.cpu(), atol, rtol, f"step {i} vs reference")
+        if got_lse is not None:
+            _close(got_lse, eager_lse, lse_tol, 0.0, f"step {i} (n={n}) graph vs eager, lse")
+            if ref_lse is not None:
+                _close(got_lse.double().cpu(), ref_lse.cpu(), lse_tol, 0.0, f"step {i} lse")
 
 
 # (steps, reference every n steps) per place: the interpreter is slow, a GPU replays 1,000.

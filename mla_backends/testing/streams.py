@@ -4,6 +4,7 @@ step to step over one poisoned pool, and the forward a graph runner captures."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -59,11 +60,14 @@ class DecodeStream:
         }
         return batch, inputs
 
-    def reference(self, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Absorbed fp64 reference over the pool as it is now (new rows already stored)."""
+    def reference(
+        self, batch: ForwardBatch, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed fp64 reference over the pool as it is now (new rows already stored):
+        (out [T, H, L], lse [T, H])."""
         be = self.rt.backend
         q = effective_query(be, inputs["q_nope"], inputs["q_rope"])
-        out, _ = batch_reference(
+        return batch_reference(
             self.rt.kv_pool,
             0,
             self.rt.req_pool.req_to_token,
@@ -74,13 +78,17 @@ class DecodeStream:
             self.rt.config.model.softmax_scale,
             expanded=False,
         )
-        return out
 
 
 def absorbed_forward(
-    backend: AttentionBackend, batch: ForwardBatch, inputs: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """The forward a graph runner captures in tests: store the new rows, attend, layer 0."""
-    return backend.forward_absorbed(
-        0, inputs["q_nope"], inputs["q_rope"], inputs["k_nope"], inputs["k_rope"], batch
-    )
+    backend: AttentionBackend,
+    batch: ForwardBatch,
+    inputs: dict[str, torch.Tensor],
+    return_lse: bool = False,
+) -> Any:
+    """The forward a graph runner captures in tests: store the new rows, attend, layer 0;
+    out, or (out, lse) with `return_lse`."""
+    q_nope, q_rope, k_nope, k_rope = (inputs[k] for k in ("q_nope", "q_rope", "k_nope", "k_rope"))
+    if return_lse:
+        return backend.forward_absorbed(0, q_nope, q_rope, k_nope, k_rope, batch, True)
+    return backend.forward_absorbed(0, q_nope, q_rope, k_nope, k_rope, batch)
