@@ -271,3 +271,35 @@ def test_runtime_build_resolves_auto_and_a_triton_cpu_runtime_fails_when_built(
     # one that can run the config builds as named
     rt = Runtime.build(Config(model=TINY_KERNEL, prefill_backend="triton", decode_backend="triton"))
     assert rt.config.decode_backend == "triton"
+
+
+def test_runtime_with_two_backends_prefills_on_the_prefill_backend() -> None:
+    """M49 (runtime.py:22 `prefill == decode` -> always): a config naming another prefill
+    backend gets a DispatchBackend whose prefill side is that backend (the mutant served
+    prefill on the decode backend: silent for torch / triton, a failure for a decode-only
+    backend such as flashmla)."""
+    from mla_backends import Config, Runtime
+    from mla_backends.backends.dispatch import DispatchBackend
+    from mla_backends.config import TINY_KERNEL as TINY
+
+    rt = Runtime.build(  # needs TRITON_INTERPRET=1 on a CPU, as the suite runs
+        Config(model=TINY, prefill_backend="torch", decode_backend="triton", device="cpu")
+    )
+    be = rt.backend
+    assert isinstance(be, DispatchBackend)
+    assert be.prefill.name == "torch" and be.decode.name == "triton"
+    same = Runtime.build(Config(model=TINY, prefill_backend="torch", decode_backend="torch"))
+    assert not isinstance(same.backend, DispatchBackend) and same.backend.name == "torch"
+
+
+def test_verify_runs_the_configs_dtype_pair_and_fp8() -> None:
+    """M50 (verify.py:95 the "fp8" pair dropped): `verify` checks every backend's FP8 path
+    besides the config's own pair (the mutant reported backends passing with no FP8 row)."""
+    from mla_backends.config import Config
+    from mla_backends.testing import DTYPE_PAIRS
+    from mla_backends.verify import _dtype_pairs, config_dtypes
+
+    cfg = Config(device="cpu", dtype="float16", kv_dtype="float16")
+    pairs = _dtype_pairs(cfg)
+    assert pairs[config_dtypes(cfg)] == ("float16", "float16")
+    assert pairs["fp8"] == DTYPE_PAIRS["fp8"] and len(pairs) == 2

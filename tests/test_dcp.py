@@ -590,3 +590,90 @@ def test_nccl_dcp2_equals_single_process_with_graphs(backend: str) -> None:
         if not r["ok"]
     ]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_dcp_graph_fill_gives_every_rank_the_inner_backends_fill(size: int) -> None:
+    """M27 (dcp/backend.py:114 `self.layout.size *` dropped): a padded graph row's global
+    seq_len must leave every rank at least the wrapped backend's fill (its kernels' floor,
+    1); with the inner fill itself, ranks >= 1 got 0 keys in a padded row."""
+    from types import SimpleNamespace
+
+    from mla_backends.config import Config
+    from mla_backends.dcp.backend import DCPBackend
+    from mla_backends.dcp.layout import DCPLayout
+    from mla_backends.dcp.parity import SMALL
+    from mla_backends.runtime import Runtime
+
+    cfg = Config(
+        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+    )  # fmt: skip
+    inner = Runtime.build(cfg).backend
+    want = inner.cuda_graph_seq_len_fill_value
+    assert want >= 1
+    for rank in range(size):
+        be = DCPBackend(inner, SimpleNamespace(rank=rank, size=size))  # type: ignore[arg-type]
+        fill = be.cuda_graph_seq_len_fill_value
+        lay = DCPLayout(rank, size)
+        assert all(lay.local_len(fill, k) >= want for k in range(size))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_dcp_extend_rows_are_consistent_bottom_right_batches(size: int) -> None:
+    """B13 (dcp/metadata.py `pre_cpu = seq_cpu - ext_cpu` + 1): each local EXTEND row has
+    prefix + q_len == kv_len (the bottom-right rule the wrapped backend implements), on the
+    host and device copies alike."""
+    from mla_backends.batch import ForwardBatch, ForwardMode
+    from mla_backends.dcp.layout import DCPLayout
+    from mla_backends.dcp.metadata import extend_metadata
+
+    seq, ext = [5, 9, 1, 12], [5, 4, 1, 7]
+    prefix = [s - n for s, n in zip(seq, ext)]
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND,
+        [1, 2, 3, 4],
+        prefix,
+        ext,
+        torch.zeros(sum(ext), dtype=torch.long),
+        "cpu",
+    )
+    for r in range(size):
+        loc = extend_metadata(DCPLayout(r, size), batch).local
+        assert torch.equal(loc.extend_prefix_lens_cpu + loc.extend_seq_lens_cpu, loc.seq_lens_cpu)
+        assert torch.equal(loc.extend_prefix_lens + loc.extend_seq_lens, loc.seq_lens)
+        assert (loc.extend_prefix_lens_cpu >= 0).all()
+
+
+def test_dcp_tp_heads_that_do_not_split_over_the_ranks_are_refused() -> None:
+    """B18 (dcp/backend.py:88 the `h % group.size` check skipped): heads="tp" over a group
+    that does not divide the heads is refused when the backend is built (the mutant built
+    ranks with H // N heads: heads dropped, a shape error or wrong output later)."""
+    from types import SimpleNamespace
+
+    from mla_backends.config import Config
+    from mla_backends.dcp.backend import DCPBackend
+    from mla_backends.dcp.parity import SMALL
+    from mla_backends.runtime import Runtime
+
+    cfg = Config(
+        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+    )  # fmt: skip
+    inner = Runtime.build(cfg).backend
+    h = SMALL.num_heads
+    bad = next(n for n in range(2, h + 2) if h % n)
+    with pytest.raises(ValueError, match=rf"{h} heads do not split over {bad} ranks"):
+        DCPBackend(inner, SimpleNamespace(rank=0, size=bad), heads="tp")  # type: ignore[arg-type]
+
+
+def test_dcp_verify_reports_each_ranks_worst_error() -> None:
+    """M51 (dcp/verify.py `_worst` max -> min): a DCP row's error is the largest of the
+    rank's checks of that kind (the mutant reported the smallest: a bad graph replay hidden
+    behind a good eager one); checks of the other kind are not counted."""
+    from mla_backends.dcp.verify import _worst
+
+    errs = {"out vs single": 1e-6, "out vs fp64": 3e-2, "lse vs single": 5.0, "lse graph": 0.5}
+    assert _worst(errs, "out") == 3e-2
+    assert _worst(errs, "lse") == 5.0
+    assert _worst({}, "out") == 0.0

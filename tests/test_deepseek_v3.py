@@ -618,3 +618,181 @@ def test_an_engine_refuses_a_runtime_whose_dims_are_not_the_models() -> None:
                        r"rope_scaling_factor"):  # fmt: skip
         Engine(model, Runtime.build(cfg))
     Engine(model, Runtime.build(dataclasses.replace(cfg, model=dims)))  # the model's: taken
+
+
+def _tiny_hf_dict(**rope: float) -> dict:
+    d = dict(TINY_HF)
+    d["rope_scaling"] = {**TINY_HF["rope_scaling"], **rope}
+    return d
+
+
+@pytest.mark.parametrize("m,m_all", [(0.707, 1.0), (1.0, 0.707), (0.5, 0.8)])
+def test_yarn_scale_matches_transformers_when_mscale_differs_from_mscale_all_dim(
+    m: float, m_all: float
+) -> None:
+    """M31 (deepseek_v3.py:189 mscale factor dropped) and M32 (mscale / mscale_all_dim ratio
+    inverted): the suite's only yarn config has mscale == mscale_all_dim == 1, where the cos /
+    sin scale is exactly 1 whatever either does."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
+
+    hf = transformers.DeepseekV3Config(**_tiny_hf_dict(mscale=m, mscale_all_dim=m_all))
+    inv_hf, scale_hf = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    inv, scale = rope_tables(DeepseekV3Config.from_hf(hf.to_dict()))
+    torch.testing.assert_close(inv, inv_hf.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(scale_hf) and scale != pytest.approx(1.0)
+
+
+def test_logits_equal_hf_with_a_yarn_cos_sin_scale_other_than_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """M40 (deepseek_v3.py:504 `* m.rope_scale` dropped from cos): with mscale !=
+    mscale_all_dim the cos / sin scale is not 1; the suite's checkpoint has it exactly 1."""
+    transformers = pytest.importorskip("transformers")
+    from mla_backends.models.loader import load_model
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(**_tiny_hf_dict(mscale=0.5, mscale_all_dim=1.0))
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.model.rope_scale != pytest.approx(1.0)
+    eng = _engine(model)
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    rows = eng.new_requests(1)
+    logits = eng.extend(rows, [prompt])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert _rel(logits, ref) <= 1e-4
+
+
+def test_yarn_tables_match_transformers_at_deepseek_v3s_real_rope_dims() -> None:
+    """M33 (deepseek_v3.py:203 `floor` -> `ceil` for YaRN's low correction bound): at the
+    suite's tiny dims corr(beta_fast) < 0 and both clamp to 0; at DeepSeek-V3's own (rope 64,
+    original 4096, factor 40) it is 10.47: floor 10, ceil 11, one rotary pair off."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
+
+    d = _tiny_hf_dict(factor=40.0, original_max_position_embeddings=4096)
+    d.update(qk_rope_head_dim=64, max_position_embeddings=163840)
+    hf = transformers.DeepseekV3Config(**d)
+    inv_hf, scale_hf = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    inv, scale = rope_tables(DeepseekV3Config.from_hf(hf.to_dict()))
+    torch.testing.assert_close(inv, inv_hf.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(scale_hf)
+
+
+def test_extend_over_a_prefix_of_exactly_chunked_prefix_min_takes_the_chunked_path() -> None:
+    """M38 (deepseek_v3.py:428 `>= m` -> `> m`): `chunked_prefix_min` is "at least this many
+    tokens"; a prefix of exactly m must run the chunked MHA path (load_prefix called)."""
+    from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(dict(TINY_HF)), chunked_prefix_min=8)
+    eng = _engine(model)
+    calls = []
+    real = eng.backend.load_prefix
+
+    def spy(layer, batch):  # type: ignore[no-untyped-def]
+        calls.append(int(batch.extend_prefix_lens_cpu.max()))
+        return real(layer, batch)
+
+    eng.backend.load_prefix = spy  # type: ignore[method-assign]
+    [r] = eng.new_requests(1)
+    eng.extend([r], [list(range(7))])
+    eng.extend([r], [[1, 2]])  # prefix 7 < 8: absorbed
+    assert calls == []
+    eng.decode([r], [3])
+    eng.extend([r], [[4, 5]])  # prefix 10 >= 8: chunked
+    assert calls and set(calls) == {10}
+    calls.clear()
+    [s] = eng.new_requests(1)
+    eng.extend([s], [list(range(8))])
+    eng.extend([s], [[6, 7]])  # prefix exactly 8: chunked
+    assert calls and set(calls) == {8}
+
+
+def test_a_tied_checkpoint_without_lm_head_loads_with_the_embedding_as_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """B06 (loader.py:242 the tie_word_embeddings fallback skipped): transformers saves a
+    tied model without `lm_head.weight`; the loader takes the embedding (the mutant refused
+    the checkpoint for a missing lm_head.weight)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from mla_backends.models.loader import load_model
+
+    torch.manual_seed(0)
+    d = _tiny_hf_dict()
+    d["tie_word_embeddings"] = True
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**d)).eval()
+    hf.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    model = load_model(tmp_path)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.weight, hf.model.embed_tokens.weight.float())
+
+
+def test_an_indexed_shard_holding_a_stale_copy_of_another_shards_tensor_is_not_read_for_it(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    """B07 (loader.py:89 `wmap.get(name) == shard` -> always): a shard the index names for
+    some tensors may hold a stale copy of one the index places elsewhere; the index decides
+    (the mutant took whichever shard sorted last)."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mla_backends.models.loader import load_model
+
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**_tiny_hf_dict()))
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    moved = "model.embed_tokens.weight"
+    norm = "model.norm.weight"
+    save_file(
+        {moved: tensors[moved], norm: torch.full_like(tensors[norm], 7.0)},
+        str(tmp_path / "zz-shard.safetensors"),
+    )
+    wmap = {k: "model.safetensors" for k in tensors}
+    wmap[moved] = "zz-shard.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
+    got = load_model(tmp_path).state_dict()[norm]
+    assert torch.equal(got, tensors[norm])
+
+
+def test_gate_picks_experts_only_in_the_kept_groups_even_when_every_choice_is_negative() -> None:
+    """B14 (deepseek_v3.py:310 masked_fill -inf -> 0.0): experts outside the top groups are
+    never chosen. With bias-corrected choices all below 0 (a negative correction bias larger
+    than the scores, as trained biases can be), a 0 mask outranked every kept expert."""
+    from mla_backends.models.deepseek_v3 import DeepseekV3Config, Gate
+
+    cfg = DeepseekV3Config.from_hf(_tiny_hf_dict())
+    gate = Gate(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.5, generator=gen)
+        gate.e_score_correction_bias.fill_(-1.0)
+    x = torch.randn(32, cfg.hidden_size, generator=gen)
+    w, idx = gate(x)
+    choice = torch.sigmoid(x @ gate.weight.t()) + gate.e_score_correction_bias
+    per = cfg.n_routed_experts // cfg.n_group
+    group_score = choice.view(32, cfg.n_group, per).topk(2, dim=-1)[0].sum(-1)
+    kept = group_score.topk(cfg.topk_group, dim=-1)[1]
+    for t in range(32):
+        assert set((idx[t] // per).tolist()) <= set(kept[t].tolist())
+
+
+def test_config_takes_experts_per_token_filling_the_kept_groups_exactly() -> None:
+    """B16 (deepseek_v3.py:121 `>` -> `>=`): num_experts_per_tok may equal topk_group x the
+    group size (every expert of the kept groups); the mutant refused that valid config."""
+    from mla_backends.models.deepseek_v3 import DeepseekV3Config
+
+    d = _tiny_hf_dict()
+    cap = d["topk_group"] * d["n_routed_experts"] // d["n_group"]
+    assert DeepseekV3Config.from_hf({**d, "num_experts_per_tok": cap}).num_experts_per_tok == cap
+    with pytest.raises(ValueError, match="must fit in topk_group"):
+        DeepseekV3Config.from_hf({**d, "num_experts_per_tok": cap + 1})

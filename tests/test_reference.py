@@ -95,3 +95,57 @@ def test_merge_states_refuses_mismatched_shapes() -> None:
         merge_states(o, lse[..., None], o, lse)
     with pytest.raises(ShapeError, match=r"o2: expected shape \[2, 3, 4\], got \[2, 3, 5\]"):
         merge_states(o, lse, torch.randn(2, 3, 5), lse)
+
+
+def test_merge_two_empty_sides_gives_zero_whatever_finite_o_they_hold() -> None:
+    """M01 (merge.py:22 nan=0.0 -> 1.0): both sides lse -inf must give out 0 / lse -inf even
+    when the (finite) o of a side is not zero; the mutant returned o1."""
+    o1 = torch.full((2, 3, 4), 0.5)
+    o2 = torch.full((2, 3, 4), -0.25)
+    ninf = torch.full((2, 3), float("-inf"))
+    o, lse = merge_states(o1, ninf, o2, ninf.clone())
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    # and a lone empty side with garbage-but-finite o contributes nothing
+    lse2 = torch.randn(2, 3)
+    o, lse = merge_states(o1, ninf, o2, lse2)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_merge_accumulates_in_fp32_for_low_precision_inputs() -> None:
+    """M04 (merge.py:24 acc = o1.dtype): with bf16 o and bf16 lse the weighted sum must be
+    formed in fp32 and rounded once (the mutant rounded products and sum in bf16)."""
+    gen = torch.Generator().manual_seed(0)
+    o1 = torch.randn(64, 8, 32, generator=gen).bfloat16()
+    o2 = torch.randn(64, 8, 32, generator=gen).bfloat16()
+    l1 = torch.randn(64, 8, generator=gen).bfloat16()
+    l2 = torch.randn(64, 8, generator=gen).bfloat16()
+    o, lse = merge_states(o1, l1, o2, l2)
+    ref_lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - ref_lse).float()[..., None]
+    w2 = torch.exp(l2 - ref_lse).float()[..., None]
+    want = (o1.float() * w1 + o2.float() * w2).bfloat16()
+    assert o.dtype == torch.bfloat16
+    assert torch.equal(o, want)
+
+
+def test_check_tensor_refuses_a_tensor_on_another_device_type() -> None:
+    """M11 (checks.py:_same_device `if a.type != b.type` skipped): a CPU tensor checked
+    against another device type must be refused (the mutant took any CPU tensor)."""
+    import pytest
+
+    from mla_backends.checks import ShapeError, check_tensor
+
+    with pytest.raises(ShapeError, match="expected device meta"):
+        check_tensor("x", torch.zeros(2), (2,), None, torch.device("meta"))
+
+
+def test_unit_stride_copies_a_view_whose_last_stride_is_not_one() -> None:
+    """M12 (checks.py:247 `t.stride(-1) == 1` -> `>= 1`): a transposed view must come back
+    with a unit last stride (the mutant passed it through: kernels read wrong addresses)."""
+    from mla_backends.checks import unit_stride
+
+    x = torch.arange(12.0).view(3, 4).t()  # [4, 3], strides (1, 4)
+    y = unit_stride(x)
+    assert y.stride(-1) == 1 and torch.equal(y, x)
+    z = torch.arange(12.0).view(3, 4)
+    assert unit_stride(z) is z  # already unit-stride: no copy
