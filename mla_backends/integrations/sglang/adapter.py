@@ -167,7 +167,17 @@ class MLABackendAdapter(AttentionBackend):
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Inside SGLang's capture (recorded; replayed with every `graph.replay()`), or called
         eagerly after out_graph by a runner without a real graph (SGLang's kit): the device
-        refill, from the capture batch's tensors, which are SGLang's static graph buffers."""
+        refill, from the capture batch's tensors, which are SGLang's static graph buffers.
+
+        Hazard (overlap scheduler): SGLang 0.5.17 records its write-after-read event for a
+        DECODE replay *before* `graph.replay()` (decode_cuda_graph_runner.execute, "a
+        cuda-graph forward finishes its shared req_to_token reads at this pre-replay
+        snapshot"), so the scheduler may write `req_to_token` for the next batch while this
+        refill reads it. Those writes land past every position this replay reads (the next
+        token's slot), or in rows freed by requests that finished a step earlier, whose
+        output of this step SGLang drops; every id read is a slot id SGLang wrote. Read by
+        helper 76 in SGLang's source, not provoked on a GPU. `SGLANG_FORCE_COARSE_WAR_BARRIER=1`
+        orders the next writes after the whole forward."""
         if forward_batch.forward_mode.is_idle() or self._graph is None:
             return
         if self.backend.graph_refill_on_device(int(forward_batch.batch_size)):
