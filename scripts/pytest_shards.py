@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,22 +85,43 @@ def junit_counts(path: Path) -> tuple[dict[str, int], list[str]]:
     return counts, failures
 
 
-_LOG_WORDS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
+_LOG_WORDS = {
+    "PASSED": "passed",
+    "FAILED": "failed",
+    "ERROR": "error",
+    "SKIPPED": "skipped",
+    "XFAIL": "skipped",
+    "XPASS": "passed",  # as JUnit counts them
+}
+# An outcome as `-v` writes it: the word first (after the node id, or alone on its line when
+# the test wrote to the terminal), the progress column last.
+_OUTCOME = re.compile(r"^\s*(" + "|".join(_LOG_WORDS) + r")\b.*\[\s*\d+%\]\s*$")
 
 
 def log_counts(s: Shard, log: Path) -> tuple[dict[str, int], list[str]]:
     """A killed shard's outcomes from its `-v` log ("node-id PASSED  [ 50%]" lines), and
-    `s.stopped_in` set: without this a shard killed in its last test reported none of those
-    before it (an early autotuning shard showed 0 of 4 passed, three of them had)."""
+    `s.stopped_in` set to the test it was in (the last one started without an outcome).
+    Node ids may hold spaces and brackets: a line is matched to the longest id it starts
+    with, not split on whitespace."""
+    ids = sorted(s.ids, key=len, reverse=True)  # test_x[1] must not take test_x[10]'s line
     seen: dict[str, str] = {}
+    current: str | None = None
     for line in log.read_text(errors="replace").splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] in s.ids and parts[1] in _LOG_WORDS:
-            seen.setdefault(parts[0], _LOG_WORDS[parts[1]])
+        rest = line
+        for i in ids:
+            if line == i or line.startswith(i + " "):
+                current, rest = i, line[len(i) :]
+                break
+        m = _OUTCOME.match(rest)
+        if current is None or m is None:
+            continue
+        word = _LOG_WORDS[m.group(1)]
+        if current not in seen or word in ("failed", "error"):  # a teardown ERROR after PASSED
+            seen[current] = word
     counts = dict.fromkeys(OUTCOMES, 0)
     for outcome in seen.values():
         counts[outcome] += 1
-    s.stopped_in = next((i for i in s.ids if i not in seen), None)
+    s.stopped_in = current if current is not None and current not in seen else None
     failures = [
         f"{i}: {o} (shard killed; see its log)" for i, o in seen.items() if o in OUTCOMES[1:3]
     ]

@@ -83,3 +83,29 @@ def test_a_shard_killed_at_the_limit_reports_what_finished(tmp_path: Path) -> No
     assert summary["not_reported"] == 2
     assert summary["stopped_in"] == ["test_slow.py::test_c"]
     assert summary["failures"] == ["test_slow.py::test_b: failed (shard killed; see its log)"]
+
+
+def test_a_killed_shards_log_is_read_by_node_id_not_by_word(tmp_path: Path) -> None:
+    """Node ids with spaces and brackets, a test that writes an outcome word to the
+    terminal, an xfail: each counted as JUnit would, and `stopped_in` is the test that was
+    running (helper 79: the ids were split on spaces and the loud test counted as failed)."""
+    (tmp_path / "test_ids.py").write_text(
+        "import time, pytest\n"
+        "@pytest.mark.parametrize('x', ['a b', 'c[d]'], ids=['a b', 'c[d]'])\n"
+        "def test_sp(x): pass\n"
+        "def test_t1_loud(capsys):\n"
+        "    with capsys.disabled():\n"
+        "        print('FAILED once, retrying')\n"
+        "def test_t2_quiet(): pass\n"
+        "@pytest.mark.xfail\n"
+        "def test_t3_xf(): assert 0\n"
+        "def test_zz_slow(): time.sleep(120)\n"
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts/pytest_shards.py"), "--shards", "1"]
+    cmd += ["--timeout", "15", "--out", str(out), "--cwd", str(tmp_path), "--", "test_ids.py"]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_in"] == ["test_ids.py::test_zz_slow"]
+    assert summary["total"] == {"passed": 4, "failed": 0, "error": 0, "skipped": 1}
+    assert summary["failures"] == []
