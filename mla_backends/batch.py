@@ -276,7 +276,7 @@ class ForwardBatch:
     def q_len(self) -> int:
         """Query tokens of every request in DECODE (1) and TARGET_VERIFY (`num_draft_tokens`):
         what decode kernels, graph runners and the linear layers size from. `check` holds
-        `extend_seq_lens_cpu` to it. Not defined for EXTEND, whose requests differ."""
+        `extend_seq_lens_cpu` to it. Meaningless for EXTEND, whose requests differ (it gives 1)."""
         return max(self.num_draft_tokens, 1)
 
     @property

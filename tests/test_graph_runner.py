@@ -45,7 +45,9 @@ def _slots_outside(pool_buf: torch.Tensor, page: int, touched: torch.Tensor) -> 
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, what: str) -> None:
-    bad = (got.double() - want.double()).abs() > atol + rtol * want.double().abs()
+    g, w = got.double(), want.double()
+    # NaN compares False with anything: a NaN on one side only is an error of its own
+    bad = ((g - w).abs() > atol + rtol * w.abs()) | (g.isnan() != w.isnan())
     if bad.any():
         idx = tuple(torch.nonzero(bad)[0].tolist())
         raise AssertionError(

@@ -135,8 +135,9 @@ def test_bad_inputs_refused_with_a_reason() -> None:
         dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 48, idx, 0.1)
 
 
+@pytest.mark.parametrize("choice", ["triton", "auto"])
 def test_hook_runs_eagerly_inside_a_compiled_model(
-    hooks: None, monkeypatch: pytest.MonkeyPatch
+    hooks: None, monkeypatch: pytest.MonkeyPatch, choice: str
 ) -> None:
     """`--enable-torch-compile`: SGLang's `dsa` backend calls the hook inside the model's
     compiled forward; our kernel launch must run eagerly there, never traced by Dynamo (the
@@ -150,7 +151,7 @@ def test_hook_runs_eagerly_inside_a_compiled_model(
         return q_nope * 2, None
 
     monkeypatch.setattr(triton_kernel, "attend", attend)
-    monkeypatch.setenv(dsa.ENV, "triton")
+    monkeypatch.setenv(dsa.ENV, choice)  # auto: its row limit chosen inside the trace
     dsa.register_hook()
     HookRegistry.apply_hooks()
     backend = object.__new__(DeepseekSparseAttnBackend)
