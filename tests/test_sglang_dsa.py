@@ -141,7 +141,7 @@ def test_hook_runs_eagerly_inside_a_compiled_model(
 ) -> None:
     """`--enable-torch-compile`: SGLang's `dsa` backend calls the hook inside the model's
     compiled forward; our kernel launch must run eagerly there, never traced by Dynamo (the
-    adapter's twin: tests/test_sglang_torch_compile.py)."""
+    adapter's twin: tests/test_sglang_pp_compile.py)."""
     from mla_backends.sparse import triton_kernel
 
     traced: list[bool] = []
