@@ -32,6 +32,7 @@ from mla_backends.dcp.metadata import DCPGraphState, rows_metadata
 from mla_backends.dcp.parity import SMALL, DCPCase, edge_lens, gpu_cases, parity_worker
 from mla_backends.dcp.runtime import build_dcp_runtime
 from mla_backends.pool import ReqToTokenPool, RequestRowError
+from mla_backends.runtime import Runtime
 
 DECODE, VERIFY, EXTEND = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
@@ -592,6 +593,15 @@ def test_nccl_dcp2_equals_single_process_with_graphs(backend: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+def _torch_backend() -> Any:
+    """The wrapped backend DCPBackend's host-side checks read: torch on a CPU, SMALL dims."""
+    cfg = Config(
+        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+    )  # fmt: skip
+    return Runtime.build(cfg).backend
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_dcp_graph_fill_gives_every_rank_the_inner_backends_fill(size: int) -> None:
     """M27 (dcp/backend.py:114 `self.layout.size *` dropped): a padded graph row's global
@@ -599,17 +609,10 @@ def test_dcp_graph_fill_gives_every_rank_the_inner_backends_fill(size: int) -> N
     1); with the inner fill itself, ranks >= 1 got 0 keys in a padded row."""
     from types import SimpleNamespace
 
-    from mla_backends.config import Config
     from mla_backends.dcp.backend import DCPBackend
     from mla_backends.dcp.layout import DCPLayout
-    from mla_backends.dcp.parity import SMALL
-    from mla_backends.runtime import Runtime
 
-    cfg = Config(
-        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
-        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
-    )  # fmt: skip
-    inner = Runtime.build(cfg).backend
+    inner = _torch_backend()
     want = inner.cuda_graph_seq_len_fill_value
     assert want >= 1
     for rank in range(size):
@@ -651,16 +654,10 @@ def test_dcp_tp_heads_that_do_not_split_over_the_ranks_are_refused() -> None:
     ranks with H // N heads: heads dropped, a shape error or wrong output later)."""
     from types import SimpleNamespace
 
-    from mla_backends.config import Config
     from mla_backends.dcp.backend import DCPBackend
     from mla_backends.dcp.parity import SMALL
-    from mla_backends.runtime import Runtime
 
-    cfg = Config(
-        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
-        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
-    )  # fmt: skip
-    inner = Runtime.build(cfg).backend
+    inner = _torch_backend()
     h = SMALL.num_heads
     bad = next(n for n in range(2, h + 2) if h % n)
     with pytest.raises(ValueError, match=rf"{h} heads do not split over {bad} ranks"):
