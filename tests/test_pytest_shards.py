@@ -25,6 +25,16 @@ def _shards() -> ModuleType:
     return mod
 
 
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The script over tmp_path's tests, its summary to tmp_path / "out": (run, summary)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts/pytest_shards.py"), "--out", str(out)]
+    run = subprocess.run(
+        [*cmd, "--cwd", str(tmp_path), *args], capture_output=True, text=True, timeout=120
+    )
+    return run, json.loads((out / "summary.json").read_text())
+
+
 def test_deal_keeps_chunks_contiguous_and_every_id_once() -> None:
     deal = _shards().deal
     ids = [f"t::{i:02d}" for i in range(11)]
@@ -46,13 +56,9 @@ def test_a_run_counts_failures_skips_and_routes(tmp_path: Path) -> None:
         "@pytest.mark.skip(reason='no GPU here')\n"
         "def test_skipped(): pass\n"
     )
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts/pytest_shards.py"), "--shards", "3"]
-    cmd += ["--out", str(out), "--cwd", str(tmp_path), "--serial", "host_time"]
-    cmd += ["--each", "heavy", "--exclude", "dropped", "--", "test_tiny.py"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    args = ["--shards", "3", "--serial", "host_time", "--each", "heavy", "--exclude", "dropped"]
+    run, summary = _run(tmp_path, *args, "--", "test_tiny.py")
     assert run.returncode == 1, run.stdout + run.stderr  # one test fails
-    summary = json.loads((out / "summary.json").read_text())
     assert summary["tests"] == 6
     assert summary["total"] == {"passed": 4, "failed": 1, "error": 0, "skipped": 1}
     assert summary["not_reported"] == 0 and summary["timed_out"] == []
@@ -80,12 +86,8 @@ def test_a_shard_killed_at_the_limit_reports_what_finished(tmp_path: Path) -> No
         "def test_zz_slow(): time.sleep(120)\n"
         "def test_zzz_after(): pass\n"
     )
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts/pytest_shards.py"), "--shards", "1"]
-    cmd += ["--timeout", "15", "--out", str(out), "--cwd", str(tmp_path), "--", "test_ids.py"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    run, summary = _run(tmp_path, "--shards", "1", "--timeout", "15", "--", "test_ids.py")
     assert run.returncode == 1, run.stdout + run.stderr
-    summary = json.loads((out / "summary.json").read_text())
     assert summary["timed_out"] == ["shard-0"]
     assert summary["stopped_in"] == ["test_ids.py::test_zz_slow"]
     assert summary["total"] == {"passed": 3, "failed": 1, "error": 0, "skipped": 1}
