@@ -43,7 +43,7 @@ class Shard:
     seconds: float = 0.0
     returncode: int | None = None  # None: killed at the time limit
     counts: dict[str, int] = field(default_factory=dict)
-    stopped_in: str | None = None  # killed: the first of its tests with no outcome in its log
+    stopped_in: str | None = None  # killed: the test it was running (started, no outcome)
 
 
 def collect(selection: list[str], cwd: Path) -> list[str]:
