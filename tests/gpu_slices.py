@@ -33,6 +33,7 @@ class Rule:
     tests: tuple[str, ...] = ()  # test function names; () = every test of the file
     backend: str | None = None  # the parametrised backend (tests/parity.py tables)
     kv_dtypes: tuple[str, ...] = ()  # ... and the case's KV dtypes; () = any
+    pages: tuple[int, ...] = ()  # ... and the case's page sizes; () = any
     seconds: float = 5.0  # per test
     cpu: bool = False  # the file's tests without any marker (instead of gpu-marked ones)
 
@@ -50,12 +51,15 @@ SLICES: dict[str, str] = {
     "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon routes' "
     "parity cases (64-row and narrow); any test no rule names",
     "tests-8": "hybrid Kimi-Linear verify graphs of two draft counts (tests-7 is full); pools "
-    "past the int32 marks",
+    "past the int32 marks; the page-32 parity cases of triton and flashinfer_mla",
 }
 
 PARITY = "test_parity.py"
 GRAPHS = "test_graph_runner.py"
 RULES: list[Rule] = [
+    # tests-8: page 32 joined the GPU parity rows in the thirty-eighth session (42 cases,
+    # 108 s on a fresh H200 in 12 processes with 7 graph tests); tests-1 to 4 were full
+    Rule("tests-8", PARITY, ("test_parity",), pages=(32,), seconds=3.5),
     # tests-7's Gluon-route parity cases first (the first matching rule wins); on a fresh
     # H100 (fourteenth session, call 9) the 20 GPU tests of test_gluon.py took 61 s,
     # compiles included: 8 s a case still leaves room
@@ -203,14 +207,15 @@ RULES: list[Rule] = [
 REST = Rule("tests-7", "", seconds=30.0)  # a GPU test no rule names
 
 
-def _backend(item: pytest.Item) -> tuple[str | None, str | None]:
-    """(backend, KV dtype) of a parametrised test: a `case` (Case) or a `backend` name."""
+def _backend(item: pytest.Item) -> tuple[str | None, str | None, int | None]:
+    """(backend, KV dtype, page size) of a parametrised test: a `case` (Case) or a `backend`
+    name."""
     params = getattr(item, "callspec", None)
     p = params.params if params else {}
     case = p.get("case")
     if hasattr(case, "backend"):
-        return case.backend, getattr(case, "kv_dtype", None)
-    return p.get("backend"), p.get("dtype")
+        return case.backend, getattr(case, "kv_dtype", None), getattr(case, "page_size", None)
+    return p.get("backend"), p.get("dtype"), None
 
 
 def _matches(rule: Rule, item: pytest.Item, gpu: bool) -> bool:
@@ -218,10 +223,10 @@ def _matches(rule: Rule, item: pytest.Item, gpu: bool) -> bool:
         return False
     if rule.tests and getattr(item, "originalname", item.name) not in rule.tests:
         return False
-    backend, kv = _backend(item)
+    backend, kv, page = _backend(item)
     if rule.backend is not None and backend != rule.backend:
         return False
-    return not rule.kv_dtypes or kv in rule.kv_dtypes
+    return (not rule.kv_dtypes or kv in rule.kv_dtypes) and (not rule.pages or page in rule.pages)
 
 
 def rule_of(item: pytest.Item) -> Rule | None:
