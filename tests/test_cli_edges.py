@@ -292,3 +292,82 @@ def test_dcp_configs_refuse_what_cannot_run_them(monkeypatch: pytest.MonkeyPatch
         why
         == f"dcp_size 1000 would start 1000 gloo processes, over twice this machine's {cpus} CPUs"
     )
+
+
+@pytest.mark.parametrize("text", ["0:1:64:4096", "16:0:64:4096", "16:1:0:4096", "16:1:64:000"])
+def test_shapes_refuse_a_zero_field(text: str) -> None:
+    """Hazard: `--shapes` takes four integers >= 1; a 0 head count, query length, batch or
+    KV length was taken and timed an empty grid (or divided by zero in a rate)."""
+    import argparse
+
+    from mla_backends.bench.options import shape_list
+
+    assert shape_list("16:1:64:4096, 016:2:8:64") == [(16, 1, 64, 4096), (16, 2, 8, 64)]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"four integers >= 1"):
+        shape_list(text)
+
+
+def test_shapes_refuse_a_kv_length_shorter_than_the_query() -> None:
+    """Hazard: a step's KV length holds its own query tokens: kv >= q; kv = q - 1 (a verify
+    step of 4 drafts over 3 keys) was timed as if it could run."""
+    import argparse
+
+    from mla_backends.bench.options import shape_list
+
+    assert shape_list("16:4:8:4") == [(16, 4, 8, 4)]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"shorter than q"):
+        shape_list("16:4:8:3")
+
+
+def test_peers_none_only_alone() -> None:
+    """Hazard: `--peers none` means no peer; `none` beside names (`flashmla,none`) silently
+    dropped the named peers too."""
+    import argparse
+
+    from mla_backends.bench.options import peer_list
+    from mla_backends.bench.peers import DECODE_PEERS
+
+    assert peer_list("none") == []
+    with pytest.raises(argparse.ArgumentTypeError):
+        peer_list("none,none")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown peer 'none'"):
+        peer_list(f"{next(iter(DECODE_PEERS))},none")
+
+
+def test_an_option_the_suite_does_not_take_is_refused() -> None:
+    """Hazard: an option given to a suite that ignores it (`--kv-len` to `--suite prefill`)
+    was dropped silently: the run timed the defaults the user meant to change."""
+    from mla_backends.bench.options import Options
+    from mla_backends.cli import UsageError
+
+    Options(suite="grid", kv_len=[1024]).check_applies()
+    with pytest.raises(UsageError, match=r"--kv-len does not apply to --suite prefill"):
+        Options(suite="prefill", kv_len=[1024]).check_applies()
+
+
+def test_int_lists_refuse_repeats_and_the_seed_takes_its_top_value() -> None:
+    """Hazards: a repeated value (`--batch 8,8`) was timed twice, two rows of one shape; the
+    seed's range is 0..2**63 - 1 inclusive (torch.manual_seed's), an off-by-one refused the
+    top value."""
+    import argparse
+
+    from mla_backends.cli import SEED, int_list
+
+    assert int_list()("1,8, 64") == [1, 8, 64]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"appears twice"):
+        int_list()("8,8")
+    assert SEED(str(2**63 - 1)) == 2**63 - 1
+    with pytest.raises(argparse.ArgumentTypeError):
+        SEED(str(2**63))
+
+
+def test_a_value_option_given_twice_is_refused() -> None:
+    """Hazard: argparse keeps the last of a repeated option: `bench --batch 1 --batch 2`
+    timed batch 2 alone, silently."""
+    from mla_backends.cli import OneLineParser, int_list
+
+    p = OneLineParser(prog="x")
+    p.add_argument("--batch", type=int_list())
+    assert p.parse_args(["--batch", "1"]).batch == [1]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--batch", "1", "--batch", "2"])

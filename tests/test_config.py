@@ -303,3 +303,45 @@ def test_verify_runs_the_configs_dtype_pair_and_fp8() -> None:
     pairs = _dtype_pairs(cfg)
     assert pairs[config_dtypes(cfg)] == ("float16", "float16")
     assert pairs["fp8"] == DTYPE_PAIRS["fp8"] and len(pairs) == 2
+
+
+@pytest.mark.parametrize("factor", [0.999, 0.7, 0.5])
+def test_rope_scaling_factor_just_below_one_is_refused(factor: float) -> None:
+    """Hazard: a YaRN factor below 1 (a typo for 1.0, or a compression factor written
+    upside down) was taken and `mscale` read it as "no scaling" (1.0), silently; only
+    factors well below 1 were refused. The bound is 1 itself: 1.0 loads, 0.999 does not."""
+    from mla_backends.config import ConfigError, MLADims, config_from_dict
+
+    assert MLADims(rope_scaling_factor=1.0).mscale == 1.0
+    with pytest.raises(ConfigError, match=r"rope_scaling_factor must be >= 1"):
+        MLADims(rope_scaling_factor=factor)
+    with pytest.raises(ConfigError, match=r"rope_scaling_factor must be >= 1"):
+        config_from_dict({"model": {"base": "tiny", "rope_scaling_factor": factor}}, resolve=False)
+
+
+@pytest.mark.parametrize("mscale_all_dim", [-1e-3, -0.5, -1.0])
+def test_slightly_negative_mscale_all_dim_is_refused(mscale_all_dim: float) -> None:
+    """Hazard: a negative mscale_all_dim shrinks the softmax scale (mscale < 1, squared) and
+    `verify` agrees, its reference reading the same scale; small negatives (-0.5, -1) were
+    taken where only large ones were refused. 0 is the bound (no YaRN magnitude term)."""
+    from mla_backends.config import ConfigError, MLADims
+
+    assert MLADims(rope_scaling_factor=40.0, mscale_all_dim=0.0).mscale == 1.0
+    with pytest.raises(ConfigError, match=r"mscale_all_dim must be >= 0"):
+        MLADims(rope_scaling_factor=40.0, mscale_all_dim=mscale_all_dim)
+
+
+def test_pool_of_exactly_int32_slot_ids_loads_and_one_more_page_is_refused() -> None:
+    """Hazard: slot ids are int32 (the request table's dtype): the largest id the pool hands
+    out, (num_pages + 1) * page_size - 1, must be <= 2**31 - 1. At page size 1, one page
+    more than that (largest id 2**31) wrapped to a negative id in the int32 table, silently:
+    the bound is exact, not off by one."""
+    from mla_backends.config import Config, PoolSizeError
+
+    last_ok = 2**31 - 1  # slots 0 .. 2**31 - 1: ids fit int32 exactly
+    Config(page_size=1, num_pages=last_ok)
+    with pytest.raises(PoolSizeError, match=r"int32 slot ids"):
+        Config(page_size=1, num_pages=last_ok + 1)
+    Config(page_size=16, num_pages=2**27 - 1)  # (2**27) * 16 slots: ids up to 2**31 - 1
+    with pytest.raises(PoolSizeError):
+        Config(page_size=16, num_pages=2**27)

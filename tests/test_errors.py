@@ -439,3 +439,49 @@ def test_store_kv_keeps_the_pools_checks(backend: str) -> None:
         rt.backend.store_kv(0, batch.out_cache_loc, k_nope, k_rope)
     with pytest.raises(ShapeError, match=r"loc: expected dtype"):
         rt.backend.store_kv(0, batch.out_cache_loc.float(), k_nope, k_rope)
+
+
+def test_batch_build_refuses_bool_slots() -> None:
+    """Hazard: a bool mask passed as `out_cache_loc` (a common slip: `loc = free_mask[...]`)
+    was cast to int64 slots 0 / 1, silently: every new token's KV went to slot 0 or slot 1,
+    and at page size 1 slot 1 is a real request's row."""
+    from mla_backends.batch import ForwardBatch
+
+    with pytest.raises(TypeError, match=r"integer slots"):
+        ForwardBatch.build(
+            ForwardMode.EXTEND, [1, 2], [0, 0], [1, 1], torch.tensor([True, False]), "cpu"
+        )
+    ForwardBatch.build(ForwardMode.EXTEND, [1, 2], [0, 0], [1, 1], torch.tensor([5, 6]), "cpu")
+
+
+def test_batch_positions_are_prefix_to_seq_len_minus_one() -> None:
+    """Hazard: `positions` feed RoPE (and the sparse indexer counts a token's visible keys
+    from them): new token i of a request with prefix p sits at position p + i. Shifted by
+    one, every rotary embedding was off by one position, silently (attention over the
+    stored rows still ran)."""
+    from mla_backends.batch import ForwardBatch
+
+    b = ForwardBatch.build(
+        ForwardMode.EXTEND, [1, 2, 3], [0, 5, 2], [3, 1, 0], torch.arange(4), "cpu"
+    )
+    assert b.positions.tolist() == [0, 1, 2, 5]
+    assert b.positions.dtype == torch.int64
+    d = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [7, 0], [1, 1], torch.arange(2), "cpu")
+    assert d.positions.tolist() == [7, 0]
+
+
+@pytest.mark.parametrize("draft", [2, 3])
+def test_decode_batch_with_a_draft_count_above_one_is_refused(draft: int) -> None:
+    """Hazard: `q_len` is max(num_draft_tokens, 1), what decode kernels and graph runners
+    size from; a DECODE batch carrying num_draft_tokens 2 (a verify field left set) had
+    q_len 2 while each request has one new token: read as two tokens a request."""
+    import dataclasses
+
+    from mla_backends.batch import ForwardBatch
+    from mla_backends.checks import ShapeError
+
+    b = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [3, 4], [1, 1], torch.arange(2), "cpu")
+    b.check(torch.device("cpu"))
+    bad = dataclasses.replace(b, num_draft_tokens=draft)
+    with pytest.raises(ShapeError, match=r"num_draft_tokens"):
+        bad.check(torch.device("cpu"))

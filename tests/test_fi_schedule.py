@@ -180,3 +180,115 @@ def test_one_launch_writes_schedule_and_page_ids(page: int) -> None:
     got = decode_workspace(ws.view(torch.int32).cpu().numpy(), info, sms)
     ref = plan_reference(q, kv, page, heads, sms)
     assert sorted(got.flat()) == sorted(ref.flat()) and got.merges == ref.merges
+
+
+def _device_schedule(heads, q, kv, page, sms, cluster, ws=None):  # type: ignore[no-untyped-def]
+    """Our device planner's schedule (Triton interpreter on a CPU); `ws` reused if given
+    (not poisoned: what an earlier batch left stays)."""
+    import numpy as np
+
+    from mla_backends.fi_planner import decode_workspace, int_workspace_bytes, synthetic_info
+    from mla_backends.kernels.fi_schedule import write_schedule
+
+    info = synthetic_info(cluster, sms)
+    if ws is None:
+        ws = torch.zeros(int_workspace_bytes(info, sms), dtype=torch.uint8)
+    qt, kvt = (torch.as_tensor(np.asarray(x), dtype=torch.int32) for x in (q, kv))
+    write_schedule(ws, cluster, heads, page, sms, qt, kvt, int(max(q)))
+    return decode_workspace(ws.view(torch.int32).numpy(), info, sms), ws
+
+
+def _agree(heads, q, kv, page, sms, ws=None):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from mla_backends.fi_planner import check_schedule, plan_reference
+
+    qa, kva = np.array(q), np.array(kv)
+    ref = plan_reference(qa, kva, page, heads, sms)
+    ours, ws = _device_schedule(heads, q, kv, page, sms, ref.cluster, ws)
+    check_schedule(ours, qa, kva, page, heads, sms)
+    assert sorted(ours.flat()) == sorted(ref.flat())
+    assert ours.merges == ref.merges
+    return ref, ws
+
+
+def test_cluster_of_one_cta_at_exactly_one_tile_of_packed_rows() -> None:
+    """Hazard: flashinfer 0.7.2's MLAPlan takes 2-CTA clusters only when the average packed
+    query length *exceeds* 64 rows; at exactly 64 (H64 decode: Kimi, DeepSeek at TP 2;
+    H16 verify of 4 tokens) a `>=` gave the port and our device planner 2-CTA clusters, a
+    layout the kernel launched from FlashInfer's plan does not read."""
+    import numpy as np
+
+    from mla_backends.fi_planner import cluster_size
+
+    assert cluster_size(np.array([1, 1, 1]), 64) == 1
+    assert cluster_size(np.array([4, 4]), 16) == 1
+    assert cluster_size(np.array([1]), 65) == 2
+    assert cluster_size(np.array([1, 1]), 128) == 2
+
+
+def test_check_schedule_catches_a_gap_between_split_items() -> None:
+    """Hazard: `check_schedule` is the oracle's rule book: a split tile whose work items
+    leave keys between one item's end and the next one's start attends without those keys;
+    a check that only refused overlaps let that schedule through."""
+    import numpy as np
+
+    from mla_backends.fi_planner import check_schedule, plan_reference
+
+    heads, q, kv, page, sms = 128, [1], [3000], 64, 8
+    qa, kva = np.array(q), np.array(kv)
+    good = plan_reference(qa, kva, page, heads, sms)
+    items = sorted(good.flat(), key=lambda w: w[6])
+    assert len(items) > 2
+    w = items[1]
+    gap = [(*w[:6], w[6] + 1, w[7])] + [x for x in items if x is not w]
+    bad = type(good)(good.cluster, good.num_clusters, [gap] + [[]] * (good.num_clusters - 1))
+    with pytest.raises(AssertionError, match="gap or overlap"):
+        check_schedule(bad, qa, kva, page, heads, sms)
+
+
+@pytest.mark.parametrize("heads", [24, 48, 40])
+def test_device_schedule_rounds_causal_tile_keys_up_for_heads_that_do_not_divide_the_tile(
+    heads: int,
+) -> None:
+    """Hazard: a causal query tile of packed rows [0, (t + 1) * tile) holds tokens up to
+    ceil((t + 1) * tile / heads) - 1, so it may see kv - q + ceil(...) keys. Floor division
+    (exact whenever heads divides 64: every head count of the other tests) dropped the last
+    token's final key for H24 / H40 / H48 prefill tiles: those rows attended one key short."""
+    _agree(heads, [9, 5, 13], [300, 2000, 77], 16, 8)
+
+
+@pytest.mark.parametrize("kv", [[65], [400], [2049], [1000, 1049]])
+def test_device_key_limit_rounds_the_per_cluster_share_up(kv: list[int]) -> None:
+    """Hazard: the planner's per-item key limit comes from ceil(total keys / clusters); a
+    total just past a bound (8 clusters: 65 keys -> 9 a cluster -> limit 64; 2049 -> 257 ->
+    512) under floor division took the smaller limit, twice the splits and partials of
+    FlashInfer's own plan. 400 keys (50 a cluster): the 33-64 band's limit, 192, which no
+    other case reaches."""
+    _agree(16, [1] * len(kv), kv, 16, 8)
+
+
+def test_device_schedule_clears_merge_entries_an_earlier_batch_left() -> None:
+    """Hazard: the workspace is reused from batch to batch (and across graph replays); merge
+    entries past this batch's count must read as empty. Leaving the first stale entry (index
+    == merge count) made FlashInfer merge rows of the earlier batch's split, over this
+    batch's final rows."""
+    _, ws = _agree(128, [1, 1], [3000, 2500], 64, 8)  # many merges
+    _agree(128, [1, 1], [3000, 20], 64, 8, ws)  # fewer, same workspace
+    _agree(128, [1], [20], 64, 8, ws)  # none
+
+
+def test_schedule_refuses_a_batch_whose_tiles_fit_but_tiles_plus_clusters_do_not() -> None:
+    """Hazard: FlashInfer's work arrays hold 16384 items; a batch makes one item a tile plus
+    at most one extra a cluster (splits). 16384 one-tile requests fit the tiles alone but not
+    the bound: accepted, the split items were written past the arrays (into the next field
+    of the int workspace)."""
+    from mla_backends.fi_planner import int_workspace_bytes, synthetic_info
+    from mla_backends.kernels.fi_schedule import work_bound, write_schedule
+
+    assert work_bound(16384, 1, 16, 1, 8) == 16384 + 8
+    info = synthetic_info(1, 8)
+    ws = torch.zeros(int_workspace_bytes(info, 8), dtype=torch.uint8)
+    lens = torch.ones(16384, dtype=torch.int32)
+    with pytest.raises(ValueError, match="workspace holds 16384"):
+        write_schedule(ws, 1, 16, 64, 8, lens, lens, max_q_len=1)

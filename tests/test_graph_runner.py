@@ -418,3 +418,46 @@ def test_set_scale_after_capture_is_refused() -> None:
     )  # fmt: skip
     eager.capture()
     assert pool.scales_frozen_by is None and pool.set_scale(0, s) == s
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_padded_rows_device_lengths_equal_the_host_copies_after_a_larger_batch(
+    q_len: int,
+) -> None:
+    """Hazard: a replay of n requests on a captured size bs must reset every padded row
+    n..bs-1 of the static device buffers (seq_lens, extend_prefix_lens) to the padding
+    values; a row left out kept the previous (larger) batch's real length, so the device
+    lengths a captured kernel reads disagreed with the host copies (`seq_lens_cpu`) the
+    backend sized its metadata from, and the padding contract (seq_len = fill + q_len - 1,
+    prefix = seq_len - q_len) no longer held."""
+    mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
+    case = Case(
+        backend="torch", mode=mode, page_size=16, num_heads=16, kv_dtype="float32",
+        dtype="float32", q_len=q_len,
+    )  # fmt: skip
+    stream = DecodeStream(case, "cpu", num_requests=8, max_prompt=120, max_context=200)
+    be = stream.rt.backend
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def forward(batch, inputs):  # type: ignore[no-untyped-def]
+        seen.append(
+            (
+                batch.seq_lens.clone(), batch.seq_lens_cpu.clone(),
+                batch.extend_prefix_lens.clone(), batch.extend_prefix_lens_cpu.clone(),
+            )
+        )  # fmt: skip
+        return absorbed_forward(be, batch, inputs, False)
+
+    runner = CudaGraphRunner(
+        be, forward, _specs(case), (4,), q_len=q_len, device="cpu", use_graphs=False
+    )
+    runner.capture()
+    pad_seq = be.cuda_graph_seq_len_fill_value + q_len - 1
+    for n in (4, 1, 3, 2):  # each after a larger one: stale rows would show
+        batch, inputs = stream.step(n)
+        seen.clear()
+        runner.replay(batch, inputs)
+        seq, seq_cpu, pre, pre_cpu = seen[-1]
+        assert torch.equal(seq.cpu(), seq_cpu), f"n={n}: device seq_lens {seq} vs {seq_cpu}"
+        assert torch.equal(pre.cpu(), pre_cpu), f"n={n}: device prefix {pre} vs {pre_cpu}"
+        assert (seq[n:] == pad_seq).all() and (pre[n:] == pad_seq - q_len).all()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mla_backends.checks import ShapeError
-from mla_backends.pool import FP8_MAX, MLATokenToKVPool, ReqToTokenPool
+from mla_backends.pool import FP8_MAX, MLATokenToKVPool, ReqToTokenPool, RequestRowError
 
 
 def _pool(dtype: torch.dtype, page: int = 16, pages: int = 8) -> MLATokenToKVPool:
@@ -280,3 +280,35 @@ def test_layer_and_row_checks_refuse_a_torch_bool() -> None:
         warnings.simplefilter("always")
         pool.set_mla_kv_buffer(1, torch.tensor([17]), torch.randn(1, 512), torch.randn(1, 64))
     assert any("layer 1" in str(w.message) for w in seen), [str(w.message) for w in seen]
+
+
+def test_check_rows_refuses_the_padding_row_zero() -> None:
+    """Hazard: `check_rows` accepting row 0 (the padding row, allocated from the start) let
+    `Engine.reset([0])` / `alloc_extend([0], ...)` treat the dummy row as a request row:
+    KV for the padding row, or its state reset, silently."""
+    pool = ReqToTokenPool(4, 16, "cpu")
+    rows = pool.alloc(2)
+    pool.check_rows(rows)  # allocated request rows pass
+    with pytest.raises(RequestRowError, match=r"\[0\]"):
+        pool.check_rows([0])
+    with pytest.raises(RequestRowError):
+        pool.check_rows([rows[0], 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pools_that_are_not_fp8_never_warn_of_an_uncalibrated_scale(dtype: torch.dtype) -> None:
+    """Hazard: the uncalibrated-scale warning is for FP8 pools only (a bf16 pool has no
+    scale to set: `set_scale` refuses one other than 1.0); fired for every layer of a bf16
+    pool it told users to calibrate a scale they cannot set, and `-W error` runs failed."""
+    import warnings
+
+    from mla_backends.pool import MLATokenToKVPool, UncalibratedScaleWarning
+
+    pool = MLATokenToKVPool(2, 4, 16, 32, 16, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncalibratedScaleWarning)
+        for layer in range(2):
+            pool.set_mla_kv_buffer(
+                layer, torch.tensor([17, 18]), torch.randn(2, 32), torch.randn(2, 16)
+            )
+            pool.warn_if_uncalibrated(layer)

@@ -1324,3 +1324,40 @@ def test_flashmla_sparse_pads_heads_to_the_smallest_kernel_width() -> None:
     from mla_backends.sparse.flashmla import padded_heads
 
     assert [padded_heads(h) for h in (1, 16, 63, 64, 65, 128)] == [64, 64, 64, 64, 128, 128]
+
+
+@pytest.mark.parametrize("power", [0.25, 1.0, 4.0, 64.0])
+def test_fp8_row_store_keeps_the_scale_of_a_tile_whose_amax_is_448_times_a_power_of_two(
+    power: float,
+) -> None:
+    """Hazard: the ue8m0 scale is the smallest power of two >= amax / 448; when amax / 448
+    is itself a power of two the scale is that value, not twice it. The kernel's exponent
+    rounding (`_pow2_ceil`) that always stepped up doubled such tiles' scales (one bit of
+    precision lost, bytes unequal to `pack_rows`); tests/test_sparse.py's case for it
+    stores that row at slot -1 (the dummy slot it does not compare), so it went unseen."""
+    from mla_backends.kernels.store import store_fp8_rows
+    from mla_backends.sparse.fp8_row import Fp8RowFormat, pack_rows
+
+    fmt = Fp8RowFormat()
+    k_nope = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    k_nope[0, :128] = torch.linspace(-448.0 * power, 448.0 * power, 128)
+    k_nope[1, 256:384] = 448.0 * power  # a constant tile
+    k_rope = torch.randn(2, 64).bfloat16()
+    got = torch.zeros(8, fmt.row_bytes, dtype=torch.uint8)
+    store_fp8_rows(got, torch.tensor([3, 6]), k_nope, k_rope, fmt)
+    want = pack_rows(fmt, k_nope, k_rope)
+    scales = got[[3, 6]].view(torch.float32)[:, fmt.scale_offset // 4 :][:, :4]
+    assert scales[0, 0] == power and scales[1, 2] == power
+    assert torch.equal(got[[3, 6]], want)
+
+
+@pytest.mark.parametrize("rope_dim", [63, 1, 33])
+def test_indexer_dims_refuse_an_odd_rope_dim(rope_dim: int) -> None:
+    """Hazard: the indexer's RoPE is half-split (`rope_neox` rotates pairs (i, i + R / 2));
+    an odd rope dim rotated R - 1 dims and left one unrotated, silently, in every key and
+    query the indexer scores."""
+    from mla_backends.sparse.index_k import IndexerDims
+
+    IndexerDims(rope_dim=64)
+    with pytest.raises(ValueError, match=r"must be even"):
+        IndexerDims(rope_dim=rope_dim)

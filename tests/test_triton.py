@@ -632,3 +632,84 @@ def test_page_table_refuses_an_out_buffer_too_small() -> None:
     with pytest.raises(ValueError, match=r"page_table: out \[2, 8\] cannot hold 3 rows x 2"):
         index.page_table(r2t, rows, seq, 16, 2, 0, out[:2])
     assert (out[2] == -7).all()
+
+
+def test_tma_32_key_tiles_for_h16_decode_at_one_and_two_splits_only() -> None:
+    """Hazard: the 16-row, page % 32 == 0, batch >= 32 decode grid takes TMA 32-key tiles
+    at one and two KV splits (B256 kv1k 0.90-0.92x FlashMLA against the gather's 0.84x;
+    B128 kv8k, 2 splits, 0.85x both) and the gather from four on (TMA 0.59-0.61x). An
+    off-by-one in the split bound moved the two-split grids off the measured choice."""
+    from mla_backends.kernels.tuning import launch_config
+
+    for splits in (1, 2):
+        cfg = launch_config(16, 32, 128, splits, torch.bfloat16, False, 576, None)
+        assert cfg["tma"] and cfg["block_n"] == 32, (splits, cfg)
+    cfg = launch_config(16, 32, 128, 4, torch.bfloat16, False, 576, None)
+    assert not cfg["tma"] and cfg["block_n"] == 64
+
+
+def test_fit_smem_drops_tma_stages_to_one_before_narrowing_the_key_tiles() -> None:
+    """Hazard: `_fit_smem` must shed TMA stages down to one before it halves the key tiles
+    (narrower tiles cost more than a stage); stopping at two stages narrowed 64-key tiles to
+    32 on a GPU whose shared memory holds one 64-key stage."""
+    from mla_backends.kernels.mla_attention import smem_bytes
+    from mla_backends.kernels.tuning import launch_config
+
+    one_stage = smem_bytes(64, 64, 1, True, 576, 2)
+    assert smem_bytes(64, 64, 2, True, 576, 2) > one_stage  # two stages do not fit
+    cfg = launch_config(64, 64, 8, 1, torch.bfloat16, False, 576, one_stage)
+    assert cfg["tma"] and cfg["block_n"] == 64 and cfg["num_stages"] == 1, cfg
+
+
+def test_num_splits_rounds_the_wave_ratio_to_nearest() -> None:
+    """Hazard: the splits that cover the GPU `waves` times are round(waves * sms / programs),
+    then a power of two at or below: 80 programs on 132 SMs (1.65 waves' worth) take 2 splits;
+    truncating the ratio gave 1, a grid of 80 programs on 132 SMs."""
+    from mla_backends.kernels.tuning import choose_num_splits
+
+    assert choose_num_splits(80, 4096, 132, 1, 256) == 2
+    assert choose_num_splits(100, 4096, 132, 1, 256) == 1  # 1.32 -> 1
+    assert choose_num_splits(44, 4096, 132, 1, 256) == 2  # 3 -> a power of two at or below
+
+
+@pytest.mark.parametrize("kv, want", [(255, 1), (300, 1), (511, 1), (512, 2), (1023, 2), (1024, 4)])
+def test_every_split_keeps_at_least_min_keys(kv: int, want: int) -> None:
+    """Hazard: the split count is capped at floor(kv / min_keys) so every split keeps >=
+    min_keys keys; rounding up let a 300-key context take two splits of 150 keys (more
+    partials to merge for less work each)."""
+    from mla_backends.kernels.tuning import choose_num_splits
+
+    assert choose_num_splits(1, kv, 132, 2, 256) == want
+
+
+def test_narrow_kernel_pays_for_a_grid_of_exactly_one_wave() -> None:
+    """Hazard: the narrow kernel's rule is one wave of CTAs, ctas <= SMs: a grid of exactly
+    132 CTAs on 132 SMs (33 requests of 64 rows, 2 splits, 1k keys) is one wave and takes it;
+    a strict bound sent it to 64-row blocks. One request more (136 CTAs) is past a wave."""
+    from mla_backends.kernels.tuning import decode_splits, narrow_pays
+
+    assert decode_splits(33, 64, 32, 1024, 132, narrow=True) == 2  # 33 * 2 * 2 = 132 CTAs
+    assert narrow_pays(64, 33, 1024, 132)
+    assert not narrow_pays(64, 34, 1024, 132)
+
+
+@pytest.mark.parametrize("rows", [129, 160, 256])
+def test_narrow_kernel_never_takes_more_than_128_rows_a_request(rows: int) -> None:
+    """Hazard: the narrow kernel's measured range is 33-128 query rows a request (each
+    32-row block streams the request's tiles again); a wider bound sent 129-256 rows (H128
+    verify with q_len 2) to it where no measurement covers them."""
+    from mla_backends.kernels.tuning import narrow_pays
+
+    assert narrow_pays(128, 1, 1024, 132)  # the edge of the range, a short grid: it pays
+    assert not narrow_pays(rows, 1, 1024, 132)
+
+
+def test_split_policy_gives_64_key_splits_to_16_row_requests_in_64_row_blocks() -> None:
+    """Hazard: a 64-row block holding a request of <= 16 rows (H16 decode) may split down to
+    64 keys (B1 kv 4k: 64 splits 1.59x FlashMLA against 16 splits' 1.31x); an off-by-one gave
+    exactly 16 rows (the H16 case itself) the 256-key minimum."""
+    from mla_backends.kernels.tuning import split_policy
+
+    assert split_policy(64, 16) == (1, 64)
+    assert split_policy(64, 17) == (1, 256)
+    assert split_policy(16, 16) == (2, 256)
