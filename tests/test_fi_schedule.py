@@ -33,29 +33,39 @@ CASES = {
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 
 
-def _ours(heads, q, kv, page, sms, cluster, ws=None, info=None):
+def _ours(heads, q, kv, page, sms, cluster, ws=None, info=None, poison=True):
+    """Our device planner's schedule; `poison=False` keeps what an earlier batch left in a
+    reused `ws` (the workspace lives from batch to batch)."""
     from mla_backends.kernels.fi_schedule import write_schedule
 
     info = info or synthetic_info(cluster, sms)
     if ws is None:
         ws = torch.empty(int_workspace_bytes(info, sms), dtype=torch.uint8, device=DEV)
-    ws.fill_(0x7F)  # poison: whatever the kernel does not write reads as garbage
+    if poison:  # whatever the kernel does not write reads as garbage
+        ws.fill_(0x7F)
     qt, kvt = (torch.as_tensor(np.asarray(x), dtype=torch.int32, device=ws.device) for x in (q, kv))
     write_schedule(ws, cluster, heads, page, sms, qt, kvt, int(max(q)))
     return decode_workspace(ws.view(torch.int32).cpu().numpy(), info, sms)
 
 
-@pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_device_schedule_matches_host_planner(case: str) -> None:
-    heads, q, kv, page, sms = CASES[case]
+def _agree(heads, q, kv, page, sms, ws=None):  # type: ignore[no-untyped-def]
+    """Our device schedule for the batch and the host planner's port, each held to the rule
+    book: the same work items (partial rows included) and the same merge entries, in order.
+    A given `ws` is reused unpoisoned. (reference, ours)."""
     qa, kva = np.array(q), np.array(kv)
     ref = plan_reference(qa, kva, page, heads, sms)
     check_schedule(ref, qa, kva, page, heads, sms)
-    ours = _ours(heads, q, kv, page, sms, ref.cluster)
+    ours = _ours(heads, q, kv, page, sms, ref.cluster, ws=ws, poison=ws is None)
     check_schedule(ours, qa, kva, page, heads, sms)
-    # same work items (partial rows included) and the same merge entries, in order
     assert sorted(ours.flat()) == sorted(ref.flat())
     assert ours.merges == ref.merges
+    return ref, ours
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_device_schedule_matches_host_planner(case: str) -> None:
+    heads, q, kv, page, sms = CASES[case]
+    _, ours = _agree(heads, q, kv, page, sms)
     # equal-cost cut: no cluster carries more than the average plus one item
     tile = 64 * ours.cluster
 
@@ -75,10 +85,7 @@ def test_device_schedule_random_batches(seed: int) -> None:
     q = gen.integers(1, 4, b) if seed % 2 else np.ones(b, np.int64)
     kv = q + gen.integers(0, 2500, b)
     page, sms = int(gen.choice([1, 16, 64])), int(gen.integers(3, 12))
-    ref = plan_reference(q, kv, page, heads, sms)
-    ours = _ours(heads, q.tolist(), kv.tolist(), page, sms, ref.cluster)
-    check_schedule(ours, q, kv, page, heads, sms)
-    assert sorted(ours.flat()) == sorted(ref.flat()) and ours.merges == ref.merges
+    _agree(heads, q.tolist(), kv.tolist(), page, sms)
 
 
 def test_check_schedule_catches_broken_schedules() -> None:
@@ -182,43 +189,11 @@ def test_one_launch_writes_schedule_and_page_ids(page: int) -> None:
     assert sorted(got.flat()) == sorted(ref.flat()) and got.merges == ref.merges
 
 
-def _device_schedule(heads, q, kv, page, sms, cluster, ws=None):  # type: ignore[no-untyped-def]
-    """Our device planner's schedule (Triton interpreter on a CPU); `ws` reused if given
-    (not poisoned: what an earlier batch left stays)."""
-    import numpy as np
-
-    from mla_backends.fi_planner import decode_workspace, int_workspace_bytes, synthetic_info
-    from mla_backends.kernels.fi_schedule import write_schedule
-
-    info = synthetic_info(cluster, sms)
-    if ws is None:
-        ws = torch.zeros(int_workspace_bytes(info, sms), dtype=torch.uint8)
-    qt, kvt = (torch.as_tensor(np.asarray(x), dtype=torch.int32) for x in (q, kv))
-    write_schedule(ws, cluster, heads, page, sms, qt, kvt, int(max(q)))
-    return decode_workspace(ws.view(torch.int32).numpy(), info, sms), ws
-
-
-def _agree(heads, q, kv, page, sms, ws=None):  # type: ignore[no-untyped-def]
-    import numpy as np
-
-    from mla_backends.fi_planner import check_schedule, plan_reference
-
-    qa, kva = np.array(q), np.array(kv)
-    ref = plan_reference(qa, kva, page, heads, sms)
-    ours, ws = _device_schedule(heads, q, kv, page, sms, ref.cluster, ws)
-    check_schedule(ours, qa, kva, page, heads, sms)
-    assert sorted(ours.flat()) == sorted(ref.flat())
-    assert ours.merges == ref.merges
-    return ref, ws
-
-
 def test_cluster_of_one_cta_at_exactly_one_tile_of_packed_rows() -> None:
     """Hazard: flashinfer 0.7.2's MLAPlan takes 2-CTA clusters only when the average packed
     query length *exceeds* 64 rows; at exactly 64 (H64 decode: Kimi, DeepSeek at TP 2;
     H16 verify of 4 tokens) a `>=` gave the port and our device planner 2-CTA clusters, a
     layout the kernel launched from FlashInfer's plan does not read."""
-    import numpy as np
-
     from mla_backends.fi_planner import cluster_size
 
     assert cluster_size(np.array([1, 1, 1]), 64) == 1
@@ -231,10 +206,6 @@ def test_check_schedule_catches_a_gap_between_split_items() -> None:
     """Hazard: `check_schedule` is the oracle's rule book: a split tile whose work items
     leave keys between one item's end and the next one's start attends without those keys;
     a check that only refused overlaps let that schedule through."""
-    import numpy as np
-
-    from mla_backends.fi_planner import check_schedule, plan_reference
-
     heads, q, kv, page, sms = 128, [1], [3000], 64, 8
     qa, kva = np.array(q), np.array(kv)
     good = plan_reference(qa, kva, page, heads, sms)
@@ -273,7 +244,10 @@ def test_device_schedule_clears_merge_entries_an_earlier_batch_left() -> None:
     entries past this batch's count must read as empty. Leaving the first stale entry (index
     == merge count) made FlashInfer merge rows of the earlier batch's split, over this
     batch's final rows."""
-    _, ws = _agree(128, [1, 1], [3000, 2500], 64, 8)  # many merges
+    cluster = plan_reference(np.array([1, 1]), np.array([3000, 2500]), 64, 128, 8).cluster
+    info = synthetic_info(cluster, 8)
+    ws = torch.zeros(int_workspace_bytes(info, 8), dtype=torch.uint8, device=DEV)
+    _agree(128, [1, 1], [3000, 2500], 64, 8, ws)  # many merges
     _agree(128, [1, 1], [3000, 20], 64, 8, ws)  # fewer, same workspace
     _agree(128, [1], [20], 64, 8, ws)  # none
 
@@ -283,7 +257,6 @@ def test_schedule_refuses_a_batch_whose_tiles_fit_but_tiles_plus_clusters_do_not
     at most one extra a cluster (splits). 16384 one-tile requests fit the tiles alone but not
     the bound: accepted, the split items were written past the arrays (into the next field
     of the int workspace)."""
-    from mla_backends.fi_planner import int_workspace_bytes, synthetic_info
     from mla_backends.kernels.fi_schedule import work_bound, write_schedule
 
     assert work_bound(16384, 1, 16, 1, 8) == 16384 + 8
