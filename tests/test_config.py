@@ -295,7 +295,6 @@ def test_runtime_with_two_backends_prefills_on_the_prefill_backend() -> None:
 def test_verify_runs_the_configs_dtype_pair_and_fp8() -> None:
     """M50 (verify.py:95 the "fp8" pair dropped): `verify` checks every backend's FP8 path
     besides the config's own pair (the mutant reported backends passing with no FP8 row)."""
-    from mla_backends.config import Config
     from mla_backends.testing import DTYPE_PAIRS
     from mla_backends.verify import _dtype_pairs, config_dtypes
 
@@ -310,7 +309,7 @@ def test_rope_scaling_factor_just_below_one_is_refused(factor: float) -> None:
     """Hazard: a YaRN factor below 1 (a typo for 1.0, or a compression factor written
     upside down) was taken and `mscale` read it as "no scaling" (1.0), silently; only
     factors well below 1 were refused. The bound is 1 itself: 1.0 loads, 0.999 does not."""
-    from mla_backends.config import ConfigError, MLADims, config_from_dict
+    from mla_backends.config import MLADims, config_from_dict
 
     assert MLADims(rope_scaling_factor=1.0).mscale == 1.0
     with pytest.raises(ConfigError, match=r"rope_scaling_factor must be >= 1"):
@@ -324,7 +323,7 @@ def test_slightly_negative_mscale_all_dim_is_refused(mscale_all_dim: float) -> N
     """Hazard: a negative mscale_all_dim shrinks the softmax scale (mscale < 1, squared) and
     `verify` agrees, its reference reading the same scale; small negatives (-0.5, -1) were
     taken where only large ones were refused. 0 is the bound (no YaRN magnitude term)."""
-    from mla_backends.config import ConfigError, MLADims
+    from mla_backends.config import MLADims
 
     assert MLADims(rope_scaling_factor=40.0, mscale_all_dim=0.0).mscale == 1.0
     with pytest.raises(ConfigError, match=r"mscale_all_dim must be >= 0"):
@@ -336,7 +335,7 @@ def test_pool_of_exactly_int32_slot_ids_loads_and_one_more_page_is_refused() -> 
     out, (num_pages + 1) * page_size - 1, must be <= 2**31 - 1. At page size 1, one page
     more than that (largest id 2**31) wrapped to a negative id in the int32 table, silently:
     the bound is exact, not off by one."""
-    from mla_backends.config import Config, PoolSizeError
+    from mla_backends.config import PoolSizeError
 
     last_ok = 2**31 - 1  # slots 0 .. 2**31 - 1: ids fit int32 exactly
     Config(page_size=1, num_pages=last_ok)

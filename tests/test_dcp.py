@@ -610,7 +610,6 @@ def test_dcp_graph_fill_gives_every_rank_the_inner_backends_fill(size: int) -> N
     from types import SimpleNamespace
 
     from mla_backends.dcp.backend import DCPBackend
-    from mla_backends.dcp.layout import DCPLayout
 
     inner = _torch_backend()
     want = inner.cuda_graph_seq_len_fill_value
@@ -627,8 +626,6 @@ def test_dcp_extend_rows_are_consistent_bottom_right_batches(size: int) -> None:
     """B13 (dcp/metadata.py `pre_cpu = seq_cpu - ext_cpu` + 1): each local EXTEND row has
     prefix + q_len == kv_len (the bottom-right rule the wrapped backend implements), on the
     host and device copies alike."""
-    from mla_backends.batch import ForwardBatch, ForwardMode
-    from mla_backends.dcp.layout import DCPLayout
     from mla_backends.dcp.metadata import extend_metadata
 
     seq, ext = [5, 9, 1, 12], [5, 4, 1, 7]
@@ -655,7 +652,6 @@ def test_dcp_tp_heads_that_do_not_split_over_the_ranks_are_refused() -> None:
     from types import SimpleNamespace
 
     from mla_backends.dcp.backend import DCPBackend
-    from mla_backends.dcp.parity import SMALL
 
     inner = _torch_backend()
     h = SMALL.num_heads

@@ -636,8 +636,6 @@ def test_yarn_scale_matches_transformers_when_mscale_differs_from_mscale_all_dim
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
-
     hf = transformers.DeepseekV3Config(**_tiny_hf_dict(mscale=m, mscale_all_dim=m_all))
     inv_hf, scale_hf = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     inv, scale = rope_tables(DeepseekV3Config.from_hf(hf.to_dict()))
@@ -649,7 +647,6 @@ def test_logits_equal_hf_with_a_yarn_cos_sin_scale_other_than_one(tmp_path) -> N
     """M40 (deepseek_v3.py:504 `* m.rope_scale` dropped from cos): with mscale !=
     mscale_all_dim the cos / sin scale is not 1; the suite's checkpoint has it exactly 1."""
     transformers = pytest.importorskip("transformers")
-    from mla_backends.models.loader import load_model
 
     torch.manual_seed(0)
     cfg = transformers.DeepseekV3Config(**_tiny_hf_dict(mscale=0.5, mscale_all_dim=1.0))
@@ -673,8 +670,6 @@ def test_yarn_tables_match_transformers_at_deepseek_v3s_real_rope_dims() -> None
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from mla_backends.models.deepseek_v3 import DeepseekV3Config, rope_tables
-
     d = _tiny_hf_dict(factor=40.0, original_max_position_embeddings=4096)
     d.update(qk_rope_head_dim=64, max_position_embeddings=163840)
     hf = transformers.DeepseekV3Config(**d)
@@ -687,7 +682,7 @@ def test_yarn_tables_match_transformers_at_deepseek_v3s_real_rope_dims() -> None
 def test_extend_over_a_prefix_of_exactly_chunked_prefix_min_takes_the_chunked_path() -> None:
     """M38 (deepseek_v3.py:428 `>= m` -> `> m`): `chunked_prefix_min` is "at least this many
     tokens"; a prefix of exactly m must run the chunked MHA path (load_prefix called)."""
-    from mla_backends.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from mla_backends.models.deepseek_v3 import DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(dict(TINY_HF)), chunked_prefix_min=8)
@@ -721,8 +716,6 @@ def test_a_tied_checkpoint_without_lm_head_loads_with_the_embedding_as_head(tmp_
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from mla_backends.models.loader import load_model
-
     torch.manual_seed(0)
     d = _tiny_hf_dict()
     d["tie_word_embeddings"] = True
@@ -741,11 +734,8 @@ def test_an_indexed_shard_holding_a_stale_copy_of_another_shards_tensor_is_not_r
     some tensors may hold a stale copy of one the index places elsewhere; the index decides
     (the mutant took whichever shard sorted last)."""
     transformers = pytest.importorskip("transformers")
-    import json
 
     from safetensors.torch import load_file, save_file
-
-    from mla_backends.models.loader import load_model
 
     torch.manual_seed(0)
     hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**_tiny_hf_dict()))
@@ -768,7 +758,7 @@ def test_gate_picks_experts_only_in_the_kept_groups_even_when_every_choice_is_ne
     """B14 (deepseek_v3.py:310 masked_fill -inf -> 0.0): experts outside the top groups are
     never chosen. With bias-corrected choices all below 0 (a negative correction bias larger
     than the scores, as trained biases can be), a 0 mask outranked every kept expert."""
-    from mla_backends.models.deepseek_v3 import DeepseekV3Config, Gate
+    from mla_backends.models.deepseek_v3 import Gate
 
     cfg = DeepseekV3Config.from_hf(_tiny_hf_dict())
     gate = Gate(cfg)
@@ -789,7 +779,6 @@ def test_gate_picks_experts_only_in_the_kept_groups_even_when_every_choice_is_ne
 def test_config_takes_experts_per_token_filling_the_kept_groups_exactly() -> None:
     """B16 (deepseek_v3.py:121 `>` -> `>=`): num_experts_per_tok may equal topk_group x the
     group size (every expert of the kept groups); the mutant refused that valid config."""
-    from mla_backends.models.deepseek_v3 import DeepseekV3Config
 
     d = _tiny_hf_dict()
     cap = d["topk_group"] * d["n_routed_experts"] // d["n_group"]

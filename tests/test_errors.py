@@ -445,7 +445,6 @@ def test_batch_build_refuses_bool_slots() -> None:
     """Hazard: a bool mask passed as `out_cache_loc` (a common slip: `loc = free_mask[...]`)
     was cast to int64 slots 0 / 1, silently: every new token's KV went to slot 0 or slot 1,
     and at page size 1 slot 1 is a real request's row."""
-    from mla_backends.batch import ForwardBatch
 
     with pytest.raises(TypeError, match=r"integer slots"):
         ForwardBatch.build(
@@ -459,7 +458,6 @@ def test_batch_positions_are_prefix_to_seq_len_minus_one() -> None:
     from them): new token i of a request with prefix p sits at position p + i. Shifted by
     one, every rotary embedding was off by one position, silently (attention over the
     stored rows still ran)."""
-    from mla_backends.batch import ForwardBatch
 
     b = ForwardBatch.build(
         ForwardMode.EXTEND, [1, 2, 3], [0, 5, 2], [3, 1, 0], torch.arange(4), "cpu"
@@ -475,10 +473,6 @@ def test_decode_batch_with_a_draft_count_above_one_is_refused(draft: int) -> Non
     """Hazard: `q_len` is max(num_draft_tokens, 1), what decode kernels and graph runners
     size from; a DECODE batch carrying num_draft_tokens 2 (a verify field left set) had
     q_len 2 while each request has one new token: read as two tokens a request."""
-    import dataclasses
-
-    from mla_backends.batch import ForwardBatch
-    from mla_backends.checks import ShapeError
 
     b = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [3, 4], [1, 1], torch.arange(2), "cpu")
     b.check(torch.device("cpu"))

@@ -90,7 +90,6 @@ def test_page_table_width_is_never_zero_and_aligned() -> None:
 def test_index_builders_return_int32_from_an_int64_request_table() -> None:
     """M09 (indices.py:89 `vals.to(torch.int32)` -> `vals`): the documented int32 indices
     whatever the table's integer dtype (the mutant returned int64 from an int64 table)."""
-    from mla_backends.indices import build_page_indices, build_token_indices
 
     r2t = torch.arange(2 * 64, dtype=torch.int64).view(2, 64) + 64
     rows, lens = torch.tensor([1, 0]), torch.tensor([5, 33], dtype=torch.int32)

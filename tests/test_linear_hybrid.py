@@ -392,7 +392,6 @@ def test_fla_head_dims_take_a_key_dim_of_exactly_256() -> None:
     """M47 (linear/backend.py:343 `dk > 256` -> `dk >= 256`): fla's chunk kernels take key
     dims up to 256 inclusive (Kimi-Linear's KDA heads are 128; 256 is the documented limit)."""
     from mla_backends.linear.backend import _fla_dims
-    from mla_backends.linear.state_pool import LinearStatePool
 
     assert _fla_dims(LinearStatePool(1, 2, 2, 256, 64, 16, 4, "cpu")) is None
     assert _fla_dims(LinearStatePool(1, 2, 2, 512, 64, 16, 4, "cpu")) is not None

@@ -302,7 +302,7 @@ def test_pools_that_are_not_fp8_never_warn_of_an_uncalibrated_scale(dtype: torch
     pool it told users to calibrate a scale they cannot set, and `-W error` runs failed."""
     import warnings
 
-    from mla_backends.pool import MLATokenToKVPool, UncalibratedScaleWarning
+    from mla_backends.pool import UncalibratedScaleWarning
 
     pool = MLATokenToKVPool(2, 4, 16, 32, 16, dtype)
     with warnings.catch_warnings():

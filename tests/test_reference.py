@@ -131,7 +131,6 @@ def test_merge_accumulates_in_fp32_for_low_precision_inputs() -> None:
 def test_check_tensor_refuses_a_tensor_on_another_device_type() -> None:
     """M11 (checks.py:_same_device `if a.type != b.type` skipped): a CPU tensor checked
     against another device type must be refused (the mutant took any CPU tensor)."""
-    import pytest
 
     from mla_backends.checks import ShapeError, check_tensor
 

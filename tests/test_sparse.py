@@ -1336,7 +1336,6 @@ def test_fp8_row_store_keeps_the_scale_of_a_tile_whose_amax_is_448_times_a_power
     precision lost, bytes unequal to `pack_rows`); tests/test_sparse.py's case for it
     stores that row at slot -1 (the dummy slot it does not compare), so it went unseen."""
     from mla_backends.kernels.store import store_fp8_rows
-    from mla_backends.sparse.fp8_row import Fp8RowFormat, pack_rows
 
     fmt = Fp8RowFormat()
     k_nope = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
