@@ -48,34 +48,16 @@ def test_interpreter_strided_query_views() -> None:
         assert r.ok, r.detail
 
 
-@pytest.mark.interp
-@pytest.mark.parametrize("splits", [2, 4, 64])
-def test_interpreter_split_kv_merge(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
-    """Force several KV splits so the log-sum-exp merge (and empty splits) are exercised."""
-    from mla_backends.kernels import tuning
-
-    monkeypatch.setattr(tuning, "choose_num_splits", lambda *a, **k: splits)
-    for mode, q in [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 2)]:
-        case = Case(
-            "triton",
-            mode,
-            16,
-            4,
-            "float16",
-            "float16",
-            q,
-            (0, 1, 3, 17, 45),
-            dims=SMALL,
-            seed=splits,
-        )
-        r = run_case(case)
-        assert r.ok, r.detail
-
-
-# (page, heads, DTYPE_PAIRS key, mode, q_len, kv lens, splits): the merge past fp16 at page
-# 16 (helper 78's coverage audit): FP8's scale in the partials, bf16 at page 1, fp32 at page
-# 64, verify at 16 heads (several row blocks), and more splits than any row has keys.
+# (page, heads, DTYPE_PAIRS key, mode, q_len, kv lens, splits): several KV splits forced so
+# the log-sum-exp merge and empty splits run: fp16 at page 16, then (helper 78's coverage
+# audit) FP8's scale in the partials, bf16 at page 1, fp32 at page 64, verify at 16 heads
+# (several row blocks), and more splits than any row has keys.
 FORCED_SPLITS = [
+    *(
+        (16, 4, "float16", mode, q, (0, 1, 3, 17, 45), splits)
+        for splits in (2, 4, 64)
+        for mode, q in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 2))
+    ),
     (16, 4, "fp8", ForwardMode.DECODE, 1, (0, 1, 3, 17, 45), 4),
     (1, 4, "bfloat16", ForwardMode.DECODE, 1, (0, 1, 2, 17, 45), 8),
     (64, 4, "float32", ForwardMode.DECODE, 1, (0, 1, 63, 64, 65), 2),
@@ -88,7 +70,7 @@ FORCED_SPLITS = [
 @pytest.mark.parametrize(
     "page, heads, pair, mode, q, lens, splits",
     FORCED_SPLITS,
-    ids=[f"p{c[0]}-h{c[1]}-{c[2]}-{c[3].value}-s{c[6]}" for c in FORCED_SPLITS],
+    ids=[f"p{c[0]}-h{c[1]}-{c[2]}-{c[3].value}-q{c[4]}-s{c[6]}" for c in FORCED_SPLITS],
 )
 def test_interpreter_forced_splits_across_pools(
     monkeypatch: pytest.MonkeyPatch,
@@ -100,7 +82,8 @@ def test_interpreter_forced_splits_across_pools(
     lens: tuple[int, ...],
     splits: int,
 ) -> None:
-    """The split merge against both references on every pool dtype and several pages."""
+    """The split merge (and empty splits) against both references on every pool dtype and
+    several pages."""
     from mla_backends.kernels import tuning
 
     monkeypatch.setattr(tuning, "choose_num_splits", lambda *a, **k: splits)
