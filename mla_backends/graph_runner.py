@@ -31,6 +31,13 @@ from mla_backends.pool import no_scale_freeze
 Forward = Callable[[ForwardBatch, dict[str, torch.Tensor]], torch.Tensor]
 
 
+def replayable(sizes: Sequence[int], max_batch: int) -> list[int]:
+    """`sizes` without those past the smallest one that holds `max_batch` requests: no batch
+    would ever replay them (a replay takes the smallest captured size that fits)."""
+    cover = min((bs for bs in sizes if bs >= max_batch), default=None)
+    return [bs for bs in sizes if cover is None or bs <= cover]
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """One per-token input: `[tokens, *shape]` of `dtype` (e.g. q_nope `[T, H, L]`)."""

@@ -187,12 +187,14 @@ def test_incremental_decode_equals_full_forward_torch(hf_checkpoint) -> None:  #
 
 def test_engine_decode_through_the_graph_runner_equals_eager(hf_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The engine's graph path without capture (static buffers, padding to 1/2/4): three
-    requests pad to 4, two run at 2; logits equal the eager engine's."""
+    requests pad to 4, two run at 2; logits equal the eager engine's. Of sizes past
+    max_requests (8) only the first, 16, can replay: 32 and 64 are not captured."""
     model = load_model(hf_checkpoint[0])
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 2, 17)]
     engines = [_engine(model), _engine(model)]
-    engines[1].enable_graphs([1, 2, 4], use_graphs=False)
+    engines[1].enable_graphs([64, 1, 2, 32, 4, 16], use_graphs=False)
+    assert engines[1].runner is not None and engines[1].runner.batch_sizes == [1, 2, 4, 16]
     rows = [e.new_requests(3) for e in engines]
     for e, r in zip(engines, rows):
         e.extend(r, prompts)

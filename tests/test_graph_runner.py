@@ -20,7 +20,7 @@ from parity import graph_params
 
 from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import ShapeError
-from mla_backends.graph_runner import CudaGraphRunner, InputSpec
+from mla_backends.graph_runner import CudaGraphRunner, InputSpec, replayable
 from mla_backends.testing import TOLERANCES, Case, DecodeStream, absorbed_forward, build_case
 
 
@@ -461,3 +461,19 @@ def test_padded_rows_device_lengths_equal_the_host_copies_after_a_larger_batch(
         assert torch.equal(seq.cpu(), seq_cpu), f"n={n}: device seq_lens {seq} vs {seq_cpu}"
         assert torch.equal(pre.cpu(), pre_cpu), f"n={n}: device prefix {pre} vs {pre_cpu}"
         assert (seq[n:] == pad_seq).all() and (pre[n:] == pad_seq - q_len).all()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "max_batch", "kept"),
+    [
+        ([1, 2, 4, 8], 8, [1, 2, 4, 8]),
+        ([1, 2, 4, 8, 16], 3, [1, 2, 4]),  # 8 and 16 never replay: 4 holds every batch
+        ([16, 1, 32], 8, [16, 1]),  # unsorted: the order is the runner's to fix
+        ([1, 2], 8, [1, 2]),  # larger batches run eagerly
+        ([8], 1, [8]),
+    ],
+)
+def test_replayable_drops_sizes_no_batch_can_reach(
+    sizes: list[int], max_batch: int, kept: list[int]
+) -> None:
+    assert replayable(sizes, max_batch) == kept

@@ -13,7 +13,7 @@ import torch
 from mla_backends.backends.protocol import AttentionBackend
 from mla_backends.batch import ForwardBatch, ForwardMode, as_int, as_ints, is_bool
 from mla_backends.config import MLADims
-from mla_backends.graph_runner import CudaGraphRunner, InputSpec
+from mla_backends.graph_runner import CudaGraphRunner, InputSpec, replayable
 from mla_backends.runtime import Runtime
 
 
@@ -69,13 +69,16 @@ class Engine:
     ) -> None:
         """Capture decode steps of the whole model (every layer, the LM head) once per batch
         size (default: the config's `cuda_graph_batch_sizes`); `decode` then replays the
-        smallest captured size that fits, padded."""
+        smallest captured size that fits, padded. Sizes past the smallest one that holds
+        `max_requests` could never replay and are not captured (their static buffers and
+        graphs would only take memory)."""
         if self._drafts is not None and self._verified:  # capture replaces the staged verify
             raise RuntimeError(
                 f"request rows {self._verified} have a pending verify: accept(rows, counts) "
                 "before enable_graphs()"
             )
         sizes = self.rt.config.cuda_graph_batch_sizes if batch_sizes is None else batch_sizes
+        sizes = replayable(as_ints(sizes, "batch_sizes"), self.rt.config.max_requests)
         runner = CudaGraphRunner(
             self.backend,
             lambda batch, inputs: self.model(inputs["ids"], batch, self.backend),
