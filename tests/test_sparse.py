@@ -396,7 +396,8 @@ def test_indexer_fused_q_prep_zeroes_the_topk_counters() -> None:
 def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None:
     """EXTEND tokens are scored in chunks under LOGITS_BUDGET: with the Triton kernels a
     token costs its fp32 logits and the top-k launches' int32 candidate list, as wide; with
-    torch, the logits and its gathered fp32 keys. Decode is one chunk."""
+    torch, the logits and its gathered fp32 keys. The Triton kernels score a decode batch
+    whole; torch chunks it too (its keys gathered as fp32 held gigabytes at long contexts)."""
     from mla_backends.sparse.index_k import LOGITS_BUDGET
 
     dims = IndexerDims(4, 32, 16, 8, True)
@@ -410,6 +411,43 @@ def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None
     torch_step = LOGITS_BUDGET // (4 * width * (dims.head_dim + 1))
     assert ref._chunks(5, width, ForwardMode.EXTEND)[0] == (0, min(5, torch_step))
     assert tri._chunks(3 * step + 1, width, ForwardMode.DECODE) == [(0, 3 * step + 1)]
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        assert ref._chunks(3 * torch_step + 1, width, mode)[1] == (torch_step, 2 * torch_step)
+
+
+def test_indexer_torch_decode_in_chunks_selects_as_one_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode batch scored in chunks (a budget of two tokens' keys) picks the same slots as
+    one chunk, eager and in a graph's metadata."""
+    from mla_backends.sparse import indexer as indexer_mod
+
+    dims = IndexerDims(4, 32, 16, 8, False)
+    k, q, w, cos, sin = _indexer_inputs(dims, 40, 7)
+    cache = IndexKCache(1, 256, 32, False, "cpu")
+    r2t = torch.zeros(6, 64, dtype=torch.int32)
+    r2t[1:, :40] = (torch.randperm(200)[:40].int() + 4).repeat(5, 1)
+    cache.write(0, r2t[1, :40].long(), *prepare_k(dims, k, cos, sin))
+    ctx = [40, 9, 33, 17, 25]
+    batch = ForwardBatch.build(
+        ForwardMode.DECODE, [1, 2, 3, 4, 5], [c - 1 for c in ctx], [1] * 5,
+        r2t[1, [c - 1 for c in ctx]].long(), "cpu",
+    )  # fmt: skip
+    ix = Indexer(dims, cache, r2t, "torch")
+    ix.init_forward_metadata(batch)
+    assert ix.metadata is not None and ix.metadata.chunks == [(0, 5)]
+    whole = ix.select(0, q[:5], w[:5], cos[:5], sin[:5])
+    monkeypatch.setattr(indexer_mod, "LOGITS_BUDGET", 2 * 4 * 40 * (dims.head_dim + 1))
+    ix.init_forward_metadata(batch)
+    assert ix.metadata.chunks == [(0, 2), (2, 4), (4, 5)]
+    chunked = ix.select(0, q[:5], w[:5], cos[:5], sin[:5])
+    ix.init_cuda_graph_state(5, 5)
+    ix.init_forward_metadata_capture(batch)  # 64 columns wide: one token a chunk
+    assert ix.metadata.graph and len(ix.metadata.chunks) == 5
+    graph = ix.select(0, q[:5], w[:5], cos[:5], sin[:5])
+    for got in (chunked, graph):
+        assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in whole]
+    assert (whole >= 0).sum(1).tolist() == [min(c, 8) for c in ctx]
 
 
 @pytest.mark.interp

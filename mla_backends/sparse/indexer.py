@@ -72,7 +72,7 @@ class IndexerMetadata:
     rows: torch.Tensor  # [T] int64, device: request row of each query token
     visible: torch.Tensor  # [T] int32, device: keys the token may see (position + 1)
     width: int  # host: logits columns (the batch's longest context, or the graph maximum)
-    chunks: list[tuple[int, int]]  # host: token ranges scored together (EXTEND: memory)
+    chunks: list[tuple[int, int]]  # host: token ranges scored together (memory)
     # host: captured in a CUDA graph, whose width is the longest context the pool takes (the
     # logits then loop over each token's visible blocks: `index_logits(loop=True)`)
     graph: bool = False
@@ -126,7 +126,11 @@ class Indexer:
 
     # ------------------------------------------------------------------ metadata
     def _chunks(self, t: int, width: int, mode: ForwardMode) -> list[tuple[int, int]]:
-        if mode is not ForwardMode.EXTEND or t == 0:
+        # The Triton kernels score decode and verify batches whole (8 bytes a key: the
+        # counted first digit and the one-launch top-k take the batch at once). Hazard: the
+        # torch path gathers each token's keys as fp32 (516 bytes a key): unchunked, a decode
+        # batch of 64 at 128k held 4.3 GB, and a graph as wide as the pool's longest context.
+        if t == 0 or (self.kernels == "triton" and mode is not ForwardMode.EXTEND):
             return [(0, t)]
         # triton: fp32 logits and, beside them, the top-k launches' int32 candidate list (as
         # wide as the logits); torch: the logits and the gathered fp32 keys
@@ -171,7 +175,8 @@ class Indexer:
                 f"indexer: batch of {t} tokens exceeds the CUDA-graph state, allocated for "
                 f"{g.rows.shape[0]} (init_cuda_graph_state(max_bs, max_num_tokens))"
             )
-        md = IndexerMetadata(g.rows[:t], g.visible[:t], g.width, [(0, t)], graph=True)
+        chunks = self._chunks(t, g.width, batch.mode)
+        md = IndexerMetadata(g.rows[:t], g.visible[:t], g.width, chunks, graph=True)
         g.captured[t] = md
         self._refill(md, batch)
 
