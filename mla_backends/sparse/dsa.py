@@ -100,12 +100,13 @@ class DSABackend:
         overlap_indexer: bool = True,
     ) -> DSABackend:
         """Index-K cache over the runtime pool's slots, the indexer and the sparse backend;
-        with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space.
+        with `fp8_rows` the latent rows live in an FP8 row pool of the same slot space
+        (hazard: the runtime's own pool stays allocated beside it, unread: 1,152 bytes a slot
+        a layer at bf16 on top of the rows' 656; a `float8_e4m3fn` runtime pool halves that).
         `dense`: the dense batches' backend (default: the runtime's; none with `fp8_rows`).
-        `topk_path`: the
-        indexer's top-k, "auto" or "launches" (`Config.indexer_topk`). `overlap_indexer`:
-        on a GPU the indexer runs on its own stream beside the layer's projections
-        (`begin_select`)."""
+        `topk_path`: the indexer's top-k, "auto" or "launches" (`Config.indexer_topk`).
+        `overlap_indexer`: on a GPU the indexer runs on its own stream beside the layer's
+        projections (`begin_select`)."""
         if fp8_rows and dense is not None:
             # the dense backends read the runtime's pool, which FP8 rows leave empty
             raise ValueError(
