@@ -134,6 +134,8 @@ BACKENDS: list[Row] = [
         verify_heads=(16,),  # 48 query rows: several 16-row blocks
         long=70,
         dims=SMALL,
+        # batch 130 (past 128: a second block of requests) at page 1, contexts <= 39
+        batch=BatchSweep(1, (4,), ("float16",), long=39),
         mha=MhaSweep(("float32", "float16", "bfloat16"), "short", heads=4),
         graphs=(Graph(16, 4, "float16"), Graph(16, 4, "bfloat16", q_len=2)),
     ),

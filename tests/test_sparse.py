@@ -29,6 +29,7 @@ from mla_backends.sparse.indexer import (
 from mla_backends.sparse.quant import block_quant, hadamard, hadamard_matrix, ue8m0_scale
 from mla_backends.sparse.reference import sparse_attention, sparse_reference
 from mla_backends.sparse.testing import SparseCase, build, run
+from mla_backends.testing import TOLERANCES, compare
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -666,7 +667,6 @@ def test_triton_sparse_backend_matches_reference(case: SparseCase) -> None:
 
 
 @pytest.mark.interp
-@pytest.mark.interp
 def test_triton_sparse_kernel_reads_slot_zero_as_a_row() -> None:
     """The kernel's contract is "int32 slots, -1 unused": slot 0 is a row like any other (the
     pool keeps it as the dummy page; every harness built its indices from request pages, so
@@ -689,11 +689,118 @@ def test_triton_sparse_kernel_reads_slot_zero_as_a_row() -> None:
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.interp
 def test_triton_sparse_exact_counts_and_contexts_shorter_than_topk() -> None:
     """Indexer-shaped rows (exactly min(topk, visible) valid) at every context around topk."""
     case = SparseCase("triton", "bfloat16", "bfloat16", kv_lens=(1, 31, 32, 33, 64), topk=32)
     _, _, detail = run(case)
     assert not detail, detail
+
+
+# (pool, mode, topk, splits): the `triton` backend's KV split count forced (the interpreter's
+# launch has 2): one split (no merge), and more splits than the index list has 16-key blocks
+# (empty splits); -1 entries, an all -1 row, contexts shorter than topk (kv 1 and 5, and 40
+# under topk 64) and NaN in every pool row no request owns, as in every SparseCase.
+FORCED_SPARSE_SPLITS = [
+    ("float32", "verify", 32, 1),
+    ("bfloat16", "decode", 32, 8),
+    ("float16", "extend", 32, 4),
+    ("fp8", "verify", 64, 4),
+    ("fp8_row", "decode", 64, 8),
+]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(
+    "pool, mode, topk, splits",
+    FORCED_SPARSE_SPLITS,
+    ids=[f"{p}-{m}-k{k}-s{s}" for p, m, k, s in FORCED_SPARSE_SPLITS],
+)
+def test_triton_sparse_forced_splits_match_reference(
+    monkeypatch: pytest.MonkeyPatch, pool: str, mode: str, topk: int, splits: int
+) -> None:
+    """The split merge of the sparse kernel (and its one-split store) against the fp64
+    reference, out and LSE, at split counts the interpreter's launch never takes."""
+    from mla_backends.sparse import triton_backend as tb
+    from mla_backends.sparse import triton_kernel as sk
+
+    launch, kernel, seen = tb.launch_config, sk.sparse_mla, []
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(args[6])  # num_splits
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(tb, "launch_config", lambda *a, **k: {**launch(*a, **k), "splits": splits})
+    monkeypatch.setattr(sk, "sparse_mla", spy)
+    m, q = MODES[mode]
+    case = SparseCase("triton", pool, POOLS[pool], m, q, topk=topk, drop=0.2, empty_row=True)
+    _, _, detail = run(dataclasses.replace(case, seed=splits))
+    assert not detail, detail
+    assert seen == [splits]
+
+
+# Page sizes the allocator hands out beside 16 and 64: the sparse backends read slots, so
+# every one is theirs (nothing refuses one); the FP8 row pool rounds its slot space up to
+# FlashMLA's 64-slot pages (page 1: 1 + pages slots; page 128: a page is two of them).
+SPARSE_PAGES = [
+    pytest.param(backend, pool, page, marks=marks, id=f"{backend}-{pool}-p{page}")
+    for backend, marks in (("torch", ()), ("triton", (pytest.mark.interp,)))
+    for pool in ("bfloat16", "fp8_row")
+    for page in (1, 32, 128)
+]
+
+
+@pytest.mark.parametrize("backend, pool, page", SPARSE_PAGES)
+def test_sparse_backends_take_every_allocator_page_size(backend: str, pool: str, page: int) -> None:
+    """Contexts at the page edges (page - 1, page, page + 1) and past topk, verify (q_len 3),
+    pages shuffled and interleaved, NaN in every unowned row."""
+    lens = tuple(sorted({max(3, page - 1), max(3, page), page + 1, 70}))
+    case = SparseCase(backend, pool, "bfloat16", ForwardMode.TARGET_VERIFY, 3, lens, 32, page)
+    _, _, detail = run(dataclasses.replace(case, drop=0.2, empty_row=True))
+    assert not detail, detail
+
+
+@pytest.mark.interp
+def test_triton_sparse_graph_hooks_replay_padded_batches() -> None:
+    """The `triton` sparse backend's CUDA-graph path off a GPU (capture itself needs CUDA:
+    `CudaGraphRunner.capture`): it has no hooks of its own, the base class's state is
+    allocated once, capture and each replay bind the same `valid` buffer refilled with the
+    batch's counts; n real decode tokens padded to the captured 8 as the graph runner pads
+    (request row 0, seq_len 1, the dummy slot 0: its one index, NaN in this pool, and its
+    output slot); the real rows' out and LSE equal the reference whatever the padded rows
+    read; a batch past the state is refused."""
+    b = build(SparseCase("triton", "float16", "float16", kv_lens=(1, 5, 40, 70, 33)), "cpu")
+    be, real, bs = b.backend, b.batch, 8
+    be.init_cuda_graph_state(bs, bs)
+    state = be.graph_state
+    atol, rtol, lse_tol = TOLERANCES["float16"]
+    for step, n in enumerate((5, 2)):  # captured at 5 real rows, replayed at 2
+        pad = bs - n
+        loc = torch.cat([real.out_cache_loc[:n], real.out_cache_loc.new_zeros(pad)])
+        rows = real.req_pool_indices[:n].tolist() + [0] * pad
+        pre = real.extend_prefix_lens_cpu[:n].tolist() + [0] * pad
+        static = ForwardBatch.build(ForwardMode.DECODE, rows, pre, [1] * bs, loc, "cpu")
+        hook = be.init_forward_metadata_replay if step else be.init_forward_metadata_capture
+        hook(static)
+        md = be.metadata
+        assert md is not None and md.valid.data_ptr() == state.valid.data_ptr()
+        want_valid = [min(be.topk, p + 1) for p in pre[:n]] + [1] * pad
+        assert md.valid.tolist() == want_valid and md.valid_cpu.tolist() == want_valid
+        idx = torch.full((bs, be.topk), -1, dtype=torch.int32)
+        idx[:n], idx[n:, 0] = b.indices[:n], 0
+        q = [torch.cat([x[:n], x.new_zeros(pad, *x.shape[1:])]) for x in (b.q_nope, b.q_rope)]
+        out, lse = be.forward_sparse(0, *q, idx, static, True)
+        ref_out, ref_lse = sparse_reference(
+            be.pool, 0, b.q_nope[:n], b.q_rope[:n], idx[:n], be.scale
+        )
+        _, d1 = compare("out", out[:n], ref_out, atol, rtol)
+        _, d2 = compare("lse", lse[:n], ref_lse, lse_tol, 0.0)
+        assert not d1 and not d2, f"{n} real rows: {d1} {d2}"
+    over = ForwardBatch.build(
+        ForwardMode.DECODE, [0] * 9, [0] * 9, [1] * 9, torch.zeros(9, dtype=torch.long), "cpu"
+    )
+    with pytest.raises(ValueError, match=r"batch of 9 requests / 9 tokens exceeds the CUDA-graph"):
+        be.init_forward_metadata_replay(over)
 
 
 @pytest.mark.interp
