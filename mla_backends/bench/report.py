@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,28 +50,49 @@ def progress(total: int) -> Callable[[str], None]:
     return step
 
 
+def _cannot_write(folder: Path, make_folder: bool) -> str | None:
+    """Why this process cannot make a folder (or a file) in `folder`, tried rather than asked
+    and undone at once, else None. Hazard: `os.access` answers yes to root on a virtual or
+    read-only file system (`--out /proc/x` passed, and the run's results were lost at its end
+    in a traceback), and GPU containers usually run as root."""
+    try:
+        if make_folder:
+            os.rmdir(tempfile.mkdtemp(dir=folder))
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
 def check_out(out: Path, names: Iterable[str] = ()) -> None:
     """UsageError unless `out` is, or can be made, a folder this process may write, and each
     of `names` (the suite's files) is absent there or a file it may replace: checked before
-    any timing, so that a long run's results are never lost at its end. Nothing is made
-    here (`write` makes the folder): a suite that then refuses its options leaves none."""
+    any timing, so that a long run's results are never lost at its end. Nothing is left here
+    (`write` makes the folder): a suite that then refuses its options leaves none."""
     if not out.exists():
         parent = next(p for p in out.absolute().parents if p.exists())
         if not parent.is_dir():
             raise UsageError(f"--out {out}: cannot make this folder ({parent} is not a folder)")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(f"--out {out}: cannot make this folder ({parent} is not writable)")
+        why = _cannot_write(parent, make_folder=True)
+        if why is not None:
+            raise UsageError(f"--out {out}: cannot make this folder (in {parent}: {why})")
         return
     if not out.is_dir():
         raise UsageError(f"--out {out}: cannot make this folder (a file of that name exists)")
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: this folder is not writable")
+    why = _cannot_write(out, make_folder=False)
+    if why is not None:
+        raise UsageError(f"--out {out}: this folder is not writable ({why})")
     for name in names:
         path = out / name
         if path.is_dir() or (path.exists() and not path.is_file()):
             raise UsageError(f"--out {out}: {path} is not a file, the run could not write it")
-        if path.exists() and not os.access(path, os.W_OK):
-            raise UsageError(f"--out {out}: {path} is not writable")
+        if path.exists():
+            try:
+                path.open("a").close()  # appends nothing: the file and its time stay as they are
+            except OSError as e:
+                raise UsageError(f"--out {out}: {path} is not writable ({e.strerror})") from None
 
 
 def write(out: Path, files: Mapping[str, object]) -> list[Path]:
