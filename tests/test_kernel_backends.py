@@ -79,6 +79,15 @@ def test_a_missing_package_hint_names_each_install_once(monkeypatch: pytest.Monk
         ),
         ("flashinfer_mla", {"kv_dtype": "float8_e4m3fn"}, A100, r"FP8 MLA needs fa3 \(SM90\)"),
         ("flashinfer_mla", {}, Capability("cpu"), r"needs a CUDA GPU"),
+        # every reason at once, the machine's too: one at a time sent users to fix the page
+        # size first, only to be told then that the GPU cannot run the backend
+        (
+            "flashmla",
+            {"page_size": 16, "kv_dtype": "float32"},
+            A100,
+            r"^flashmla needs page_size in \(64,\), config has 16; flashmla needs kv_dtype in "
+            r"\('bfloat16', 'float16'\), config has 'float32'; FlashMLA needs SM 90, found ",
+        ),
     ],
 )
 def test_capability_reasons(

@@ -65,16 +65,23 @@ class MLABackend(ABC, Generic[M]):
     # ------------------------------------------------------------------ capability
     @classmethod
     def supports(cls, config: Config, cap: Capability, role: str | None) -> str | None:
-        """None if this backend can serve `role` for `config` on `cap`, else the reason (role
-        None: every check but the role's)."""
+        """None if this backend can serve `role` for `config` on `cap`, else every reason, "; "
+        between them (role None: every check but the role's). Hazard: one reason at a time sent
+        a user to fix the page size first and only then told them the machine cannot run it."""
         c = cls.caps
         if role is not None and role not in c.roles:
             return f"{cls.name} has no {role} path (it serves: {', '.join(c.roles)})"
+        reasons = []
         if config.page_size not in c.page_sizes:
-            return f"{cls.name} needs page_size in {c.page_sizes}, config has {config.page_size}"
+            reasons.append(
+                f"{cls.name} needs page_size in {c.page_sizes}, config has {config.page_size}"
+            )
         if config.kv_dtype not in c.kv_dtypes:
-            return f"{cls.name} needs kv_dtype in {c.kv_dtypes}, config has {config.kv_dtype!r}"
-        return cls._machine_reason(config, cap)
+            reasons.append(
+                f"{cls.name} needs kv_dtype in {c.kv_dtypes}, config has {config.kv_dtype!r}"
+            )
+        machine = cls._machine_reason(config, cap)
+        return "; ".join(reasons + ([machine] if machine else [])) or None
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
