@@ -9,7 +9,14 @@ import torch
 
 from mla_backends.config import DEEPSEEK_V3, MLADims
 from mla_backends.merge import merge_states
-from mla_backends.reference import absorb_q, absorbed, mha, mha_expanded, project_v
+from mla_backends.reference import (
+    absorb_q,
+    absorbed,
+    mha,
+    mha_expanded,
+    project_v,
+    softmax_with_lse,
+)
 
 
 def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -148,3 +155,10 @@ def test_unit_stride_copies_a_view_whose_last_stride_is_not_one() -> None:
     assert y.stride(-1) == 1 and torch.equal(y, x)
     z = torch.arange(12.0).view(3, 4)
     assert unit_stride(z) is z  # already unit-stride: no copy
+
+
+def test_softmax_with_lse_gives_zero_and_minus_inf_on_a_row_with_no_key() -> None:
+    mask = torch.tensor([[True, False, True], [False, False, False]])
+    probs, lse = softmax_with_lse(torch.randn(2, 3, dtype=torch.float64), mask)
+    assert not probs.isnan().any() and probs[1].eq(0).all() and lse[1] == float("-inf")
+    assert probs[0, 1] == 0 and math.isclose(float(probs[0].sum()), 1.0)

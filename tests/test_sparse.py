@@ -5,6 +5,7 @@ TRITON_INTERPRET=1) against the fp64 sparse reference."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -598,6 +599,21 @@ def test_dense_rule_and_dense_indices() -> None:
     idx = dense_indices(r2t, b, 8)
     assert idx[3].tolist() == [32, 33, 34, 35, 36, 37, -1, -1]  # request row 2, 6 keys
     assert idx[5].tolist() == [48, 49, 50] + [-1] * 5
+    # a width past the table's: no column past it is read (its last column stands in)
+    assert dense_indices(r2t[:, :4], b, 6)[3].tolist() == [32, 33, 34, 35, 35, 35]
+
+
+def test_dense_rule_takes_an_empty_batch_and_counts_cap_at_topk() -> None:
+    """An empty batch runs dense (no max over no lengths); the backends' valid counts are
+    min(topk, visible), on the host and the device alike."""
+    from types import SimpleNamespace
+
+    from mla_backends.sparse.torch_backend import TorchSparseBackend
+
+    assert runs_dense(_batch(ForwardMode.EXTEND, [], []), 1)
+    b = _batch(ForwardMode.EXTEND, [0, 5, 2], [3, 2, 1])
+    md = TorchSparseBackend._counts(SimpleNamespace(topk=4), b)  # type: ignore[arg-type]
+    assert md.valid_cpu.tolist() == md.valid.tolist() == [1, 2, 3, 4, 4, 3]
 
 
 def test_sparse_reference_equals_dense_when_every_key_is_selected_and_masks_otherwise() -> None:
@@ -1320,6 +1336,117 @@ def test_topk_slots_checks_its_counters() -> None:
             topk_slots(torch.zeros(2, 8), 4, r2t, rows, counts=bad)
 
 
+_R2T = torch.arange(512, dtype=torch.int32).view(4, 128)
+
+
+@pytest.mark.parametrize(
+    "logits,r2t,rows,counts,match",
+    [
+        (torch.zeros(40), _R2T, torch.tensor([1, 2]), None, "2-D fp32"),
+        (torch.zeros(2, 40), _R2T, torch.tensor([1, 2, 3]), None, r"rows must be \[T\] = \[2\]"),
+        (torch.zeros(2, 40), _R2T[:, :39].contiguous(), torch.tensor([1, 2]), None, ">= 40"),
+        (torch.zeros(2, 40), _R2T[:, ::2], torch.tensor([1, 2]), None, r"contiguous \(stride 1\)"),
+        (torch.zeros(2, 40), _R2T, torch.tensor([1, 2]), "short", "counts must be int32"),
+    ],
+    ids=["1d-logits", "rows-longer", "table-one-short", "table-strided", "counts-one-short"],
+)
+def test_topk_slots_refuses_each_shape_one_past_its_edge(
+    logits: torch.Tensor, r2t: torch.Tensor, rows: torch.Tensor, counts: str | None, match: str
+) -> None:
+    """Each shape check at its edge: one row too many, a table one key too narrow, a table
+    with strided rows, counters one column short, logits not 2-D."""
+    from mla_backends.sparse.topk_kernel import COUNTS, topk_slots
+
+    c = torch.zeros(2, COUNTS - 1, dtype=torch.int32) if counts else None
+    with pytest.raises(ValueError, match=match):
+        topk_slots(logits, 8, r2t, rows, counts=c)
+
+
+@pytest.mark.interp
+def test_topk_slots_takes_strided_logits_and_fills_keyless_rows_with_minus_one() -> None:
+    """Logits with a row stride and an element stride give the contiguous logits' sets; rows
+    of zero keys are all -1 (no launch)."""
+    from mla_backends.sparse.topk_kernel import topk_slots
+
+    g = torch.Generator().manual_seed(2)
+    r2t = torch.randperm(600, generator=g).to(torch.int32).view(2, 300)
+    rows = torch.tensor([1, 0])
+    strided = torch.randn(2, 600, generator=g)[:, ::2]
+    got = topk_slots(strided, 16, r2t, rows)
+    assert _slot_sets(got) == _slot_sets(topk_slots(strided.contiguous(), 16, r2t, rows))
+    empty = topk_slots(torch.zeros(2, 0), 4, r2t, rows)
+    assert torch.equal(empty, torch.full((2, 4), -1, dtype=torch.int32))
+
+
+def test_add_first_counts_ignores_finite_logits_past_visible() -> None:
+    """With `visible`, keys at and past visible[t] are not counted, however large."""
+    from mla_backends.sparse.topk_kernel import add_first_counts, new_counts
+
+    g = torch.Generator().manual_seed(4)
+    logits, vis = torch.randn(3, 50, generator=g), torch.tensor([50, 10, 0], dtype=torch.int32)
+    past = torch.arange(50)[None, :] >= vis[:, None].long()
+    got, want = new_counts(3, logits.device), new_counts(3, logits.device)
+    add_first_counts(logits.masked_fill(past, 1e6), got, vis)
+    add_first_counts(logits.masked_fill(past, -torch.inf), want)
+    assert torch.equal(got, want) and int(got.sum()) == 60
+
+
+@pytest.mark.parametrize(
+    "sms,t,width,largest,want",
+    [
+        (8, 8, 512, 8192, 512),  # T x programs == SMs: fits
+        (8, 9, 512, 8192, None),
+        (8, 1, 8 * 4096, 4096, 4096),  # the largest block allowed is taken
+        (8, 1, 8 * 4096, 2048, None),
+        (1000, 1, 256 * 512, 512, 512),  # MAX_ROW_PROGRAMS programs a row: fits
+        (1000, 1, 256 * 512 + 1, 512, None),
+    ],
+)
+def test_topk_fused_block_for_edges(
+    monkeypatch: pytest.MonkeyPatch, sms: int, t: int, width: int, largest: int, want: int | None
+) -> None:
+    """`block_for` at each bound (SMs, the largest block, a row's programs) on a pretended
+    GPU; never on a CPU device, interpreter or not."""
+    from mla_backends.sparse import topk_fused
+
+    monkeypatch.setattr(topk_fused, "interpreting", lambda: False)
+    monkeypatch.setattr(topk_fused, "num_sms", lambda device: sms)
+    assert topk_fused.block_for(t, width, torch.device("cuda"), largest) == want
+    assert topk_fused.block_for(t, width, torch.device("cpu"), largest) is None
+
+
+@pytest.mark.parametrize(
+    "counts_width,counted,warps",
+    [("wide", False, None), ("narrow", True, 3)],
+)
+def test_topk_fused_run_passes_its_flags_to_the_launch(
+    monkeypatch: pytest.MonkeyPatch, counts_width: str, counted: bool, warps: int | None
+) -> None:
+    """`run` (host side, the kernel replaced): a row of exactly MAX_ROW_PROGRAMS blocks
+    launches; WIDE from the counters' width (WIDE_COUNTS exactly), COUNTED and the warps as
+    given."""
+    from mla_backends.sparse import topk_fused
+    from mla_backends.sparse.topk_kernel import COUNTS, MAX_ROW_PROGRAMS, WIDE_COUNTS, TopkCall
+
+    launched: list[tuple[tuple[int, int], dict]] = []
+
+    class _Kernel:
+        def __getitem__(self, grid: tuple[int, int]) -> Callable[..., None]:
+            return lambda *args, **kw: launched.append((grid, kw))
+
+    monkeypatch.setattr(topk_fused, "_topk_fused_kernel", _Kernel())
+    width = MAX_ROW_PROGRAMS * 512
+    logits, r2t = torch.zeros(1, width), torch.zeros(1, width, dtype=torch.int32)
+    wide = counts_width == "wide"
+    counts = torch.zeros(1, WIDE_COUNTS if wide else COUNTS, dtype=torch.int32)
+    call = TopkCall(logits, 4, r2t, torch.zeros(1).long(), r2t[0], False, counts, counted)
+    topk_fused.run(call, 512, warps)
+    [(grid, kw)] = launched
+    assert grid == (1, MAX_ROW_PROGRAMS)
+    assert (kw["WIDE"], kw["COUNTED"]) == (wide, counted)
+    assert kw["num_warps"] == (warps or topk_fused.WARPS[512])
+
+
 def test_sparse_splits_reach_one_key_block_a_program() -> None:
     """Batch 1: the index list split until a program holds one key block (its time is a
     chain of dependent gathers per block), capped; larger batches split less; powers of two."""
@@ -1339,6 +1466,27 @@ def test_pdl_is_off_off_a_gpu() -> None:
 
     assert not use_pdl(torch.device("cpu"))
     assert pdl_args(torch.device("cpu")) == {"USE_GDC": False}
+
+
+@pytest.mark.parametrize("env,want", [(None, True), ("1", True), ("0", False)])
+def test_pdl_is_off_a_cpu_outside_the_interpreter_and_on_by_default(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, want: bool
+) -> None:
+    """A CPU device never takes PDL, interpreter or not (no CUDA call); MLA_PDL=0 alone turns
+    it off, unset means on."""
+    from mla_backends.kernels import pdl
+
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    assert not pdl.use_pdl(torch.device("cpu"))
+    if env is None:
+        monkeypatch.delenv("MLA_PDL", raising=False)
+    else:
+        monkeypatch.setenv("MLA_PDL", env)
+    pdl._pdl_env.cache_clear()
+    try:
+        assert pdl._pdl_env() is want
+    finally:
+        pdl._pdl_env.cache_clear()
 
 
 @pytest.mark.interp
