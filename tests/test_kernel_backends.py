@@ -57,6 +57,32 @@ def test_a_missing_package_hint_names_each_install_once(monkeypatch: pytest.Monk
     assert "build deepseek-ai/FlashMLA" in msg
 
 
+def test_a_kernel_package_of_another_release_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang 0.5.17 pins flashinfer-python 0.6.15.post1: a backend importing it says, once,
+    which release the suite was checked with; the checked release and unknown packages say
+    nothing."""
+    import importlib
+    import importlib.metadata
+    import types
+
+    from mla_backends.backends import kernel_packages
+
+    installed = {"flashinfer-python": "0.6.15.post1", "sglang-kernel": "0.4.3"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: installed[dist])
+    monkeypatch.setattr(importlib, "import_module", lambda name: types.ModuleType(name))
+    monkeypatch.setattr(kernel_packages, "_warned", set())
+    with caplog.at_level("WARNING", logger=kernel_packages.__name__):
+        for module in ("flashinfer", "flashinfer.decode", "sgl_kernel.flash_mla", "numpy"):
+            kernel_packages.require(module)
+    assert [r.getMessage() for r in caplog.records] == [
+        "flashinfer-python 0.6.15.post1 is installed; mla-backends was checked with "
+        "0.7.2.post1 only (mla-backends[gpu]): if a backend over it fails or disagrees, "
+        "install flashinfer-python==0.7.2.post1"
+    ]
+
+
 @pytest.mark.parametrize(
     "name, cfg, cap, pattern",
     [

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import logging
 from types import ModuleType
 
 from mla_backends.backends.base import Capability
@@ -17,6 +19,37 @@ INSTALL = {
 }
 
 
+# The releases every GPU check of this project ran with (pyproject's `[gpu]`), by import name:
+# (distribution, version). Another release may run, or may differ in an internal this suite
+# reads (FlashInfer's planner layout, sgl_kernel's FlashMLA signatures): it gets one warning.
+CHECKED = {
+    "flashinfer": ("flashinfer-python", "0.7.2.post1"),
+    "sgl_kernel": ("sglang-kernel", "0.4.3"),
+    "fla": ("fla-core", "0.6.0"),
+}
+_warned: set[str] = set()
+logger = logging.getLogger(__name__)
+
+
+def warn_unchecked(package: str) -> None:
+    """Log once a process when `package` is installed at a release other than `CHECKED`'s
+    (SGLang 0.5.17, for one, pins sglang-kernel 0.4.5 and flashinfer-python 0.6.15.post1)."""
+    if package not in CHECKED or package in _warned:
+        return
+    _warned.add(package)
+    dist, checked = CHECKED[package]
+    try:
+        found = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+        return
+    if found != checked:
+        logger.warning(
+            "%s %s is installed; mla-backends was checked with %s only (mla-backends[gpu]): "
+            "if a backend over it fails or disagrees, install %s==%s",
+            dist, found, checked, dist, checked,
+        )  # fmt: skip
+
+
 def missing(*modules: str) -> str | None:
     """Reason string if none of `modules` is importable (without importing it), else None."""
     if any(importlib.util.find_spec(m.split(".")[0]) is not None for m in modules):
@@ -27,10 +60,12 @@ def missing(*modules: str) -> str | None:
 
 def require(module: str) -> ModuleType:
     try:
-        return importlib.import_module(module)
+        found = importlib.import_module(module)
     except ImportError as e:
         hint = INSTALL.get(module.split(".")[0], f"install {module}")
         raise ImportError(f"{module} could not be imported ({e}); {hint}") from e
+    warn_unchecked(module.split(".")[0])
+    return found
 
 
 def need_triton(device_type: str) -> str | None:
