@@ -268,6 +268,9 @@ def test_runtime_build_resolves_auto_and_a_triton_cpu_runtime_fails_when_built(
             r"run here: triton MLA kernels need kv_lora_rank .*powers of two",
         ):
             Runtime.build(Config(model=odd, prefill_backend="triton", decode_backend=decode))
+    # Config's default model (what a YAML file without `model:` gets) is named as the cause
+    with pytest.raises(ConfigError, match=r"got 32 and 8 \(model tiny: model: tiny-kernel takes"):
+        Runtime.build(Config(decode_backend="triton"))
     # one that can run the config builds as named
     rt = Runtime.build(Config(model=TINY_KERNEL, prefill_backend="triton", decode_backend="triton"))
     assert rt.config.decode_backend == "triton"

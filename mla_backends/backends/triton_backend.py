@@ -16,7 +16,7 @@ from mla_backends.backends.base import BackendCaps, BackendContext, Capability, 
 from mla_backends.backends.kernel_packages import need_triton
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
-from mla_backends.config import Config, ConfigError
+from mla_backends.config import TINY, Config, ConfigError
 from mla_backends.indices import build_page_table, page_table_width
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,12 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             return f"FP8 KV needs SM89 or newer, found {cap.describe()}"
         d = config.model
         if not (_pow2(d.kv_lora_rank) and _pow2(d.qk_rope_head_dim)):
+            # Hazard: a YAML file without `model:` gets Config's `tiny` (R 8), not the shipped
+            # default's `tiny-kernel`: say so, or the widths look like the user's own
+            hint = " (model tiny: model: tiny-kernel takes triton)" if d == TINY else ""
             return (
                 f"triton MLA kernels need kv_lora_rank and qk_rope_head_dim to be powers of "
-                f"two >= 16, got {d.kv_lora_rank} and {d.qk_rope_head_dim}"
+                f"two >= 16, got {d.kv_lora_rank} and {d.qk_rope_head_dim}{hint}"
             )
         return None
 
