@@ -60,3 +60,35 @@ def test_verify_exits_2_on_bad_config(cli: Cli, tmp_path: Path) -> None:
     proc = cli("verify", "--config", str(bad))
     assert proc.returncode == 2 and "page_size=12" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _resolve(dotted: str) -> object:
+    """`pkg.mod.Name.attr` (or `pkg.mod:attr`) -> the object: submodules imported while they
+    are packages' modules, then attributes."""
+    parts = dotted.replace(":", ".").split(".")
+    obj: object = importlib.import_module(parts[0])
+    for i, attr in enumerate(parts[1:], 1):
+        if not hasattr(obj, attr) and hasattr(obj, "__path__"):
+            importlib.import_module(".".join(parts[: i + 1]))
+        obj = getattr(obj, attr)
+    return obj
+
+
+def test_readme_dotted_names_and_their_keywords_exist() -> None:
+    """Every `mla_backends....` name the prose gives resolves, and every keyword it shows a
+    call of (`DSABackend.build(..., topk_path=...)`) is a parameter: a name a newcomer copies
+    from the README once named a module that does not export it."""
+    import inspect
+
+    names = set(re.findall(r"`(mla_backends(?:[.:]\w+)+)", README))
+    assert "mla_backends.reference.batch_reference" in names
+    for dotted in sorted(names):
+        _resolve(dotted)
+    short = {"DSABackend": "mla_backends.sparse.dsa.DSABackend"}
+    calls = re.findall(r"`((?:mla_backends\.)?[\w.]+)\(\.\.\., (\w+)=", README)
+    assert calls, "README shows no call with a keyword"
+    for func, keyword in calls:
+        head, _, rest = func.partition(".")
+        target = _resolve(f"{short[head]}.{rest}" if head in short else func)
+        assert callable(target), func
+        assert keyword in inspect.signature(target).parameters, f"{func}(..., {keyword}=)"
