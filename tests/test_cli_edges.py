@@ -334,6 +334,17 @@ def test_peers_none_only_alone() -> None:
         peer_list(f"{next(iter(DECODE_PEERS))},none")
 
 
+def test_backends_refuse_a_list_of_no_name() -> None:
+    """Hazard: `--backends ,` gave no name, and the run fell back to the config's backend."""
+    import argparse
+
+    from mla_backends.bench.options import backend_list
+
+    assert backend_list("torch,") == ["torch"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected backend names"):
+        backend_list(" , ")
+
+
 def test_an_option_the_suite_does_not_take_is_refused() -> None:
     """Hazard: an option given to a suite that ignores it (`--kv-len` to `--suite prefill`)
     was dropped silently: the run timed the defaults the user meant to change."""
@@ -343,6 +354,8 @@ def test_an_option_the_suite_does_not_take_is_refused() -> None:
     Options(suite="grid", kv_len=[1024]).check_applies()
     with pytest.raises(UsageError, match=r"--kv-len does not apply to --suite prefill"):
         Options(suite="prefill", kv_len=[1024]).check_applies()
+    with pytest.raises(UsageError, match=r"--prefill-tokens does not apply to --suite stack"):
+        Options(suite="stack", prefill_tokens=0).check_applies()  # given, though 0 is falsy
 
 
 def test_int_lists_refuse_repeats_and_the_seed_takes_its_top_value() -> None:

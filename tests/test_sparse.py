@@ -5,6 +5,7 @@ TRITON_INTERPRET=1) against the fp64 sparse reference."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import pytest
@@ -412,7 +413,10 @@ def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None
     assert len(tri._chunks(3 * step + 1, width, ForwardMode.EXTEND)) == 4
     torch_step = LOGITS_BUDGET // (4 * width * (dims.head_dim + 1))
     assert ref._chunks(5, width, ForwardMode.EXTEND)[0] == (0, min(5, torch_step))
-    assert tri._chunks(3 * step + 1, width, ForwardMode.DECODE) == [(0, 3 * step + 1)]
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        assert tri._chunks(3 * step + 1, width, mode) == [(0, 3 * step + 1)]
+    for ix in (tri, ref):  # a token wider than the budget: still one chunk a token
+        assert ix._chunks(2, 1 << 40, ForwardMode.EXTEND) == [(0, 1), (1, 2)]
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         assert ref._chunks(3 * torch_step + 1, width, mode)[1] == (torch_step, 2 * torch_step)
 
@@ -450,6 +454,22 @@ def test_indexer_torch_decode_in_chunks_selects_as_one_chunk(
     for got in (chunked, graph):
         assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in whole]
     assert (whole >= 0).sum(1).tolist() == [min(c, 8) for c in ctx]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=["decode", "extend"])
+def test_indexer_selects_nothing_for_an_empty_batch(kernels: str, mode: ForwardMode) -> None:
+    """A batch of no request (an idle rank's step): one empty chunk, width 0, and an empty
+    [0, topk] selection; no chunk at all left `select` nothing to concatenate."""
+    dims = IndexerDims(4, 32, 16, 8, True)
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    ix = Indexer(dims, IndexKCache(1, 128, 32, True, "cpu"), r2t, kernels)
+    ix.init_forward_metadata(ForwardBatch.build(mode, [], [], [], torch.zeros(0).long(), "cpu"))
+    assert ix.metadata is not None and (ix.metadata.width, ix.metadata.chunks) == (0, [(0, 0)])
+    empty = torch.zeros(0, 8)
+    got = ix.select(0, torch.zeros(0, 4, 32), torch.zeros(0, 4), empty, empty)
+    assert got.shape == (0, dims.topk) and got.dtype == torch.int32
 
 
 @pytest.mark.interp
@@ -1617,6 +1637,80 @@ def test_flashmla_sparse_pads_heads_to_the_smallest_kernel_width() -> None:
     from mla_backends.sparse.flashmla import padded_heads
 
     assert [padded_heads(h) for h in (1, 16, 63, 64, 65, 128)] == [64, 64, 64, 64, 128, 128]
+
+
+def _sparse_ctx(heads: int = 16, fp8_rows: bool = False, topk: int = 128):  # type: ignore[no-untyped-def]
+    """A DeepSeek-width (512 + 64) bf16 sparse context on the CPU, paged or FP8 rows."""
+    from mla_backends.config import Config
+    from mla_backends.runtime import Runtime
+    from mla_backends.sparse.base import SparseContext
+
+    dims = MLADims(heads, 512, 64, 128, 128, 40.0, 1.0)
+    rt = Runtime.build(
+        Config(model=dims, num_layers=1, prefill_backend="torch", decode_backend="torch",
+               page_size=64, num_pages=2, max_requests=2, max_context_len=128, device="cpu",
+               kv_dtype="bfloat16", dtype="bfloat16")
+    )  # fmt: skip
+    pool = Fp8RowPool(1, 2, 64, 512, 64) if fp8_rows else rt.kv_pool
+    return SparseContext(dims, pool, rt.req_pool, topk, torch.bfloat16)
+
+
+SM = {"sm75": (7, 5), "sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}
+
+
+@pytest.mark.parametrize(
+    "backend, bad, edge, sm, reason",
+    [
+        ("flashmla", {"heads": 129}, {"heads": 128}, "sm90", "at most 128 heads"),
+        ("flashmla", {"fp8_rows": True, "topk": 96}, {"fp8_rows": True, "topk": 64}, "sm90",
+         "topk % 64 == 0"),
+        ("flashinfer_mla", {"fp8_rows": True}, {}, "sm90", "reads pools .*not 'fp8_row'"),
+        ("triton", {"sm": "sm75"}, {"sm": "sm80"}, "", "needs SM80 or newer"),
+        ("triton", {"fp8_rows": True, "sm": "sm86"}, {"fp8_rows": True, "sm": "sm89"}, "",
+         "FP8 KV needs SM89 or newer"),
+    ],
+    ids=["flashmla-heads", "flashmla-fp8-topk", "flashinfer-fp8-rows", "triton-sm",
+         "triton-fp8-sm"],
+)  # fmt: skip
+def test_sparse_backends_refuse_one_past_each_limit_and_take_the_limit(
+    backend: str, bad: dict, edge: dict, sm: str, reason: str
+) -> None:
+    """Each refusal of `supports` (heads, topk, pool kind, SM version) at its edge: the value
+    one past the limit refused with its reason, the limit itself not refused for it (it may
+    be for another: no sgl_kernel here)."""
+    from mla_backends.backends.context import Capability
+    from mla_backends.sparse.base import get_sparse_backend_class
+
+    cls = get_sparse_backend_class(backend)
+
+    def why(kw: dict) -> str:
+        kw = dict(kw)
+        cap = Capability("cuda", SM[kw.pop("sm", sm)], "GPU")
+        return cls.supports(_sparse_ctx(**kw), cap) or ""
+
+    assert re.search(reason, why(bad)), why(bad)
+    assert not re.search(reason, why(edge)), why(edge)
+
+
+def test_sparse_auto_on_a_cpu_is_the_torch_backend_under_the_interpreter_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The "auto" choice tries the kernel backends on CUDA only: under TRITON_INTERPRET=1 the
+    Triton one runs on a CPU, slower than torch by far, and would have been taken."""
+    from mla_backends.sparse.base import create_sparse_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert create_sparse_backend("auto", _sparse_ctx()).name == "torch"
+
+
+def test_forward_sparse_refuses_indices_of_another_shape_or_dtype() -> None:
+    case = SparseCase("torch", "bfloat16", "bfloat16", ForwardMode.DECODE, 1, (20, 40))
+    b = build(case, "cpu")
+    sp = b.backend
+    sp.init_forward_metadata(b.batch)
+    for bad in (b.indices.long(), b.indices[:, :-1], b.indices[:1]):
+        with pytest.raises(ShapeError, match=r"indices: expected"):
+            sp.forward_sparse(0, b.q_nope, b.q_rope, bad, b.batch)
 
 
 @pytest.mark.parametrize("power", [0.25, 1.0, 4.0, 64.0])
