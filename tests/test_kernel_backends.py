@@ -84,6 +84,41 @@ def test_a_kernel_package_of_another_release_warns_once(
 
 
 @pytest.mark.parametrize(
+    "installed, warned",
+    [
+        ({"sglang-kernel": "0.4.3+cu130"}, None),  # a CUDA build of the checked release
+        ({"sgl-kernel": "0.3.9"}, "sgl-kernel 0.3.9 is installed"),  # its name before 0.4
+        ({}, None),  # no distribution: a source tree or a bundle
+    ],
+    ids=["local-label", "old-name", "none"],
+)
+def test_kernel_package_warning_reads_local_labels_and_old_names(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    installed: dict,
+    warned: str | None,
+) -> None:
+    import importlib.metadata
+
+    from mla_backends.backends import kernel_packages
+
+    def version(dist: str) -> str:
+        if dist not in installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(kernel_packages, "_warned", set())
+    with caplog.at_level("WARNING", logger=kernel_packages.__name__):
+        kernel_packages.warn_unchecked("sgl_kernel")
+    got = [r.getMessage() for r in caplog.records]
+    if warned is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and got[0].startswith(warned), got
+
+
+@pytest.mark.parametrize(
     "name, cfg, cap, pattern",
     [
         ("flashmla", {"page_size": 16}, H100, r"needs page_size in \(64,\), config has 16"),

@@ -1692,6 +1692,44 @@ def test_sparse_backends_refuse_one_past_each_limit_and_take_the_limit(
     assert not re.search(reason, why(edge)), why(edge)
 
 
+@pytest.mark.parametrize(
+    ("release", "refused"),
+    [("0.6.15.post1", True), ("0.7.1", True), ("0.7.2.post1", False), ("0.7.2.post1+cu130", False)],
+)
+def test_flashinfer_mla_refuses_a_flashinfer_without_its_fa3_module(
+    monkeypatch: pytest.MonkeyPatch, release: str, refused: bool
+) -> None:
+    """SGLang 0.5.17 pins flashinfer-python 0.6.15.post1, which has no fa3 MLA module: the
+    dense and sparse `flashinfer_mla` passed start-up there and raised ImportError at the
+    first batch. `supports` refuses a release below 0.7.2, with the reason and the install."""
+    import importlib.metadata
+
+    import mla_backends.backends.flashinfer_mla as fi
+    import mla_backends.sparse.flashinfer_mla as sfi
+    from mla_backends.backends.context import Capability
+    from mla_backends.backends.registry import get_backend_class
+    from mla_backends.config import DEEPSEEK_V3, Config
+    from mla_backends.sparse.base import get_sparse_backend_class
+
+    for module in (fi, sfi):  # as if FlashInfer were installed, at `release`
+        monkeypatch.setattr(module, "missing", lambda *a: None)
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda dist: release if dist == "flashinfer-python" else "0"
+    )
+    h100 = Capability("cuda", (9, 0), "H100")
+    config = Config(model=DEEPSEEK_V3, page_size=64, device="cpu")
+    reasons = [
+        get_backend_class("flashinfer_mla").supports(config, h100, "decode"),
+        get_sparse_backend_class("flashinfer_mla").supports(_sparse_ctx(), h100),
+    ]
+    want = (
+        f"flashinfer-python {release} is older than 0.7.2 (flashinfer_mla drives FlashInfer's "
+        "fa3 MLA module, flashinfer.mla._batch_mla; pip install flashinfer-python==0.7.2.post1"
+    )
+    for reason in reasons:
+        assert (reason is not None and want in reason) if refused else reason is None, reason
+
+
 def test_sparse_auto_on_a_cpu_is_the_torch_backend_under_the_interpreter_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

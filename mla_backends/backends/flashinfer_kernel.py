@@ -18,6 +18,11 @@ from mla_backends.fi_planner import MAX_WORKS, cluster_size, synthetic_info
 if TYPE_CHECKING:
     from mla_backends.kernels.fi_schedule import PageGather
 
+# The FlashInfer release whose fa3 MLA module `FaMLAKernel` imports; older ones lack it
+# (0.6.15.post1, SGLang 0.5.17's pin, has no `flashinfer.mla._batch_mla`: an ImportError at
+# the first batch, after start-up had passed), so `supports` refuses them.
+FI_RELEASE = (0, 7, 2)
+FI_NEEDS = "flashinfer_mla drives FlashInfer's fa3 MLA module, flashinfer.mla._batch_mla"
 WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 PINNED_RING = 4

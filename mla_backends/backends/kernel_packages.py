@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import re
 from types import ModuleType
 
 from mla_backends.backends.base import Capability
@@ -27,8 +28,21 @@ CHECKED = {
     "sgl_kernel": ("sglang-kernel", "0.4.3"),
     "fla": ("fla-core", "0.6.0"),
 }
+# Other distributions that install the same import name: a release under one of these is
+# unchecked too (sgl-kernel: sglang-kernel's name before 0.4; flash-linear-attention: fla's).
+OTHER_DISTS = {"sgl_kernel": ("sgl-kernel",), "fla": ("flash-linear-attention",)}
 _warned: set[str] = set()
 logger = logging.getLogger(__name__)
+
+
+def _installed(package: str, dist: str) -> tuple[str, str] | None:
+    """(distribution, version) that installed `package`, or None (a source tree, a bundle)."""
+    for name in (dist, *OTHER_DISTS.get(package, ())):
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def warn_unchecked(package: str) -> None:
@@ -38,16 +52,31 @@ def warn_unchecked(package: str) -> None:
         return
     _warned.add(package)
     dist, checked = CHECKED[package]
-    try:
-        found = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+    installed = _installed(package, dist)
+    if installed is None:
         return
-    if found != checked:
+    # Hazard: a CUDA build's local label (0.4.3+cu130) is the checked release, not another
+    name, found = installed
+    if (name, found.split("+")[0]) != (dist, checked):
         logger.warning(
             "%s %s is installed; mla-backends was checked with %s only (mla-backends[gpu]): "
             "if a backend over it fails or disagrees, install %s==%s",
-            dist, found, checked, dist, checked,
+            name, found, checked, dist, checked,
         )  # fmt: skip
+
+
+def older_than(package: str, minimum: tuple[int, ...], needs: str) -> str | None:
+    """Reason when `package` is installed at a release below `minimum`, whose internals this
+    suite's wrapper reads (`needs` names them), else None (that release or newer, or no
+    distribution metadata to tell)."""
+    installed = _installed(package, CHECKED[package][0])
+    release = re.match(r"\d+(?:\.\d+)*", installed[1]) if installed else None
+    if installed is None or release is None:
+        return None
+    if tuple(int(x) for x in release.group().split(".")) >= minimum:
+        return None
+    least = ".".join(map(str, minimum))
+    return f"{installed[0]} {installed[1]} is older than {least} ({needs}; {INSTALL[package]})"
 
 
 def missing(*modules: str) -> str | None:

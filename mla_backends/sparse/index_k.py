@@ -13,7 +13,7 @@ from mla_backends.pool import LayerBuffers, slots_or_dummy
 from mla_backends.sparse.quant import block_quant, hadamard
 
 PAGE = 64  # slots per index-K block (SGLang's page-major layout)
-LOGITS_BUDGET = 256 << 20  # bytes one EXTEND chunk's logits (and what is as wide) may hold
+LOGITS_BUDGET = 256 << 20  # bytes one indexer chunk's logits (and what is as wide) may hold
 
 
 @dataclass(frozen=True)
