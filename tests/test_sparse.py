@@ -399,8 +399,9 @@ def test_indexer_fused_q_prep_zeroes_the_topk_counters() -> None:
 def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None:
     """EXTEND tokens are scored in chunks under LOGITS_BUDGET: with the Triton kernels a
     token costs its fp32 logits and the top-k launches' int32 candidate list, as wide; with
-    torch, the logits and its gathered fp32 keys. The Triton kernels score a decode batch
-    whole; torch chunks it too (its keys gathered as fp32 held gigabytes at long contexts)."""
+    torch, a key's logit, its gathered fp32 key twice and its dot with each head. The Triton
+    kernels score a decode batch whole; torch chunks it too (its keys gathered as fp32 held
+    gigabytes at long contexts)."""
     from mla_backends.sparse.index_k import LOGITS_BUDGET
 
     dims = IndexerDims(4, 32, 16, 8, True)
@@ -411,7 +412,7 @@ def test_indexer_extend_chunks_hold_the_logits_and_the_topk_candidates() -> None
     step = LOGITS_BUDGET // (8 * width)
     assert tri._chunks(3 * step + 1, width, ForwardMode.EXTEND)[:2] == [(0, step), (step, 2 * step)]
     assert len(tri._chunks(3 * step + 1, width, ForwardMode.EXTEND)) == 4
-    torch_step = LOGITS_BUDGET // (4 * width * (dims.head_dim + 1))
+    torch_step = LOGITS_BUDGET // (4 * width * (2 * dims.head_dim + dims.n_heads + 1))
     assert ref._chunks(5, width, ForwardMode.EXTEND)[0] == (0, min(5, torch_step))
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         assert tri._chunks(3 * step + 1, width, mode) == [(0, 3 * step + 1)]
@@ -443,7 +444,7 @@ def test_indexer_torch_decode_in_chunks_selects_as_one_chunk(
     ix.init_forward_metadata(batch)
     assert ix.metadata is not None and ix.metadata.chunks == [(0, 5)]
     whole = ix.select(0, q[:5], w[:5], cos[:5], sin[:5])
-    monkeypatch.setattr(indexer_mod, "LOGITS_BUDGET", 2 * 4 * 40 * (dims.head_dim + 1))
+    monkeypatch.setattr(indexer_mod, "LOGITS_BUDGET", 2 * 4 * 40 * (2 * 32 + 4 + 1))
     ix.init_forward_metadata(batch)
     assert ix.metadata.chunks == [(0, 2), (2, 4), (4, 5)]
     chunked = ix.select(0, q[:5], w[:5], cos[:5], sin[:5])

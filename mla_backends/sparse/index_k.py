@@ -135,7 +135,7 @@ def logits_reference(
 ) -> torch.Tensor:
     """q [T, Hi, D], w [T, Hi], k [T, S, D] (each token's candidate keys), k_scale [T, S]
     -> [T, S] fp32 = k_scale * sum_h w_h * relu(q_h . k)."""
-    dots = torch.einsum("thd,tsd->ths", q.float(), k.float()).relu()
+    dots = torch.einsum("thd,tsd->ths", q.float(), k.float()).relu_()  # in place: [T, Hi, S]
     return torch.einsum("th,ths->ts", w.float(), dots) * k_scale.float()
 
 

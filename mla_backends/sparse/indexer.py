@@ -133,8 +133,11 @@ class Indexer:
         if t == 0 or (self.kernels == "triton" and mode is not ForwardMode.EXTEND):
             return [(0, t)]
         # triton: fp32 logits and, beside them, the top-k launches' int32 candidate list (as
-        # wide as the logits); torch: the logits and the gathered fp32 keys
-        per_token = 4 * max(width, 1) * (2 if self.kernels == "triton" else self.dims.head_dim + 1)
+        # wide as the logits); torch, a key's fp32 values: the logits, its gathered key twice
+        # (the read's and the masked copy) and its dot with each head
+        d = self.dims
+        per_key = 2 if self.kernels == "triton" else 2 * d.head_dim + d.n_heads + 1
+        per_token = 4 * max(width, 1) * per_key
         step = max(1, LOGITS_BUDGET // per_token)
         return [(s, min(s + step, t)) for s in range(0, t, step)]
 
