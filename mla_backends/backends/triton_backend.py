@@ -64,7 +64,9 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
         if not (_pow2(d.kv_lora_rank) and _pow2(d.qk_rope_head_dim)):
             # Hazard: a YAML file without `model:` gets Config's `tiny` (R 8), not the shipped
             # default's `tiny-kernel`: say so, or the widths look like the user's own
-            hint = " (model tiny: model: tiny-kernel takes triton)" if d == TINY else ""
+            hint = (
+                " (model tiny, the default without `model:`; tiny-kernel runs)" if d == TINY else ""
+            )
             return (
                 f"triton MLA kernels need kv_lora_rank and qk_rope_head_dim to be powers of "
                 f"two >= 16, got {d.kv_lora_rank} and {d.qk_rope_head_dim}{hint}"
