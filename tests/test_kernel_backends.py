@@ -72,7 +72,7 @@ def test_a_kernel_package_of_another_release_warns_once(
     installed = {"flashinfer-python": "0.6.15.post1", "sglang-kernel": "0.4.3"}
     monkeypatch.setattr(importlib.metadata, "version", lambda dist: installed[dist])
     monkeypatch.setattr(importlib, "import_module", lambda name: types.ModuleType(name))
-    monkeypatch.setattr(kernel_packages, "_warned", set())
+    kernel_packages.warn_unchecked.cache_clear()
     with caplog.at_level("WARNING", logger=kernel_packages.__name__):
         for module in ("flashinfer", "flashinfer.decode", "sgl_kernel.flash_mla", "numpy"):
             kernel_packages.require(module)
@@ -108,7 +108,7 @@ def test_kernel_package_warning_reads_local_labels_and_old_names(
         return installed[dist]
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    monkeypatch.setattr(kernel_packages, "_warned", set())
+    kernel_packages.warn_unchecked.cache_clear()
     with caplog.at_level("WARNING", logger=kernel_packages.__name__):
         kernel_packages.warn_unchecked("sgl_kernel")
     got = [r.getMessage() for r in caplog.records]

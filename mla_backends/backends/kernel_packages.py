@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -31,7 +32,6 @@ CHECKED = {
 # Other distributions that install the same import name: a release under one of these is
 # unchecked too (sgl-kernel: sglang-kernel's name before 0.4; flash-linear-attention: fla's).
 OTHER_DISTS = {"sgl_kernel": ("sgl-kernel",), "fla": ("flash-linear-attention",)}
-_warned: set[str] = set()
 logger = logging.getLogger(__name__)
 
 
@@ -45,12 +45,12 @@ def _installed(package: str, dist: str) -> tuple[str, str] | None:
     return None
 
 
+@functools.cache  # once a process and package
 def warn_unchecked(package: str) -> None:
     """Log once a process when `package` is installed at a release other than `CHECKED`'s
     (SGLang 0.5.17, for one, pins sglang-kernel 0.4.5 and flashinfer-python 0.6.15.post1)."""
-    if package not in CHECKED or package in _warned:
+    if package not in CHECKED:
         return
-    _warned.add(package)
     dist, checked = CHECKED[package]
     installed = _installed(package, dist)
     if installed is None:
