@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -72,6 +73,35 @@ def test_bench_table_calls_gpu_rates_ceilings() -> None:
     table = format_table(result)
     assert "ceilings measured at the start of this run" in table and "ref" not in table
     assert " 10%" in table  # 300 GB/s of 3000
+
+
+def test_bench_tables_read_each_number_the_right_way() -> None:
+    """format_table: a path with no timing (NaN) has no line, a result written before the CPU
+    references carries no `is_ceiling` and is a GPU's (ceilings). format_result: raw / ours
+    is the peer's time over ours, the rates are the fastest of ours', a peer's first error
+    is the one shown; the prefill lines' speed is SDPA's time over the path's."""
+    from mla_backends.bench.report import format_result, format_table
+
+    c = {"copy_gbps": 3000.0, "matmul_tflops": 700.0}
+    shape = {"heads": 16, "q_len": 1, "batch": 1, "kv_len": 4096, "bytes": 3e6, "flops": 1e8}
+    grid = [{**shape, "triton_us": 10.0, "torch_us": math.nan}]
+    table = format_table({"device": "GPU", "ceilings": c, "rows": grid})
+    assert "ceilings measured" in table and "torch" not in table
+    assert re.search(r" triton +10\.0 ", table), table
+    prefill = {"tokens": 1024, "heads": 16, "sdpa_us": 100.0, "sdpa_tflops": 5.0,
+               "fa_us": 50.0, "fa_tflops": 10.0, "fa_max_abs_diff_vs_sdpa": 1e-3}  # fmt: skip
+    rows = [
+        {**shape, "flashmla_us": 10.0, "torch_us": 20.0, "raw_flashmla_us": 15.0},
+        {**shape, "flashmla_us": 10.0, "torch_us": 20.0, "raw_flashmla_error": "first"},
+        {**shape, "flashmla_us": 10.0, "torch_us": 20.0, "raw_flashmla_error": "second"},
+    ]
+    result = {"device": "GPU", "ceilings": c, "decode": rows, "prefill": prefill}
+    lines = format_result(result, ["flashmla", "torch"], ["raw_flashmla"]).splitlines()
+    assert lines[2].split()[-3:] == ["1.50", "300", "10"]  # 15 / 10; 3e6 B and 1e8 flop in 10 us
+    assert [line for line in lines if "not run" in line] == ["raw_flashmla not run: first"]
+    [fa] = [line for line in lines if " fa " in line]
+    assert "vs sdpa 2.00x" in fa
+    assert not [line for line in lines if line.startswith("prefill tokens")]
 
 
 def test_bench_without_matplotlib_writes_table_and_json(
@@ -393,6 +423,27 @@ def test_a_pool_larger_than_free_gpu_memory_is_refused_before_timing(
     )
 
 
+def test_backend_config_keeps_the_configs_page_size_where_the_backend_takes_it() -> None:
+    """The config's page size first, the backend's own sizes only where it is refused: torch
+    on page 32 stays on 32 (not 1, the first size torch takes)."""
+    from mla_backends.backends.context import Capability
+    from mla_backends.bench.fixtures import backend_config, setup_config
+
+    cfg = setup_config("torch", 4, 2, 100, page_size=32, device="cpu", dtype="float32")
+    got = backend_config(cfg, "torch", Capability("cpu"), [4, 8])
+    assert (got.page_size, got.decode_backend) == (32, "torch")
+
+
+def test_decode_setup_sets_an_fp8_pools_scale() -> None:
+    """The FP8 pool's random codes are read under a set scale (0.05, rounded to bf16), not
+    the default 1.0 that warns as uncalibrated on the first timed call."""
+    from mla_backends.bench.fixtures import decode_setup
+
+    s = decode_setup("torch", 4, 1, 2, 100, 16, "float8_e4m3fn", device="cpu", dtype="float32")
+    pool = s.rt.kv_pool
+    assert pool.scale_is_set(0) and pool.scale(0) == pytest.approx(0.05, rel=1e-2)
+
+
 def test_stack_suite_on_cpu_eager_half_with_the_recorded_keys(tmp_path: Path) -> None:
     rc, out, err = _bench(
         tmp_path, "--suite", "stack", "--backends", "torch", "--stack-size", "tiny",
@@ -456,6 +507,10 @@ def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_pat
         (["--suite", "fi-plan"], r"config error: --suite fi-plan: needs a CUDA GPU"),
         (["--suite", "metadata"], r"config error: --suite metadata: needs a CUDA GPU"),
         (["--suite", "metadata", "--part", "fp8"], r"error: --part does not apply to --suite meta"),
+        (  # both of its options taken: the refusal is the GPU's
+            ["--suite", "metadata", "--backends", "torch", "--batch", "4"],
+            r"config error: --suite metadata: needs a CUDA GPU",
+        ),
         (["--suite", "linear", "--graphs"], r"error: --graphs does not apply to --suite linear"),
         (["--suite", "prefill", "--heads", "2,4"], r"--heads takes one value with --suite prefill"),
         (["--suite", "stack", "--backends", "flashmla"], r"--backends: 'flashmla' cannot run"),
@@ -467,6 +522,7 @@ def test_linear_suite_on_cpu_times_our_backend_and_says_what_needs_a_gpu(tmp_pat
         "fi-plan-needs-a-gpu",
         "metadata-needs-a-gpu",
         "metadata-options",
+        "metadata-takes-backends-and-batch",
         "option-of-another-suite",
         "prefill-one-heads",
         "stack",

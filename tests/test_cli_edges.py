@@ -294,15 +294,19 @@ def test_dcp_configs_refuse_what_cannot_run_them(monkeypatch: pytest.MonkeyPatch
     )
 
 
-@pytest.mark.parametrize("text", ["0:1:64:4096", "16:0:64:4096", "16:1:0:4096", "16:1:64:000"])
+@pytest.mark.parametrize(
+    "text", ["0:1:64:4096", "16:0:64:4096", "16:1:0:4096", "16:1:64:000", "16:1:64:4096:2"]
+)
 def test_shapes_refuse_a_zero_field(text: str) -> None:
     """Hazard: `--shapes` takes four integers >= 1; a 0 head count, query length, batch or
-    KV length was taken and timed an empty grid (or divided by zero in a rate)."""
+    KV length was taken and timed an empty grid (or divided by zero in a rate). A fifth
+    field is refused alike (not a bare unpacking error)."""
     import argparse
 
-    from mla_backends.bench.options import shape_list
+    from mla_backends.bench.options import shape_list, shape_text
 
     assert shape_list("16:1:64:4096, 016:2:8:64") == [(16, 1, 64, 4096), (16, 2, 8, 64)]
+    assert shape_text((16, 2, 8, 64)) == "16:2:8:64"  # the shape as --shapes takes it
     with pytest.raises(argparse.ArgumentTypeError, match=r"four integers >= 1"):
         shape_list(text)
 
@@ -334,15 +338,25 @@ def test_peers_none_only_alone() -> None:
         peer_list(f"{next(iter(DECODE_PEERS))},none")
 
 
-def test_backends_refuse_a_list_of_no_name() -> None:
-    """Hazard: `--backends ,` gave no name, and the run fell back to the config's backend."""
+@pytest.mark.parametrize(
+    "parse, one, want, message",
+    [
+        ("backend_list", "torch,", ["torch"], r"expected backend names"),
+        ("peer_list", "raw_flashmla,", ["raw_flashmla"], r"expected peer names, or none"),
+        ("shape_list", "16:1:8:64,", [(16, 1, 8, 64)], r"expected at least one H:q:B:kv shape"),
+    ],
+    ids=["backends", "peers", "shapes"],
+)
+def test_backends_refuse_a_list_of_no_name(parse: str, one: str, want: list, message: str) -> None:
+    """Hazard: `--backends ,` gave no name, and the run fell back to the config's backend;
+    `--peers ,` and `--shapes ,` alike fell back to the suite's defaults."""
     import argparse
 
-    from mla_backends.bench.options import backend_list
+    from mla_backends.bench import options
 
-    assert backend_list("torch,") == ["torch"]
-    with pytest.raises(argparse.ArgumentTypeError, match=r"expected backend names"):
-        backend_list(" , ")
+    assert getattr(options, parse)(one) == want
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        getattr(options, parse)(" , ")
 
 
 def test_an_option_the_suite_does_not_take_is_refused() -> None:

@@ -12,6 +12,8 @@ refusals, CUTLASS without LSE and the refusals on Hopper.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -78,7 +80,12 @@ def test_emulations_reject_what_the_kernels_reject() -> None:
     )
     ok = emulation.cutlass_mla_decode(qn, qp, kv, seq, table, ws, 0.1)
     assert ok.shape == (2, 16, 512)
+    wide = qn.new_zeros(2, 128, 512), qp.new_zeros(2, 128, 64)  # the most heads it takes
+    assert emulation.cutlass_mla_decode(*wide, kv, seq, table, ws, 0.1).shape == (2, 128, 512)
     bad = [
+        ((qn, qp[:, :8], kv, seq, table, ws, 0.1), "q_nope / q_pe batch or heads differ"),
+        ((qn, qp, kv, seq, table[:, :0], ws, 0.1), "block num must be greater than 0"),
+        ((qn, qp, kv, seq, table, ws[:0], 0.1), "workspace must be allocated"),
         ((qn.float(), qp.float(), kv.float(), seq, table, ws, 0.1), "not fp16/bf16"),
         ((qn, qp, kv, seq.long(), table, ws, 0.1), "seq_lens must be int32"),
         ((qn, qp, kv, seq, table.long(), ws, 0.1), "page_table must be int32"),
@@ -117,7 +124,17 @@ def test_emulations_reject_what_the_kernels_reject() -> None:
         max_seq_len=4,
     )
     assert emulation.trtllm_batch_decode_with_kv_cache_mla(**base).shape == (2, 1, 16, 512)
+    lse = {  # base 2 unless asked for base e
+        b: emulation.trtllm_batch_decode_with_kv_cache_mla(
+            **base, return_lse=True, return_lse_base=b
+        )[1]
+        for b in (None, "base2", "basee")
+    }
+    torch.testing.assert_close(lse[None], lse["basee"] / math.log(2), rtol=1e-6, atol=0)
+    torch.testing.assert_close(lse["base2"], lse[None], rtol=0, atol=0)
     for change, msg in [
+        ({"kv_cache": torch.zeros(3, 2, 64, 576, dtype=torch.bfloat16)}, "4D kv_cache must be"),
+        ({"seq_lens": torch.tensor([3, 4, 4], dtype=torch.int32)}, r"seq_lens \[B\] int32"),
         ({"kv_cache": torch.zeros(3, 16, 576, dtype=torch.bfloat16)}, "page size 32 or 64"),
         ({"block_tables": torch.ones(2, 3, dtype=torch.int32)}, r"blocks % \(128 / 64\)"),
         ({"kv_cache": kv.to(torch.float8_e4m3fn)}, "share a dtype"),

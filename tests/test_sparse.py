@@ -16,7 +16,12 @@ from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import ShapeError
 from mla_backends.config import MLADims
 from mla_backends.reference import absorbed
-from mla_backends.sparse.base import dense_indices, runs_dense, visible_counts_cpu
+from mla_backends.sparse.base import (
+    SparseContext,
+    dense_indices,
+    runs_dense,
+    visible_counts_cpu,
+)
 from mla_backends.sparse.fp8_row import Fp8RowFormat, Fp8RowPool, dequant_rows, pack_rows
 from mla_backends.sparse.indexer import (
     Indexer,
@@ -228,9 +233,13 @@ def test_indexer_triton_kernels_equal_the_torch_maths(quantized: bool) -> None:
 def test_indexer_refuses_what_its_kernels_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton kernels on a CPU outside the interpreter were taken, and the first store failed
     inside Triton ("0 active drivers"); RoPE tables narrower than the indexer's rope dims
-    rotated fewer dims, silently. Both refused, in one line."""
+    rotated fewer dims, silently; a cache of another head dim or quantisation than the dims.
+    Each refused, in one line."""
     dims = IndexerDims(4, 32, 16, 8, True)
     cache, r2t = IndexKCache(1, 200, 32, True, "cpu"), torch.zeros(3, 64, dtype=torch.int32)
+    for head_dim, quantized in ((16, True), (64, True), (32, False)):
+        with pytest.raises(ValueError, match=r"IndexKCache and IndexerDims disagree on head_dim"):
+            Indexer(dims, IndexKCache(1, 200, head_dim, quantized, "cpu"), r2t, "torch")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"indexer kernels 'triton': triton on a CPU runs only"):
         Indexer(dims, cache, r2t, "triton")
@@ -1264,6 +1273,9 @@ def test_sparse_launch_takes_gluon_only_where_it_can(monkeypatch: pytest.MonkeyP
     assert tb.launch_config(64, True, 1, 2048, 132, gluon=True)["splits"] == 32  # 64-key tiles
     for heads, fp8_rows in ((16, False), (16, True), (96, False)):
         assert "gluon" not in tb.launch_config(heads, fp8_rows, 16, 2048, 132, gluon=True)
+    for heads, fp8_rows, tile in ((16, False, 16), (16, True, 16), (17, False, 64), (17, True, 64)):
+        cfg = tb.launch_config(heads, fp8_rows, 1, 2048, 132)  # up to H16: the 16-row tiles
+        assert {k: cfg[k] for k in tb.LAUNCH[(tile, fp8_rows)]} == tb.LAUNCH[(tile, fp8_rows)]
     assert not tb.gluon_here(torch.device("cpu"))
 
 
@@ -1640,17 +1652,19 @@ def test_flashmla_sparse_pads_heads_to_the_smallest_kernel_width() -> None:
     assert [padded_heads(h) for h in (1, 16, 63, 64, 65, 128)] == [64, 64, 64, 64, 128, 128]
 
 
-def _sparse_ctx(heads: int = 16, fp8_rows: bool = False, topk: int = 128):  # type: ignore[no-untyped-def]
-    """A DeepSeek-width (512 + 64) bf16 sparse context on the CPU, paged or FP8 rows."""
+def _sparse_ctx(
+    heads: int = 16, fp8_rows: bool = False, topk: int = 128, kv_dtype: str = "bfloat16"
+) -> SparseContext:
+    """A DeepSeek-width (512 + 64) sparse context on the CPU, bf16 activations, a paged pool
+    of `kv_dtype` or FP8 rows."""
     from mla_backends.config import Config
     from mla_backends.runtime import Runtime
-    from mla_backends.sparse.base import SparseContext
 
     dims = MLADims(heads, 512, 64, 128, 128, 40.0, 1.0)
     rt = Runtime.build(
         Config(model=dims, num_layers=1, prefill_backend="torch", decode_backend="torch",
                page_size=64, num_pages=2, max_requests=2, max_context_len=128, device="cpu",
-               kv_dtype="bfloat16", dtype="bfloat16")
+               kv_dtype=kv_dtype, dtype="bfloat16")
     )  # fmt: skip
     pool = Fp8RowPool(1, 2, 64, 512, 64) if fp8_rows else rt.kv_pool
     return SparseContext(dims, pool, rt.req_pool, topk, torch.bfloat16)
@@ -1666,12 +1680,13 @@ SM = {"sm75": (7, 5), "sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9
         ("flashmla", {"fp8_rows": True, "topk": 96}, {"fp8_rows": True, "topk": 64}, "sm90",
          "topk % 64 == 0"),
         ("flashinfer_mla", {"fp8_rows": True}, {}, "sm90", "reads pools .*not 'fp8_row'"),
+        ("flashinfer_mla", {"kv_dtype": "float32"}, {}, "sm90", "pools, not float32"),
         ("triton", {"sm": "sm75"}, {"sm": "sm80"}, "", "needs SM80 or newer"),
         ("triton", {"fp8_rows": True, "sm": "sm86"}, {"fp8_rows": True, "sm": "sm89"}, "",
          "FP8 KV needs SM89 or newer"),
     ],
-    ids=["flashmla-heads", "flashmla-fp8-topk", "flashinfer-fp8-rows", "triton-sm",
-         "triton-fp8-sm"],
+    ids=["flashmla-heads", "flashmla-fp8-topk", "flashinfer-fp8-rows", "flashinfer-fp32-pool",
+         "triton-sm", "triton-fp8-sm"],
 )  # fmt: skip
 def test_sparse_backends_refuse_one_past_each_limit_and_take_the_limit(
     backend: str, bad: dict, edge: dict, sm: str, reason: str

@@ -14,7 +14,7 @@ import torch
 
 from mla_backends.backends.emulation import KernelContractError
 from mla_backends.backends.flashinfer_kernel import FaPlan
-from mla_backends.batch import ForwardMode
+from mla_backends.batch import ForwardBatch, ForwardMode
 from mla_backends.checks import ShapeError
 from mla_backends.config import Config, MLADims
 from mla_backends.sparse import flashinfer_mla as fi_mod
@@ -119,6 +119,60 @@ def test_flashinfer_long_extend_plans_each_chunk_before_its_run(
     assert fa.plans == fa.runs == -(-tokens // 4)
 
 
+def test_flashmla_graph_replay_recomputes_the_whole_fp8_schedule(
+    kernels: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 rows, decode through the graph hooks: capture, then a replay with other lengths
+    refills all T + 1 splits of the static buffer. The emulation's splits are zeros, so here
+    they are the lengths' prefix sums (a split table depends on the lengths, as the
+    kernel's does), and a stale last entry shows."""
+    fm = kernels["flashmla"]
+    assert isinstance(fm, FlashMLAEmulation)
+    zeros = fm.get_mla_metadata
+
+    def by_length(**kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        tile, splits = zeros(**kw)
+        return tile, torch.cat([splits[:1], kw["cache_seqlens"].cumsum(0, dtype=torch.int32)])
+
+    monkeypatch.setattr(fm, "get_mla_metadata", by_length)
+    case = SparseCase("flashmla", "fp8_row", kv_lens=(1, 5, 40, 70), topk=128, page_size=64,
+                      dims=_dims(16), check_support=False)  # fmt: skip
+    b = build(case, "cpu")
+    be, real = b.backend, b.batch
+    be.init_cuda_graph_state(4, 4)
+    rows, loc = real.req_pool_indices.tolist(), real.out_cache_loc
+    for hook, pre in (
+        (be.init_forward_metadata_capture, [0, 4, 39, 69]),
+        (be.init_forward_metadata_replay, [0, 2, 19, 34]),
+    ):
+        static = ForwardBatch.build(ForwardMode.DECODE, rows, pre, [1] * 4, loc, "cpu")
+        hook(static)
+        md, state = be.metadata, be.graph_state
+        assert isinstance(md, fm_mod.FlashMLASparseMetadata) and md.splits is not None
+        assert isinstance(state, fm_mod.FlashMLASparseGraphState)
+        assert md.splits.data_ptr() == state.splits.data_ptr()
+        assert md.splits.tolist() == [0, *torch.tensor(pre).add(1).cumsum(0).tolist()]
+
+
+def test_flashinfer_graph_of_more_tokens_than_one_plan_is_refused(
+    kernels: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A captured launch holds one plan: a graph batch of MAX_PLAN_TOKENS + 1 tokens is
+    refused in one line, one of MAX_PLAN_TOKENS is captured."""
+    monkeypatch.setattr(fi_mod, "MAX_PLAN_TOKENS", 4)
+    case = SparseCase("flashinfer_mla", kv_lens=(1, 5, 40, 70, 33), topk=128, page_size=64,
+                      dims=_dims(16), check_support=False)  # fmt: skip
+    b = build(case, "cpu")
+    be, real = b.backend, b.batch
+    be.init_cuda_graph_state(8, 8)
+    with pytest.raises(ValueError, match=r"graphs of more than 4 tokens are not supported"):
+        be.init_forward_metadata_capture(real)
+    rows, pre = real.req_pool_indices[:4].tolist(), real.extend_prefix_lens_cpu[:4].tolist()
+    four = ForwardBatch.build(ForwardMode.DECODE, rows, pre, [1] * 4, real.out_cache_loc[:4], "cpu")
+    be.init_forward_metadata_capture(four)
+    assert be.metadata is not None and be.metadata.valid.tolist() == [1, 5, 40, 70]
+
+
 def test_emulations_reject_what_the_kernels_reject() -> None:
     fm = FlashMLAEmulation()
     q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
@@ -137,18 +191,53 @@ def test_emulations_reject_what_the_kernels_reject() -> None:
         fm.flash_mla_with_kvcache(
             q[:, :, :16], kc, table, seq, 512, tile, splits, indices=idx, **base
         )
-    with pytest.raises(KernelContractError, match="softmax scale"):
-        fm.flash_mla_with_kvcache(
-            q, kc, table, seq, 512, tile, splits, indices=idx, **{**base, "softmax_scale": None}
-        )
+    below = idx.clone()
+    below[0, 0, 0] = -2
+    wide = torch.zeros(1, 64, 1, 672, dtype=torch.float8_e4m3fn)[..., :656]  # rows 672 apart
+    call: dict[str, Any] = dict(q=q, k_cache=kc, block_table=table, cache_seqlens=seq,
+                                head_dim_v=512, tile_scheduler_metadata=tile, num_splits=splits,
+                                indices=idx, **base)  # fmt: skip
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"softmax_scale": None}, "softmax scale"),
+        ({"indices": below}, "indices below -1"),
+        ({"causal": True}, "causal must be False"),
+        ({"k_cache": wide}, "stride"),
+    ]
+    for change, msg in changes:
+        with pytest.raises(KernelContractError, match=msg):
+            fm.flash_mla_with_kvcache(**{**call, **change})
     kv = torch.zeros(10, 1, 576, dtype=torch.bfloat16)
     with pytest.raises(KernelContractError, match="topk % 128"):
         fm.flash_mla_sparse_fwd(q[:, 0], kv, torch.zeros(2, 1, 64, dtype=torch.int32), 0.1)
+    # prefill: an index >= s_kv is unused, as -1 is
+    kv, qr = torch.randn(10, 1, 576).bfloat16(), torch.randn(2, 64, 576).bfloat16()
+    unused = torch.full((2, 1, 128), -1, dtype=torch.int32)
+    unused[:, 0, :5] = torch.arange(5)
+    past = unused.clone()
+    past[:, 0, 5:] = 10
+    for a, b in zip(*(fm.flash_mla_sparse_fwd(qr, kv, i, 0.1) for i in (unused, past))):
+        assert torch.equal(a, b)
     fa = FaMLAEmulation(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 512, 64)
     with pytest.raises(KernelContractError, match="run before plan"):
         plan = FaPlan(None, torch.zeros(1, dtype=torch.int32), False, 1, 0.1)
         out = torch.empty(1, 1, 512)
         fa.run(plan, (q[:, 0, :, :512], q[:, 0, :, 512:]), (kv, kv), out, None, 1.0)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(KernelContractError, match="page size 1: pages = lens"):
+        fa.plan(i32(0, 1, 2), i32(0, 2, 5), i32(2, 2), 64, 512, False)
+    fa.plan(i32(0, 1, 2), i32(0, 2, 2), i32(2, 0), 64, 512, False)  # row 1: no keys
+    qa = (qr[..., :512], qr[..., 512:])
+    rows = torch.randn(4, 1, 512).bfloat16(), torch.randn(4, 1, 64).bfloat16()
+    out, lse = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 64)
+    fa.run(FaPlan(None, i32(1, 3), False, 1, 0.1), qa, rows, out, lse, 1.0)
+    assert out[0].isfinite().all() and out[1].isnan().all() and lse[1].isnan().all()
+    for plan, qb, msg in [
+        (FaPlan(None, i32(1, 4), False, 1, 0.1), qa, "a page id out of the cache"),
+        (FaPlan(None, i32(1, 3), True, 1, 0.1), qa, "plan mismatch"),
+        (FaPlan(None, i32(1, 3), False, 1, 0.1), (qa[0][:1], qa[1][:1]), "q rows != the plan's"),
+    ]:
+        with pytest.raises(KernelContractError, match=msg):
+            fa.run(plan, qb, rows, out, lse, 1.0)
 
 
 # ----------------------------------------------------------------------------- V3.2 engine

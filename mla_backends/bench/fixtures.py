@@ -94,7 +94,7 @@ def setup_config(
     device: str = "cuda",
     dtype: str = "bfloat16",
 ) -> Config:
-    """One layer, a pool of exactly the batch's pages (plus the dummy page)."""
+    """One layer, a pool of exactly the batch's pages (the pool adds its dummy page)."""
     return Config(
         model=dataclasses.replace(dims, num_heads=heads),
         num_layers=1,
@@ -103,7 +103,7 @@ def setup_config(
         page_size=page_size,
         kv_dtype=kv_dtype,
         dtype=dtype,
-        num_pages=batch * cdiv(kv_len, page_size) + 1,
+        num_pages=batch * cdiv(kv_len, page_size),
         max_requests=batch,
         max_context_len=kv_len,
         device=device,
