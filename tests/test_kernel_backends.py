@@ -154,7 +154,7 @@ def test_kernel_package_warning_reads_local_labels_and_old_names(
 def test_capability_reasons(
     monkeypatch: pytest.MonkeyPatch, name: str, cfg: dict, cap: Capability, pattern: str
 ) -> None:
-    import mla_backends.backends.flashinfer_mla as fi
+    import mla_backends.backends.flashinfer_kernel as fi
     import mla_backends.backends.flashmla as fm
 
     # pretend the packages exist, so the other checks are exercised on any machine

@@ -1720,15 +1720,13 @@ def test_flashinfer_mla_refuses_a_flashinfer_without_its_fa3_module(
     first batch. `supports` refuses a release below 0.7.2, with the reason and the install."""
     import importlib.metadata
 
-    import mla_backends.backends.flashinfer_mla as fi
-    import mla_backends.sparse.flashinfer_mla as sfi
+    import mla_backends.backends.flashinfer_kernel as fi
     from mla_backends.backends.context import Capability
     from mla_backends.backends.registry import get_backend_class
     from mla_backends.config import DEEPSEEK_V3, Config
     from mla_backends.sparse.base import get_sparse_backend_class
 
-    for module in (fi, sfi):  # as if FlashInfer were installed, at `release`
-        monkeypatch.setattr(module, "missing", lambda *a: None)
+    monkeypatch.setattr(fi, "missing", lambda *a: None)  # as if installed, at `release`
     monkeypatch.setattr(
         importlib.metadata, "version", lambda dist: release if dist == "flashinfer-python" else "0"
     )

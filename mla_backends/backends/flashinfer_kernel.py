@@ -11,18 +11,26 @@ import numpy as np
 import torch
 
 from mla_backends.arith import cdiv
-from mla_backends.backends.kernel_packages import require
+from mla_backends.backends.kernel_packages import missing, older_than, require
 from mla_backends.batch import ForwardBatch
 from mla_backends.fi_planner import MAX_WORKS, cluster_size, synthetic_info
 
 if TYPE_CHECKING:
     from mla_backends.kernels.fi_schedule import PageGather
 
-# The FlashInfer release whose fa3 MLA module `FaMLAKernel` imports; older ones lack it
-# (0.6.15.post1, SGLang 0.5.17's pin, has no `flashinfer.mla._batch_mla`: an ImportError at
-# the first batch, after start-up had passed), so `supports` refuses them.
-FI_RELEASE = (0, 7, 2)
-FI_NEEDS = "flashinfer_mla drives FlashInfer's fa3 MLA module, flashinfer.mla._batch_mla"
+
+def fa3_unusable() -> str | None:
+    """Why `FaMLAKernel` cannot run here (the dense and sparse `flashinfer_mla`), else None:
+    FlashInfer missing, or a release without the fa3 MLA module it imports. Hazard: 0.6.15.post1
+    (SGLang 0.5.17's pin) has no `flashinfer.mla._batch_mla`, so start-up passed and the first
+    batch raised ImportError."""
+    return missing("flashinfer") or older_than(
+        "flashinfer",
+        (0, 7, 2),
+        "flashinfer_mla drives FlashInfer's fa3 MLA module, flashinfer.mla._batch_mla",
+    )
+
+
 WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 PINNED_RING = 4

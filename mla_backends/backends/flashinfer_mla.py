@@ -23,19 +23,16 @@ from torch import Tensor
 from mla_backends.arith import cdiv
 from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
 from mla_backends.backends.flashinfer_kernel import (
-    FI_NEEDS,
-    FI_RELEASE,
     FaMLAKernel,
     FaPlan,
+    fa3_unusable,
     host_lengths,
     plan_key,
 )
 from mla_backends.backends.kernel_packages import (
-    missing,
     need_deepseek_dims,
     need_dtype,
     need_sm,
-    older_than,
     require,
 )
 from mla_backends.backends.registry import register_backend
@@ -69,8 +66,7 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
         return (
-            missing("flashinfer")
-            or older_than("flashinfer", FI_RELEASE, FI_NEEDS)
+            fa3_unusable()
             or need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0)))
             or need_deepseek_dims(config, "FlashInfer MLA")
             or need_dtype(config, "FlashInfer MLA", ("bfloat16", "float16"))

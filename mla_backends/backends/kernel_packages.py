@@ -35,9 +35,10 @@ OTHER_DISTS = {"sgl_kernel": ("sgl-kernel",), "fla": ("flash-linear-attention",)
 logger = logging.getLogger(__name__)
 
 
-def _installed(package: str, dist: str) -> tuple[str, str] | None:
-    """(distribution, version) that installed `package`, or None (a source tree, a bundle)."""
-    for name in (dist, *OTHER_DISTS.get(package, ())):
+def _installed(package: str) -> tuple[str, str] | None:
+    """(distribution, version) that installed `package` (a `CHECKED` import name), or None
+    (a source tree, a bundle)."""
+    for name in (CHECKED[package][0], *OTHER_DISTS.get(package, ())):
         try:
             return name, importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -52,7 +53,7 @@ def warn_unchecked(package: str) -> None:
     if package not in CHECKED:
         return
     dist, checked = CHECKED[package]
-    installed = _installed(package, dist)
+    installed = _installed(package)
     if installed is None:
         return
     # Hazard: a CUDA build's local label (0.4.3+cu130) is the checked release, not another
@@ -69,7 +70,7 @@ def older_than(package: str, minimum: tuple[int, ...], needs: str) -> str | None
     """Reason when `package` is installed at a release below `minimum`, whose internals this
     suite's wrapper reads (`needs` names them), else None (that release or newer, or no
     distribution metadata to tell)."""
-    installed = _installed(package, CHECKED[package][0])
+    installed = _installed(package)
     release = re.match(r"\d+(?:\.\d+)*", installed[1]) if installed else None
     if installed is None or release is None:
         return None

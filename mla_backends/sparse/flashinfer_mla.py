@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.backends.flashinfer_kernel import FI_NEEDS, FI_RELEASE, FaPlan
-from mla_backends.backends.kernel_packages import missing, need_sm, older_than
+from mla_backends.backends.flashinfer_kernel import FaPlan, fa3_unusable
+from mla_backends.backends.kernel_packages import need_sm
 from mla_backends.batch import ForwardBatch
 from mla_backends.sparse.base import (
     SparseCaps,
@@ -84,11 +84,7 @@ class FlashInferSparseBackend(SparseMLABackend):
             return f"FlashInfer MLA takes bfloat16 / float16 activations, got {ctx.dtype}"
         if ctx.pool.dtype == torch.float32:
             return "FlashInfer MLA reads bfloat16 / float16 / e4m3 pools, not float32"
-        return (
-            missing("flashinfer")
-            or older_than("flashinfer", FI_RELEASE, FI_NEEDS)
-            or need_sm(cap, "FlashInfer fa3 MLA", ((9, 0),))
-        )
+        return fa3_unusable() or need_sm(cap, "FlashInfer fa3 MLA", ((9, 0),))
 
     @property
     def q_dtypes(self) -> tuple[torch.dtype, ...]:
