@@ -207,7 +207,7 @@ RULES: list[Rule] = [
 REST = Rule("tests-7", "", seconds=30.0)  # a GPU test no rule names
 
 
-def _backend(item: pytest.Item) -> tuple[str | None, str | None, int | None]:
+def _case_keys(item: pytest.Item) -> tuple[str | None, str | None, int | None]:
     """(backend, KV dtype, page size) of a parametrised test: a `case` (Case) or a `backend`
     name."""
     params = getattr(item, "callspec", None)
@@ -223,7 +223,7 @@ def _matches(rule: Rule, item: pytest.Item, gpu: bool) -> bool:
         return False
     if rule.tests and getattr(item, "originalname", item.name) not in rule.tests:
         return False
-    backend, kv, page = _backend(item)
+    backend, kv, page = _case_keys(item)
     if rule.backend is not None and backend != rule.backend:
         return False
     return (not rule.kv_dtypes or kv in rule.kv_dtypes) and (not rule.pages or page in rule.pages)

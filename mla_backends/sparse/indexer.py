@@ -128,8 +128,8 @@ class Indexer:
     def _chunks(self, t: int, width: int, mode: ForwardMode) -> list[tuple[int, int]]:
         # The Triton kernels score decode and verify batches whole (8 bytes a key: the
         # counted first digit and the one-launch top-k take the batch at once). Hazard: the
-        # torch path gathers each token's keys as fp32 (516 bytes a key): unchunked, a decode
-        # batch of 64 at 128k held 4.3 GB, and a graph as wide as the pool's longest context.
+        # torch path gathers each token's keys as fp32 (over 1 KB a key with its dots): a
+        # decode batch of 64 at 128k held gigabytes, and a graph as wide as the pool's context.
         if t == 0 or (self.kernels == "triton" and mode is not ForwardMode.EXTEND):
             return [(0, t)]
         # triton: fp32 logits and, beside them, the top-k launches' int32 candidate list (as
