@@ -210,6 +210,12 @@ REFUSALS = {
         {"attention_backend": "mlab_flashmla", "page_size": 64, "kv_cache_dtype": "fp8_e4m3"},
         r"flashmla needs kv_dtype in .*float8_e4m3fn.*--kv-cache-dtype bf16",
     ),
+    # both wrong: neither flag alone runs it, and the refusal named no flag at all
+    "flashmla-page16-fp8": (
+        {"attention_backend": "mlab_flashmla", "page_size": 16, "kv_cache_dtype": "fp8_e4m3"},
+        r"config has 16; flashmla needs kv_dtype in .*float8_e4m3fn.*\. Start SGLang with "
+        r"--page-size 64 and --kv-cache-dtype bf16 \[settings",
+    ),
     "cutlass-on-sm90": (
         {"attention_backend": "mlab_cutlass", "page_size": 128},
         r"CUTLASS MLA needs SM 100, found NVIDIA H100 80GB HBM3 \(SM90\)",
@@ -409,10 +415,11 @@ def test_start_up_check_accepts_settings_that_run(
     [
         ("mlab_flashmla", 16, False, r"--page-size 64"),
         ("mlab_flashmla", 64, True, r"flashmla needs kv_dtype"),
+        ("mlab_flashmla", 16, True, r"Start SGLang with --page-size 64 and --kv-cache-dtype bf16"),
         ("mlab_cutlass", 128, False, r"CUTLASS MLA needs SM 100, found .*SM90"),
         ("mlab_triton", 8, False, r"--page-size 8: mla-backends takes page sizes"),
     ],
-    ids=["flashmla-page16", "flashmla-fp8", "cutlass-sm90", "page8"],
+    ids=["flashmla-page16", "flashmla-fp8", "flashmla-page16-fp8", "cutlass-sm90", "page8"],
 )
 def test_factory_refuses_with_our_reason_not_a_skip(
     backend: str, page: int, fp8: bool, pattern: str, on_h100: Capability

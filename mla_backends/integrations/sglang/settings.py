@@ -110,21 +110,28 @@ def settings_config(
     )
 
 
+def _runs(name: str, config: Config, cap: Capability, role: str, **change: Any) -> bool:
+    return why_not(name, dataclasses.replace(config, **change), cap, role) is None
+
+
 def _alternatives(
     name: str, config: Config, cap: Capability, role: str
 ) -> tuple[list[int], list[str]]:
     """Page sizes and KV dtypes with which our backend would run here, the rest unchanged."""
-    pages = [
-        p
-        for p in PAGE_SIZES
-        if why_not(name, dataclasses.replace(config, page_size=p), cap, role) is None
-    ]
-    kvs = [
-        k
-        for k in KV_DTYPES
-        if why_not(name, dataclasses.replace(config, kv_dtype=k), cap, role) is None
-    ]
+    pages = [p for p in PAGE_SIZES if _runs(name, config, cap, role, page_size=p)]
+    kvs = [k for k in KV_DTYPES if _runs(name, config, cap, role, kv_dtype=k)]
     return pages, kvs
+
+
+def _both_flags(name: str, config: Config, cap: Capability, role: str) -> str:
+    """The --page-size and --kv-cache-dtype that together make our backend run here (the
+    first page size that runs with some KV dtype), or "" when no pair does. Hazard: with both
+    wrong, neither alone runs, and the refusal named no flag at all."""
+    for p in PAGE_SIZES:
+        kvs = [k for k in KV_DTYPES if _runs(name, config, cap, role, page_size=p, kv_dtype=k)]
+        if kvs:
+            return f"--page-size {p} and {' or '.join(KV_FLAGS[k] for k in kvs)}"
+    return ""
 
 
 def refusal(sgl_name: str, name: str, config: Config, cap: Capability, role: str) -> str | None:
@@ -139,6 +146,8 @@ def refusal(sgl_name: str, name: str, config: Config, cap: Capability, role: str
         msg += f". Start SGLang with --page-size {pages[0]} (it takes {pages})"
     elif config.kv_dtype not in kvs and kvs:
         msg += f". Start SGLang with {' or '.join(KV_FLAGS[k] for k in kvs)}"
+    elif not pages and not kvs and (both := _both_flags(name, config, cap, role)):
+        msg += f". Start SGLang with {both}"
     return (
         msg
         + f" [settings: --page-size {config.page_size}, {KV_FLAGS[config.kv_dtype]}, "
