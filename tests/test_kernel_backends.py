@@ -147,7 +147,8 @@ def test_kernel_package_warning_reads_local_labels_and_old_names(
             {"page_size": 16, "kv_dtype": "float32"},
             A100,
             r"^flashmla needs page_size in \(64,\), config has 16; flashmla needs kv_dtype in "
-            r"\('bfloat16', 'float16'\), config has 'float32'; FlashMLA needs SM 90, found ",
+            r"\('bfloat16', 'float16'\), config has 'float32' \(q and KV in one dtype: dtype is "
+            r"'bfloat16'\); FlashMLA needs SM 90, found ",
         ),
     ],
 )
@@ -164,6 +165,56 @@ def test_capability_reasons(
     config = Config(**{**base, **cfg})
     reason = get_backend_class(name).supports(config, cap, "decode")
     assert reason is not None and __import__("re").search(pattern, reason), reason
+
+
+ONE_DTYPE = [
+    # (name, page, cap, kv_dtype, dtype, the whole refusal)
+    ("flashmla", 64, H100, "float8_e4m3fn", "bfloat16",
+     "flashmla needs kv_dtype in ('bfloat16', 'float16'), config has 'float8_e4m3fn' "
+     "(q and KV in one dtype: dtype is 'bfloat16')"),
+    ("flashmla", 64, H100, "float8_e4m3fn", "float16",
+     "flashmla needs kv_dtype in ('bfloat16', 'float16'), config has 'float8_e4m3fn' "
+     "(q and KV in one dtype: dtype is 'float16')"),
+    ("flashmla", 64, H100, "bfloat16", "float32",
+     "flashmla takes bfloat16/float16 activations, config dtype is float32 "
+     "(q and KV in one dtype)"),
+    ("flashmla", 64, H100, "float8_e4m3fn", "float32",
+     "flashmla needs kv_dtype in ('bfloat16', 'float16'), config has 'float8_e4m3fn'; "
+     "flashmla takes bfloat16/float16 activations, config dtype is float32 "
+     "(q and KV in one dtype)"),
+    ("flashmla", 64, H100, "bfloat16", "float16",
+     "flashmla needs q and KV in one dtype: float16 / bfloat16"),
+    ("cutlass_mla", 128, Capability("cuda", (10, 0), "NVIDIA B200"), "float8_e4m3fn",
+     "bfloat16",
+     "cutlass_mla needs kv_dtype in ('bfloat16', 'float16'), config has 'float8_e4m3fn' "
+     "(q and KV in one dtype: dtype is 'bfloat16')"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, page, cap, kv, act, want",
+    ONE_DTYPE,
+    ids=[f"{n}-kv_{kv}-dtype_{a}" for n, _, _, kv, a, _ in ONE_DTYPE],
+)
+def test_q_and_kv_in_one_dtype_refusals_state_each_cause_once(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    page: int,
+    cap: Capability,
+    kv: str,
+    act: str,
+    want: str,
+) -> None:
+    """An FP8 pool on FlashMLA (CUTLASS too) was refused as "needs kv_dtype in ..." and again
+    as "needs q and KV in one dtype": one cause, the KV dtype, said twice. Each wrong
+    setting is now one reason, and the q / KV pairing stays in it."""
+    import mla_backends.backends.cutlass_mla as cm
+    import mla_backends.backends.flashmla as fm
+
+    monkeypatch.setattr(fm, "missing", lambda *a: None)  # as if installed
+    monkeypatch.setattr(cm, "missing", lambda *a: None)
+    config = Config(model=DEEPSEEK_V3, page_size=page, device="cpu", kv_dtype=kv, dtype=act)
+    assert get_backend_class(name).supports(config, cap, "decode") == want
 
 
 def test_flashmla_has_no_prefill_path() -> None:

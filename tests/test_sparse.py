@@ -785,6 +785,40 @@ def test_triton_sparse_forced_splits_match_reference(
     assert seen == [splits]
 
 
+@pytest.mark.interp
+def test_triton_sparse_takes_a_sweeps_launch_under_the_interpreter_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sweep's `launch` (bench_sparse.py's --sweep, the split counts of bench_dsa_draws.py)
+    was dropped without a word under the interpreter, which runs the same `tl.dot` kernel:
+    its own 16 x 16 tiles and two splits ran instead. The kernel now gets the sweep's tiles
+    and splits there too, and its result is still the reference's."""
+    from mla_backends.sparse import triton_kernel as sk
+
+    kernel, seen = sk.sparse_mla, []
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append((args[6], kw["block_m"], kw["block_n"]))  # num_splits, tiles
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(sk, "sparse_mla", spy)
+    case = SparseCase("triton", "bfloat16", "bfloat16", ForwardMode.DECODE, 1, (40, 90), topk=64)
+    b = build(case, "cpu")
+    b.backend.launch = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1, "splits": 4}
+    b.backend.init_forward_metadata(b.batch)
+    out, lse = b.backend.forward_sparse(0, b.q_nope, b.q_rope, b.indices, b.batch, True)
+    assert seen == [(4, 16, 32)]
+    ref_out, ref_lse = sparse_reference(
+        b.backend.pool, 0, b.q_nope, b.q_rope, b.indices, b.backend.scale
+    )
+    atol, rtol, lse_tol = TOLERANCES["bfloat16"]
+    details = [
+        compare("out", out, ref_out, atol, rtol)[1],
+        compare("lse", lse, ref_lse, lse_tol, 0.0)[1],
+    ]
+    assert details == ["", ""], details
+
+
 # Page sizes the allocator hands out beside 16 and 64: the sparse backends read slots, so
 # every one is theirs (nothing refuses one); the FP8 row pool rounds its slot space up to
 # FlashMLA's 64-slot pages (page 1: 1 + pages slots; page 128: a page is two of them).
@@ -1706,6 +1740,42 @@ def test_sparse_backends_refuse_one_past_each_limit_and_take_the_limit(
 
     assert re.search(reason, why(bad)), why(bad)
     assert not re.search(reason, why(edge)), why(edge)
+
+
+def test_sparse_supports_gives_every_reason_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sparse `supports` gave the first reason and stopped (the pool kind, then one
+    machine check at a time), where the dense one joins them all: a user fixed the pool only
+    to be told next that the heads, the topk or the GPU cannot run it either."""
+    import mla_backends.sparse.flashinfer_mla as sfi
+    import mla_backends.sparse.flashmla as sfm
+    from mla_backends.backends.context import Capability
+    from mla_backends.sparse.base import get_sparse_backend_class
+
+    monkeypatch.setattr(sfm, "missing", lambda *a: None)  # as if installed: the rest decides
+    monkeypatch.setattr(sfi, "fa3_unusable", lambda: None)
+    a100, t4 = Capability("cuda", (8, 0), "A100"), Capability("cuda", (7, 5), "T4")
+
+    def why(name: str, cap: Capability, ctx: SparseContext) -> list[str]:
+        reason = get_sparse_backend_class(name).supports(ctx, cap)
+        return [] if reason is None else reason.split("; ")
+
+    assert why("flashinfer_mla", a100, _sparse_ctx(fp8_rows=True)) == [
+        "sparse backend flashinfer_mla reads pools ('paged',), not 'fp8_row'",
+        "FlashInfer fa3 MLA needs SM 90, found A100 (SM80)",
+    ]
+    assert why("flashmla", a100, _sparse_ctx(heads=129, fp8_rows=True, topk=96)) == [
+        "FlashMLA sparse takes at most 128 heads, got 129",
+        "FlashMLA's FP8 sparse decode needs topk % 64 == 0, got 96",
+        "FlashMLA sparse needs SM 90, found A100 (SM80)",
+    ]
+    assert why("flashmla", a100, _sparse_ctx(kv_dtype="float16")) == [
+        "FlashMLA sparse reads a bfloat16 pool or FP8 rows, got torch.float16",
+        "FlashMLA sparse needs SM 90, found A100 (SM80)",
+    ]
+    # one GPU too old is one reason: not the FP8 one (SM89) beside the SM80 one
+    assert why("triton", t4, _sparse_ctx(fp8_rows=True)) == [
+        "the sparse Triton kernel needs SM80 or newer, found T4 (SM75)"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from mla_backends.backends.context import (  # re-exported: backends import them
     BackendCaps,
     BackendContext,
     Capability,
+    joined,
 )
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.checks import check_tensor, unit_stride
@@ -71,17 +72,32 @@ class MLABackend(ABC, Generic[M]):
         c = cls.caps
         if role is not None and role not in c.roles:
             return f"{cls.name} has no {role} path (it serves: {', '.join(c.roles)})"
-        reasons = []
+        pages = None
         if config.page_size not in c.page_sizes:
+            pages = f"{cls.name} needs page_size in {c.page_sizes}, config has {config.page_size}"
+        return joined([pages, *cls._dtype_reasons(config), cls._machine_reason(config, cap)])
+
+    @classmethod
+    def _dtype_reasons(cls, config: Config) -> list[str]:
+        """Why `caps` refuse the KV dtype (and, under `same_dtype`, the activation dtype), one
+        reason per wrong setting. Hazard: an FP8 kv_dtype was refused twice over, outside
+        kv_dtypes and as a q / KV mismatch: one cause stated as two."""
+        c, kv, act = cls.caps, config.kv_dtype, config.dtype
+        reasons = []
+        if kv not in c.kv_dtypes:
+            one = c.same_dtype and act in c.kv_dtypes
+            hint = f" (q and KV in one dtype: dtype is {act!r})" if one else ""
+            reasons.append(f"{cls.name} needs kv_dtype in {c.kv_dtypes}, config has {kv!r}{hint}")
+        if not c.same_dtype:
+            return reasons
+        if act not in c.kv_dtypes:  # the KV dtypes are then the only activation dtypes
             reasons.append(
-                f"{cls.name} needs page_size in {c.page_sizes}, config has {config.page_size}"
+                f"{cls.name} takes {'/'.join(c.kv_dtypes)} activations, config dtype is {act} "
+                "(q and KV in one dtype)"
             )
-        if config.kv_dtype not in c.kv_dtypes:
-            reasons.append(
-                f"{cls.name} needs kv_dtype in {c.kv_dtypes}, config has {config.kv_dtype!r}"
-            )
-        machine = cls._machine_reason(config, cap)
-        return "; ".join(reasons + ([machine] if machine else [])) or None
+        elif kv in c.kv_dtypes and kv != act:
+            reasons.append(f"{cls.name} needs q and KV in one dtype: {act} / {kv}")
+        return reasons
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:

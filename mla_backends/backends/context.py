@@ -3,6 +3,7 @@ capabilities it checks a config against, and the machine it finds itself on."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,13 @@ ROLES = ("decode", "prefill")
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def joined(reasons: Iterable[str | None]) -> str | None:
+    """Every refusal reason given, "; " between them, or None when there is none. Hazard: one
+    reason at a time sent a user to fix the page size first and only then told them the
+    machine cannot run the backend (dense and sparse `supports` both report through this)."""
+    return "; ".join(r for r in reasons if r) or None
+
+
 @dataclass(frozen=True)
 class BackendCaps:
     """What a backend declares, checked against a config by `MLABackend.supports` before any
@@ -23,6 +31,9 @@ class BackendCaps:
     kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES)
     roles: tuple[str, ...] = ROLES  # "prefill": MHA-mode prefill and absorbed extend
     graphs: bool = False  # decode / verify under CUDA graphs
+    # The kernel takes q and the KV cache in one dtype (kv_dtype == dtype), so the kv_dtypes
+    # are its activation dtypes too; checked with them (`MLABackend._dtype_reasons`).
+    same_dtype: bool = False
     lse: bool = True  # forward_absorbed(return_lse=True) works
     # Runs compiled on a CPU; "auto" on a CPU prefers such a backend to one that runs there
     # only interpreted (Triton's interpreter, a test tool).

@@ -18,7 +18,6 @@ from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
-    need_same_dtype,
     need_sm,
     require,
 )
@@ -48,6 +47,7 @@ class CutlassMLABackend(PageTableBackend):
         roles=("decode",),
         graphs=True,
         lse=False,
+        same_dtype=True,
     )
 
     @classmethod
@@ -60,7 +60,6 @@ class CutlassMLABackend(PageTableBackend):
             or (
                 None if d.num_heads <= 128 else f"CUTLASS MLA takes <= 128 heads, got {d.num_heads}"
             )
-            or need_same_dtype(config, "CUTLASS MLA")
         )
 
     def __init__(self, ctx: BackendContext) -> None:

@@ -23,8 +23,6 @@ from mla_backends.backends.base import BackendCaps, BackendContext, Capability
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
-    need_dtype,
-    need_same_dtype,
     need_sm,
     require,
 )
@@ -62,7 +60,11 @@ class FlashMLAGraphState(PageTableGraphState):
 class FlashMLABackend(PageTableBackend):
     name = "flashmla"
     caps = BackendCaps(
-        page_sizes=(64,), kv_dtypes=("bfloat16", "float16"), roles=("decode",), graphs=True
+        page_sizes=(64,),
+        kv_dtypes=("bfloat16", "float16"),
+        roles=("decode",),
+        graphs=True,
+        same_dtype=True,  # its kernel checks q.dtype == kcache.dtype; no fp32 activations
     )
 
     @classmethod
@@ -71,8 +73,6 @@ class FlashMLABackend(PageTableBackend):
             missing("flash_mla", "sgl_kernel")
             or need_sm(cap, "FlashMLA", ((9, 0),))
             or need_deepseek_dims(config, "FlashMLA")
-            or need_dtype(config, "FlashMLA", ("bfloat16", "float16"))
-            or need_same_dtype(config, "FlashMLA")  # its kernel checks q.dtype == kcache.dtype
         )
 
     def __init__(self, ctx: BackendContext) -> None:

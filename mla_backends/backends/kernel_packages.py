@@ -136,12 +136,5 @@ def need_dtype(config: Config, name: str, allowed: tuple[str, ...]) -> str | Non
     return f"{name} takes {'/'.join(allowed)} activations, config dtype is {config.dtype}"
 
 
-def need_same_dtype(config: Config, name: str) -> str | None:
-    """Kernels that take q and the KV cache in one dtype (no FP8 path here)."""
-    if config.dtype == config.kv_dtype:
-        return None
-    return f"{name} needs q and KV in one dtype: {config.dtype} / {config.kv_dtype}"
-
-
 def _fmt(allowed: tuple[tuple[int, int], ...]) -> str:
     return " or ".join(f"{a}{b}" for a, b in allowed)

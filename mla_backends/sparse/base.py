@@ -40,6 +40,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from mla_backends.backends.base import Capability, GraphHooks
+from mla_backends.backends.context import joined
 from mla_backends.backends.registry import lookup_class, registrar
 from mla_backends.batch import ForwardBatch
 from mla_backends.checks import check_tensor, unit_stride
@@ -138,14 +139,18 @@ class SparseMLABackend(GraphHooks[SparseMetadata, SparseGraphState]):
 
     @classmethod
     def supports(cls, ctx: SparseContext, cap: Capability) -> str | None:
+        """None if this backend runs with `ctx` on `cap`, else every reason, "; " between
+        them (`joined`, as `MLABackend.supports`)."""
         kind = "fp8_row" if ctx.fp8_rows else "paged"
+        pool = None
         if kind not in cls.caps.pool_kinds:
-            return f"sparse backend {cls.name} reads pools {cls.caps.pool_kinds}, not {kind!r}"
-        return cls._machine_reason(ctx, cap)
+            pool = f"sparse backend {cls.name} reads pools {cls.caps.pool_kinds}, not {kind!r}"
+        return joined([pool, cls._machine_reason(ctx, cap)])
 
     @classmethod
     def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
-        """Why this machine (packages, SM version) or context cannot run the kernels."""
+        """Why this machine (packages, SM version) or context cannot run the kernels: every
+        reason (`joined`), or None."""
         return None
 
     @property

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import Capability
+from mla_backends.backends.context import joined
 from mla_backends.backends.flashinfer_kernel import FaPlan, fa3_unusable
 from mla_backends.backends.kernel_packages import need_sm
 from mla_backends.batch import ForwardBatch
@@ -76,15 +77,15 @@ class FlashInferSparseBackend(SparseMLABackend):
 
     @classmethod
     def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
-        d = ctx.dims
+        d, reasons = ctx.dims, []
         if (d.kv_lora_rank, d.qk_rope_head_dim) != (512, 64):
             got = f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
-            return f"FlashInfer MLA is built for kv_lora_rank 512 + rope 64, got {got}"
+            reasons.append(f"FlashInfer MLA is built for kv_lora_rank 512 + rope 64, got {got}")
         if ctx.dtype not in (torch.bfloat16, torch.float16):
-            return f"FlashInfer MLA takes bfloat16 / float16 activations, got {ctx.dtype}"
+            reasons.append(f"FlashInfer MLA takes bfloat16 / float16 activations, got {ctx.dtype}")
         if ctx.pool.dtype == torch.float32:
-            return "FlashInfer MLA reads bfloat16 / float16 / e4m3 pools, not float32"
-        return fa3_unusable() or need_sm(cap, "FlashInfer fa3 MLA", ((9, 0),))
+            reasons.append("FlashInfer MLA reads bfloat16 / float16 / e4m3 pools, not float32")
+        return joined([*reasons, fa3_unusable(), need_sm(cap, "FlashInfer fa3 MLA", ((9, 0),))])
 
     @property
     def q_dtypes(self) -> tuple[torch.dtype, ...]:

@@ -27,6 +27,7 @@ import torch
 
 from mla_backends.arith import round_up
 from mla_backends.backends.base import Capability
+from mla_backends.backends.context import joined
 from mla_backends.backends.kernel_packages import missing, need_sm, require
 from mla_backends.backends.util import joined_query
 from mla_backends.batch import ForwardBatch
@@ -75,19 +76,21 @@ class FlashMLASparseBackend(SparseMLABackend):
 
     @classmethod
     def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
-        d = ctx.dims
+        d, reasons = ctx.dims, []
         if (d.kv_lora_rank, d.qk_rope_head_dim) != (512, 64):
             got = f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
-            return f"FlashMLA sparse is built for kv_lora_rank 512 + rope 64, got {got}"
+            reasons.append(f"FlashMLA sparse is built for kv_lora_rank 512 + rope 64, got {got}")
         if d.num_heads > 128:
-            return f"FlashMLA sparse takes at most 128 heads, got {d.num_heads}"
+            reasons.append(f"FlashMLA sparse takes at most 128 heads, got {d.num_heads}")
         if ctx.dtype != torch.bfloat16:
-            return f"FlashMLA sparse takes bfloat16 activations, got {ctx.dtype}"
+            reasons.append(f"FlashMLA sparse takes bfloat16 activations, got {ctx.dtype}")
         if not ctx.fp8_rows and ctx.pool.dtype != torch.bfloat16:
-            return f"FlashMLA sparse reads a bfloat16 pool or FP8 rows, got {ctx.pool.dtype}"
+            reasons.append(
+                f"FlashMLA sparse reads a bfloat16 pool or FP8 rows, got {ctx.pool.dtype}"
+            )
         if ctx.fp8_rows and ctx.topk % 64:
-            return f"FlashMLA's FP8 sparse decode needs topk % 64 == 0, got {ctx.topk}"
-        return missing("sgl_kernel") or need_sm(cap, "FlashMLA sparse", ((9, 0),))
+            reasons.append(f"FlashMLA's FP8 sparse decode needs topk % 64 == 0, got {ctx.topk}")
+        return joined([*reasons, missing("sgl_kernel"), need_sm(cap, "FlashMLA sparse", ((9, 0),))])
 
     @property
     def q_dtypes(self) -> tuple[torch.dtype, ...]:

@@ -10,6 +10,7 @@ import functools
 import torch
 
 from mla_backends.backends.base import Capability
+from mla_backends.backends.context import joined
 from mla_backends.backends.kernel_packages import need_triton
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.sparse.base import (
@@ -127,19 +128,18 @@ class TritonSparseBackend(SparseMLABackend):
 
     @classmethod
     def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
-        reason = need_triton(cap.device_type)
-        if reason is not None:
-            return reason
-        if cap.sm is not None and cap.sm < (8, 0):
-            return f"the sparse Triton kernel needs SM80 or newer, found {cap.describe()}"
+        sm, reasons = cap.sm, [need_triton(cap.device_type)]
         fp8 = ctx.fp8_rows or getattr(ctx.pool, "is_fp8", False)
-        if cap.sm is not None and fp8 and cap.sm < (8, 9):
-            return f"FP8 KV needs SM89 or newer, found {cap.describe()}"
+        if sm is not None and sm < (8, 0):  # one GPU, one reason: not the FP8 one beside it
+            reasons.append(f"the sparse Triton kernel needs SM80 or newer, found {cap.describe()}")
+        elif sm is not None and fp8 and sm < (8, 9):
+            reasons.append(f"FP8 KV needs SM89 or newer, found {cap.describe()}")
         d = ctx.dims
-        for n in (d.kv_lora_rank, d.qk_rope_head_dim):
-            if n < 16 or n & (n - 1):
-                return f"the sparse Triton kernel needs L and R powers of two >= 16, got {n}"
-        return None
+        bad = [n for n in (d.kv_lora_rank, d.qk_rope_head_dim) if n < 16 or n & (n - 1)]
+        if bad:
+            got = ", ".join(map(str, bad))
+            reasons.append(f"the sparse Triton kernel needs L and R powers of two >= 16, got {got}")
+        return joined(reasons)
 
     def __init__(self, ctx: SparseContext) -> None:
         super().__init__(ctx)
@@ -147,7 +147,6 @@ class TritonSparseBackend(SparseMLABackend):
         from mla_backends.sparse import triton_kernel
 
         self._kernel, self._gluon_error = triton_kernel, gluon_error
-        self._interp = interpreting()
         self._sms = num_sms(self.device)
         self._fmt = ctx.pool.fmt if isinstance(ctx.pool, Fp8RowPool) else None
         # bf16 / fp16 pools and FP8 rows may take a Gluon kernel (`gluon_here`, then each
@@ -166,9 +165,11 @@ class TritonSparseBackend(SparseMLABackend):
 
     def _launch(self, tokens: int) -> dict[str, int]:
         """The launch of a call over `tokens` query tokens: a sweep's `launch`, else the
-        rule's (`launch_config`, with the Gluon route's state now)."""
+        rule's (`launch_config`, with the Gluon route's state now). Hazard: the interpreter
+        runs the same `tl.dot` kernel, and a sweep's `launch` was dropped there without a
+        word (the interpreter's own tiles and splits ran instead); it is taken there too."""
         h = self.dims.num_heads
-        if self.launch is None or self._interp:
+        if self.launch is None:
             gluon = self._gluon_device and self._gluon_error() is None
             return launch_config(h, self._fmt is not None, tokens, self.topk, self._sms, gluon)
         cfg = dict(self.launch)  # a sweep's config (with "splits": that split count)
