@@ -395,3 +395,22 @@ def test_fla_head_dims_take_a_key_dim_of_exactly_256() -> None:
 
     assert _fla_dims(LinearStatePool(1, 2, 2, 256, 64, 16, 4, "cpu")) is None
     assert _fla_dims(LinearStatePool(1, 2, 2, 512, 64, 16, 4, "cpu")) is not None
+
+
+def test_linear_forward_refuses_inputs_that_are_not_the_batchs_tokens_or_not_float() -> None:
+    """A q of fewer tokens than the batch was sliced per request short (the second request's
+    state advanced over 2 of its 4 tokens, silently); integer inputs ran as ints."""
+    pool = LinearStatePool(1, 4, H, K, V, 16, 4, "cpu")
+    lin = LinearAttentionBackend(pool, kernels="torch")
+    loc = torch.arange(1, 8)
+    lin.init_forward_metadata(
+        ForwardBatch.build(ForwardMode.EXTEND, [1, 2], [0, 0], [3, 4], loc, "cpu")
+    )
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"q: expected the batch's 7 tokens, got 5"):
+        lin.forward(0, *_inputs(5, gen))
+    assert not pool.recurrent.any()  # nothing advanced
+    q, k, v, g, beta = _inputs(7, gen)
+    with pytest.raises(TypeError, match=r"must be floating point, got dtypes \['torch.int32'"):
+        lin.forward(0, q.int(), k, v, g, beta)
+    assert lin.forward(0, q, k, v, g, beta).shape == (7, H, V)

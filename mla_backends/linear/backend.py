@@ -23,7 +23,7 @@ import torch
 
 from mla_backends.backends.kernel_packages import missing
 from mla_backends.batch import ForwardBatch, ForwardMode, as_ints
-from mla_backends.checks import check_tensor
+from mla_backends.checks import ShapeError, check_tensor
 from mla_backends.linear import fla_ops
 from mla_backends.linear.recurrence import gated_delta_rule
 from mla_backends.linear.state_pool import LinearStatePool
@@ -144,12 +144,22 @@ class LinearAttentionBackend:
             raise RuntimeError("init_forward_metadata was not called for this batch")
         layer = self.pool.check_layer(layer)
         rec = self.pool.recurrent
-        # Hazard: a q of other heads (one, say) broadcast through the einsums, silently
+        # Hazard: a q of other heads (one, say) broadcast through the einsums, silently; one
+        # of other tokens than the batch was sliced per request short (EXTEND: a request's
+        # state advanced over fewer tokens) or gathered past the rows. Host metadata only.
         check_tensor("q", q, (-1, *rec.shape[2:4]))
         t, h, dk = q.shape
+        if t != batch.num_tokens:
+            raise ShapeError(f"q: expected the batch's {batch.num_tokens} tokens, got {t}")
         check_tensor("k", k, (t, h, dk))
         check_tensor("v", v, (t, h, rec.shape[-1]))
         check_tensor("beta", beta, (t, h))
+        bad = [n for n, x in zip("qkvg", (q, k, v, g)) if not x.is_floating_point()]
+        if bad or not beta.is_floating_point():  # integer inputs ran the recurrence as ints
+            raise TypeError(
+                f"linear layer {layer}: q, k, v, g, beta must be floating point, got dtypes "
+                f"{[str(x.dtype) for x in (q, k, v, g, beta)]}"
+            )
         if g.shape not in ((t, h), (t, h, dk)):
             raise ValueError(
                 f"g: expected shape [{t}, {h}] (GDN) or [{t}, {h}, {dk}] (KDA), got {list(g.shape)}"
