@@ -60,6 +60,12 @@ class PagedTokenAllocator:
         req_to_token: ReqToTokenPool,
         page_order: Sequence[int] | None = None,
     ) -> None:
+        num_pages, page_size = as_int(num_pages, "num_pages"), as_int(page_size, "page_size")
+        if num_pages < 1 or page_size < 1:  # page_size 0 divided by zero at the first alloc
+            raise ValueError(
+                f"PagedTokenAllocator: num_pages and page_size must be >= 1, got "
+                f"{num_pages} / {page_size}"
+            )
         order = list(range(1, num_pages + 1)) if page_order is None else list(page_order)
         if sorted(order) != list(range(1, num_pages + 1)):
             raise ValueError(f"page_order must be a permutation of 1..{num_pages}")

@@ -95,6 +95,11 @@ class RaggedLayout:
     ) -> RaggedLayout:
         if len(q_lens) != len(kv_lens):
             raise ValueError(f"q_lens ({len(q_lens)}) and kv_lens ({len(kv_lens)}) differ")
+        # Hazard: a negative length made the indptr step back (a request read another's
+        # rows, or none) and a float one was truncated by the int32 tensor, silently
+        q_lens, kv_lens = as_ints(q_lens, "q_lens"), as_ints(kv_lens, "kv_lens")
+        if min(q_lens + kv_lens, default=0) < 0:
+            raise ValueError(f"q_lens and kv_lens must be >= 0, got {q_lens} / {kv_lens}")
         qo = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         kv = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
         qo[1:] = torch.cumsum(_i32(q_lens), 0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import numbers
 import operator
 import struct
 import warnings
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from mla_backends.batch import as_int, as_ints, is_bool
-from mla_backends.checks import check_tensor
+from mla_backends.checks import ShapeError, check_tensor
 
 if TYPE_CHECKING:
     from mla_backends.batch import ForwardBatch
@@ -146,8 +147,18 @@ class MLATokenToKVPool:
         this dtype and device, last dim contiguous) instead of allocating: no copy, one pool."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES):
             raise ValueError(f"MLATokenToKVPool: unsupported kv dtype {dtype}")
-        if num_pages <= 0 or page_size <= 0:
-            raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be > 0")
+        sizes = {"num_layers": num_layers, "num_pages": num_pages, "page_size": page_size}
+        sizes |= {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim}
+        # Hazard: a float size failed inside torch.zeros ("takes 1 positional argument"), a
+        # negative one there too, and kv_lora_rank 0 built a pool of rope-only rows
+        num_layers, num_pages, page_size, kv_lora_rank, qk_rope_head_dim = (
+            as_int(v, f"MLATokenToKVPool: {k}") for k, v in sizes.items()
+        )
+        if min(num_pages, page_size, kv_lora_rank) <= 0 or min(num_layers, qk_rope_head_dim) < 0:
+            raise ValueError(
+                f"MLATokenToKVPool: num_pages, page_size and kv_lora_rank must be > 0, "
+                f"num_layers and qk_rope_head_dim >= 0, got {sizes}"
+            )
         self.num_layers = num_layers
         self.num_pages = num_pages  # usable pages, page 0 excluded
         self.page_size = page_size
@@ -240,6 +251,12 @@ class MLATokenToKVPool:
         stored rows under another scale (rows are not requantised: every stored row would be
         read under the new one)."""
         layer = self.check_layer(layer)
+        # Hazard: None or a string failed inside the range check below ("'>' not supported"),
+        # naming no argument; a bool was taken as 1.0
+        one = isinstance(scale, torch.Tensor) and scale.numel() == 1  # read back: not in decode
+        if is_bool(scale) or not (isinstance(scale, numbers.Real) or one):
+            raise TypeError(f"layer {layer}: kv scale must be a real number, got {scale!r}")
+        scale = float(scale)
         if self._captured_by is not None:
             raise RuntimeError(
                 f"layer {layer}: {self._captured_by} prepared a CUDA-graph capture over this pool "
@@ -344,7 +361,11 @@ class MLATokenToKVPool:
         return rows.float() * self.scales[layer]
 
     def load_rows(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
-        """Float32 values of rows at slots `loc`, [T, D]. Reads only those rows."""
+        """Float32 values of rows at slots `loc` (integers, any shape), [*loc.shape, D]. Reads
+        only those rows. Hazard: float slots were truncated by `.long()` (1.5 read slot 1,
+        bf16 rounds ids past 256), silently; refused by dtype (metadata, no sync)."""
+        if loc.is_floating_point() or loc.is_complex() or loc.dtype == torch.bool:
+            raise ShapeError(f"loc: expected integer slots, got {loc.dtype}")
         return self.dequantize(layer, self.kv_buffer[layer][loc.long()])
 
     # ----------------------------------------------------------------- views (no copies)
@@ -386,6 +407,13 @@ class ReqToTokenPool:
     ) -> None:
         """`table`: wrap an engine's existing int32 `[max_requests + 1, max_context_len]` table
         instead of allocating (no copy)."""
+        max_requests = as_int(max_requests, "ReqToTokenPool: max_requests")
+        max_context_len = as_int(max_context_len, "ReqToTokenPool: max_context_len")
+        if max_requests < 0 or max_context_len < 1:  # failed inside torch.zeros, naming neither
+            raise ValueError(
+                f"ReqToTokenPool: max_requests must be >= 0 and max_context_len >= 1, got "
+                f"{max_requests} / {max_context_len}"
+            )
         self.size = max_requests
         self.max_context_len = max_context_len
         self.device = torch.device(device)
@@ -456,6 +484,19 @@ class ReqToTokenPool:
                 f"ReqToTokenPool.alloc; allocated now: {sorted(self._used_rows)}"
             )
 
+    def _check_seq_lens(self, batch: ForwardBatch) -> None:
+        """ShapeError unless every `seq_lens_cpu` is in 0..max_context_len, for a batch without
+        CPU rows (SGLang's, a graph runner's static one), which is not held to `filled`; a
+        batch with them is (a stricter check, naming the row). Hazard: a length past
+        the table's width read the next request row's slots (triton, silently) or raised an
+        IndexError inside the torch backend's gather. The CPU copy only: no sync."""
+        seq = batch.seq_lens_cpu.numpy()
+        if seq.size and (seq.min() < 0 or seq.max() > self.max_context_len):
+            raise ShapeError(
+                f"ForwardBatch.seq_lens_cpu: every length must be in 0..{self.max_context_len} "
+                f"(the request table's max_context_len), got {seq.tolist()}"
+            )
+
     def check_batch(self, batch: ForwardBatch, filled: np.ndarray | None = None) -> None:
         """RequestRowError if the batch names a row never allocated, or reads more or fewer
         tokens of a row (prefix + new) than the row has stored (row 0, padding, excepted).
@@ -463,10 +504,12 @@ class ReqToTokenPool:
         Host arrays and the batch's CPU copies only (no sync); a batch without CPU rows (a
         graph runner's static one) is checked for its fields' shapes only (`ForwardBatch.check`)."""
         batch.check(self.device)
-        filled = self.filled if filled is None else filled
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None or rows_cpu.numel() == 0:
+            if filled is None:  # DCP's global lengths (`filled` given) span every rank's table
+                self._check_seq_lens(batch)
             return
+        filled = self.filled if filled is None else filled
         rows = rows_cpu.numpy().astype(np.int64)
         real = rows[rows != 0]  # padding repeats row 0
         if np.unique(real).size != real.size:  # one token's state update was lost

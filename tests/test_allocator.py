@@ -343,3 +343,12 @@ def test_truncate_takes_an_integer_length() -> None:
             assert _host_state(table, alloc) == before, name
         alloc.truncate(2, torch.tensor(17))  # type: ignore[attr-defined]
         assert alloc.seq_len(2) == 17, name  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "sizes", [(8, 0), (0, 16), (8, 16.0)], ids=["page-0", "pages-0", "page-float"]
+)
+def test_allocator_constructor_refuses_a_bad_size(sizes: tuple) -> None:
+    """page_size 0 was taken, then the first allocation divided by zero."""
+    with pytest.raises((ValueError, TypeError), match="page_size|num_pages"):
+        PagedTokenAllocator(*sizes, ReqToTokenPool(4, 64, "cpu"))

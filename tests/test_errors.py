@@ -479,3 +479,38 @@ def test_decode_batch_with_a_draft_count_above_one_is_refused(draft: int) -> Non
     bad = dataclasses.replace(b, num_draft_tokens=draft)
     with pytest.raises(ShapeError, match=r"num_draft_tokens"):
         bad.check(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+@pytest.mark.parametrize("bad", [-1, 1], ids=["negative", "past-the-table"])
+def test_a_batch_without_cpu_rows_is_held_to_the_tables_width(backend: str, bad: int) -> None:
+    """A batch without CPU rows (SGLang's, a graph runner's) is not checked against the rows'
+    stored lengths; a seq_len past the request table's width read the next row's slots
+    (triton, silently) or raised an IndexError inside the torch backend's gather."""
+    rt, batch = _tiny_case(backend)
+    width = rt.req_pool.max_context_len
+    seq = torch.tensor([5, -1 if bad < 0 else width + 1], dtype=torch.int32)
+    unchecked = dataclasses.replace(
+        batch,
+        seq_lens=seq.clone(),
+        seq_lens_cpu=seq,
+        extend_prefix_lens=seq - 1,
+        extend_prefix_lens_cpu=seq - 1,
+        req_pool_indices_cpu=None,
+    )
+    want = rf"seq_lens_cpu: every length must be in 0\.\.{width} .*got \[5, {int(seq[1])}\]"
+    with pytest.raises(ShapeError, match=want):
+        rt.backend.init_forward_metadata(unchecked)
+    at_width = torch.tensor([5, width], dtype=torch.int32)  # the table's last column is fine
+    ok = dataclasses.replace(unchecked, seq_lens_cpu=at_width, seq_lens=at_width.clone())
+    rt.req_pool.check_batch(ok)
+
+
+def test_ragged_layout_refuses_negative_or_fractional_lengths() -> None:
+    """A negative length stepped the indptr back (a request read another's rows, or none),
+    and a float one was truncated by the int32 tensor, silently."""
+    with pytest.raises(ValueError, match=r"must be >= 0, got \[3, -2\] / \[3, 2\]"):
+        RaggedLayout.from_lens([3, -2], [3, 2], "cpu")
+    with pytest.raises(TypeError, match=r"kv_lens must be integers, got \[3, 2\.5\]"):
+        RaggedLayout.from_lens([3, 2], [3, 2.5], "cpu")
+    assert RaggedLayout.from_lens([3, 0], [3, 2], "cpu").num_q == 3

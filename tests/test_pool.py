@@ -312,3 +312,51 @@ def test_pools_that_are_not_fp8_never_warn_of_an_uncalibrated_scale(dtype: torch
                 layer, torch.tensor([17, 18]), torch.randn(2, 32), torch.randn(2, 16)
             )
             pool.warn_if_uncalibrated(layer)
+
+
+@pytest.mark.parametrize(
+    "bad", [None, "0.5", True, torch.ones(2)], ids=["none", "str", "bool", "2-elem"]
+)
+def test_set_scale_refuses_what_is_not_a_number_naming_it(bad: object) -> None:
+    """A missing (None) or string scale failed inside the range check ("'>' not supported"),
+    naming no argument; True was taken as 1.0."""
+    pool = _pool(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"layer 1: kv scale must be a real number, got"):
+        pool.set_scale(1, bad)  # type: ignore[arg-type]
+    assert not pool.scale_is_set(1)
+    assert (
+        pool.set_scale(1, np.float32(0.5)) == 0.5 and pool.set_scale(0, torch.tensor(0.25)) == 0.25
+    )
+
+
+def test_load_rows_refuses_float_slots() -> None:
+    """`.long()` truncated float slots (1.5 read slot 1), silently."""
+    pool = _pool(torch.float32)
+    with pytest.raises(ShapeError, match=r"loc: expected integer slots, got torch.float32"):
+        pool.load_rows(0, torch.tensor([1.5]))
+    assert pool.load_rows(0, torch.tensor([[1, 2]], dtype=torch.int32)).shape == (1, 2, 576)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err",
+    [
+        ({"num_layers": -1}, ValueError),
+        ({"kv_lora_rank": 0}, ValueError),
+        ({"page_size": 16.0}, TypeError),
+    ],
+    ids=["layers-neg", "rank-0", "page-float"],
+)
+def test_pool_constructor_names_a_bad_size(kwargs: dict, err: type) -> None:
+    """Negative or float sizes failed inside torch.zeros naming no argument; kv_lora_rank 0
+    built a pool of rope-only rows."""
+    args = {"num_layers": 2, "num_pages": 4, "page_size": 16, "kv_lora_rank": 32}
+    with pytest.raises(err, match="MLATokenToKVPool"):
+        MLATokenToKVPool(**(args | kwargs), qk_rope_head_dim=8, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "sizes", [(-3, 16), (4, 0), (4, 16.0)], ids=["rows-neg", "ctx-0", "ctx-float"]
+)
+def test_request_table_constructor_names_a_bad_size(sizes: tuple) -> None:
+    with pytest.raises((ValueError, TypeError), match="ReqToTokenPool: max_"):
+        ReqToTokenPool(*sizes, "cpu")
