@@ -50,6 +50,19 @@ def as_int(value: int, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
+def int_at_least(value: int, name: str, low: int) -> int:
+    """`value` as an int >= `low`, else one ValueError naming `name`, whatever was wrong with
+    it. Hazard: `operator.index` takes a bool (a torch one too) as 0 / 1, and refuses a float
+    with a TypeError that names no argument."""
+    try:
+        n = None if is_bool(value) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return n
+
+
 _CPU = torch.device("cpu")
 _INT_DTYPES = frozenset(
     (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mla_backends.batch import as_int, as_ints, is_bool
+from mla_backends.batch import as_int, as_ints, int_at_least, is_bool
 from mla_backends.checks import ShapeError, check_tensor
 
 if TYPE_CHECKING:
@@ -443,9 +443,7 @@ class ReqToTokenPool:
         return len(self._free_rows)
 
     def alloc(self, n: int = 1) -> list[int]:
-        if is_bool(n) or operator.index(n) < 0:  # numpy / torch integers work too
-            raise ValueError(f"ReqToTokenPool: request rows to allocate must be >= 0, got {n!r}")
-        n = operator.index(n)
+        n = int_at_least(n, "ReqToTokenPool: request rows to allocate", 0)  # numpy / torch too
         if n > len(self._free_rows):
             raise MemoryError(
                 f"ReqToTokenPool: requested {n} request rows, {len(self._free_rows)} free "

@@ -264,12 +264,15 @@ def test_layer_and_row_checks_refuse_a_torch_bool() -> None:
     from mla_backends.batch import as_int
     from mla_backends.pool import LayerIndexError, check_layer_index
 
+    for bad in (1.5, torch.tensor(2.0)):  # operator.index's own TypeError named nothing
+        with pytest.raises(ValueError, match="request rows to allocate must be an integer >= 0"):
+            ReqToTokenPool(4, 16, "cpu").alloc(bad)  # type: ignore[arg-type]
     for bad in (True, torch.tensor(True), torch.tensor(False)):
         with pytest.raises(LayerIndexError):
             check_layer_index(bad, 2)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="row must be an integer"):
             as_int(bad, "row")  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="request rows to allocate must be >= 0"):
+        with pytest.raises(ValueError, match="request rows to allocate must be an integer >= 0"):
             ReqToTokenPool(4, 16, "cpu").alloc(bad)  # type: ignore[arg-type]  # it took 1 row
     assert check_layer_index(torch.tensor(1), 2) == as_int(np.int64(1), "row") == 1  # type: ignore[arg-type]
     pool = MLATokenToKVPool(2, 4, 16, 512, 64, torch.float8_e4m3fn)

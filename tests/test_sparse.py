@@ -1375,7 +1375,7 @@ def test_topk_and_logits_check_rows_and_table_shapes() -> None:
         topk_slots(logits, 8, r2t, rows[:1])
     with pytest.raises(ValueError, match=r"topk_slots: visible must be \[T\]"):
         topk_slots(logits, 8, r2t, rows, torch.tensor([3], dtype=torch.int32))
-    for k in (0, -1, 2.0, torch.tensor(True)):  # a torch bool was k 1
+    for k in (0, -1, 2.0, torch.tensor(True), torch.tensor(2.0)):  # a torch bool was k 1
         with pytest.raises(ValueError, match="topk_slots: k must be an integer >= 1"):
             topk_slots(logits, k, r2t, rows)  # type: ignore[arg-type]
     cache = IndexKCache(1, 256, 32, True, "cpu")
