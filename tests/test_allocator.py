@@ -352,3 +352,56 @@ def test_allocator_constructor_refuses_a_bad_size(sizes: tuple) -> None:
     """page_size 0 was taken, then the first allocation divided by zero."""
     with pytest.raises((ValueError, TypeError), match="page_size|num_pages"):
         PagedTokenAllocator(*sizes, ReqToTokenPool(4, 64, "cpu"))
+
+
+def test_pages_go_out_in_page_order_and_come_back_to_be_handed_out_again_in_place() -> None:
+    """Default order is 1, 2, ...; a given `page_order` hands out its first page first. Pages
+    given back by truncate or free are the next handed out, in the row's order: a rejected
+    draft re-extended (or the next request on a freed row) gets the same page table back."""
+    rp = ReqToTokenPool(2, 64, "cpu")
+    rows = rp.alloc(2)
+    alloc = PagedTokenAllocator(6, 4, rp)
+    alloc.alloc_extend([rows[0]], [12])
+    assert alloc.pages(rows[0]) == [1, 2, 3]
+    alloc.truncate(rows[0], 3)
+    alloc.alloc_extend([rows[0]], [9])
+    assert alloc.pages(rows[0]) == [1, 2, 3]
+    alloc.free(rows[0])
+    alloc.alloc_extend([rows[1]], [12])
+    assert alloc.pages(rows[1]) == [1, 2, 3]
+    shuffled = PagedTokenAllocator(4, 4, ReqToTokenPool(1, 64, "cpu"), [3, 1, 4, 2])
+    shuffled.req_to_token.alloc(1)
+    shuffled.alloc_extend([1], [9])
+    assert shuffled.pages(1) == [3, 1, 4]
+
+
+def test_a_negative_extend_length_is_refused_with_nothing_taken() -> None:
+    """-1 for a row holding 20 tokens passed as 0 pages needed; the host arrays were then
+    built for -1 tokens (a numpy error, not one naming the row and its length)."""
+    for name, table, alloc in _allocators():
+        before = _host_state(table, alloc)
+        with pytest.raises(ValueError, match=r"row 2: extend length -1 < 0"):
+            alloc.alloc_extend([1, 2], [2, -1])  # type: ignore[attr-defined]
+        assert _host_state(table, alloc) == before, name
+
+
+def test_a_row_may_fill_its_table_row_exactly() -> None:
+    """max_context_len tokens fit (the limit is inclusive); one more is refused."""
+    rp = ReqToTokenPool(1, 32, "cpu")
+    (row,) = rp.alloc(1)
+    alloc = PagedTokenAllocator(4, 16, rp)
+    alloc.alloc_extend([row], [31])
+    alloc.alloc_decode([row])
+    assert alloc.seq_len(row) == 32 and rp.req_to_token[row].min() > 0
+    with pytest.raises(ValueError, match="length 33 exceeds max_context_len 32"):
+        alloc.alloc_decode([row])
+
+
+def test_accounting_takes_a_torch_integer_row() -> None:
+    """seq_len / holds / pages of `torch.tensor(row)`: a torch integer hashes apart from the
+    int, so a plain dict lookup reported an empty row (length 0, no pages, not held)."""
+    for name, _, alloc in _allocators():
+        r = torch.tensor(2)
+        assert alloc.seq_len(r) == 30 and alloc.holds(r), name  # type: ignore[attr-defined]
+    plain = _allocators()[0][2]
+    assert plain.pages(torch.tensor(2)) == plain.pages(2) != []  # type: ignore[attr-defined]

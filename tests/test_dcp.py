@@ -670,3 +670,49 @@ def test_dcp_verify_reports_each_ranks_worst_error() -> None:
     assert _worst(errs, "out") == 3e-2
     assert _worst(errs, "lse") == 5.0
     assert _worst({}, "out") == 0.0
+
+
+@pytest.mark.parametrize("rank, size", [(2, 2), (-1, 2), (0, 0)])
+def test_a_rank_outside_its_group_is_refused(rank: int, size: int) -> None:
+    with pytest.raises(ValueError, match=rf"DCP rank {rank} of size {size} is not a valid rank"):
+        DCPLayout(rank, size)
+
+
+def test_dcp_allocator_limits_and_refusals() -> None:
+    """A local allocator with pages in use is refused (the group's page counts start at 0);
+    a max_context_len above what the ranks' tables hold is capped to it (2 x 32 here); a
+    negative length is refused with nothing taken."""
+    req = ReqToTokenPool(2, 32, "cpu")
+    req.alloc(2)
+    used = PagedTokenAllocator(8, 4, req)
+    used.alloc_extend([1], [1])
+    with pytest.raises(ValueError, match="needs a fresh local allocator"):
+        DCPTokenAllocator(DCPLayout(0, 2), used)
+    used.free(1)
+    alloc = DCPTokenAllocator(DCPLayout(0, 2), used, max_context_len=100)
+    assert alloc.max_context_len == 64
+    with pytest.raises(ValueError, match="length 65 exceeds the group's context limit 64"):
+        alloc.alloc_extend([1], [65])
+    alloc.alloc_extend([1, 2], [5, 3])
+    with pytest.raises(ValueError, match=r"row 2: extend length -1 < 0"):
+        alloc.alloc_extend([1, 2], [1, -1])
+    assert alloc.seq_len(1) == 5 and alloc.seq_len(2) == 3 and alloc.available_pages == 6
+
+
+def test_dcp_global_lengths_exempt_padding_and_drop_a_freed_row() -> None:
+    """Batches are checked against `DCPTokenAllocator.filled`: row 0 (padding) reads any
+    length, and a row whose KV was freed holds 0 tokens (a batch reading its old length is
+    refused, as on one process)."""
+    req = ReqToTokenPool(2, 32, "cpu")
+    (row,) = req.alloc(1)
+    alloc = DCPTokenAllocator(DCPLayout(1, 2), PagedTokenAllocator(8, 4, req))
+    alloc.alloc_extend([row], [6])
+    loc = alloc.alloc_decode([row])
+    padded = torch.cat([loc, torch.zeros(1, dtype=torch.int64)])
+    batch = ForwardBatch.build(ForwardMode.DECODE, [row, 0], [6, 40], [1, 1], padded, "cpu")
+    req.check_batch(batch, alloc.filled)
+    assert alloc.holds(torch.tensor(row))
+    alloc.free(row)
+    freed = r"reads 7 tokens \(prefix_lens 6 \+ 1 new\), the row has 0 stored"
+    with pytest.raises(RequestRowError, match=freed):
+        req.check_batch(batch, alloc.filled)

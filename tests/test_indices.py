@@ -98,3 +98,15 @@ def test_index_builders_return_int32_from_an_int64_request_table() -> None:
     assert tok.dtype == torch.int32 and pag.dtype == torch.int32
     assert tok.tolist() == list(range(128, 133)) + list(range(64, 97))
     assert pag.tolist() == [8, 4, 5, 6]
+
+
+def test_arith_helpers_at_their_edges() -> None:
+    """next_pow2 of 0 and of negatives is 1 (the docstring's max(n, 1); `(n - 1).bit_length()`
+    alone gives 2 at 0); the indptr is int32 whatever the lengths' dtype (the kernels read
+    int32), 0 first."""
+    from mla_backends.arith import cumsum_indptr, next_pow2
+
+    assert [next_pow2(n) for n in (-3, 0, 1, 2, 3, 8, 9)] == [1, 1, 1, 2, 4, 8, 16]
+    indptr = cumsum_indptr(torch.tensor([3, 0, 5], dtype=torch.int64))
+    assert indptr.dtype == torch.int32 and indptr.tolist() == [0, 3, 3, 8]
+    assert cumsum_indptr(torch.zeros(0, dtype=torch.int64)).tolist() == [0]

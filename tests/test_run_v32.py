@@ -114,3 +114,58 @@ def test_run_comparison_measures_attention_not_discrete_flips(
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(served.steps, ref))
     assert sel.layer0_calls == sel.layer0_same == 3 and sel.routes == 96
     assert 2**-9 < diff <= R.AGREE["bfloat16"], diff
+
+
+def test_selections_snapshot_the_served_picks_and_refuse_a_mismatched_shape() -> None:
+    """An indexer that hands back one buffer, rewritten each call (a graph's static output):
+    the recorded picks are copies, not views of the next call's; a reference call whose
+    selection has another shape than the served one is refused."""
+    import torch
+
+    from mla_backends.models.run import Selections
+
+    class Ix:
+        def __init__(self, *picks: list[list[int]]) -> None:
+            self.picks = [torch.tensor(p) for p in picks]
+            self.buf = torch.zeros_like(self.picks[0])
+
+        def select(self, layer: int, *args: object) -> torch.Tensor:
+            return self.buf.copy_(self.picks.pop(0))
+
+    sel, served = Selections(), Ix([[1, 2]], [[3, 4]])
+    sel.record(served)
+    served.select(0), served.select(1)
+    assert [p.tolist() for _, p in sel.picked] == [[[1, 2]], [[3, 4]]]
+    sel, served, ref = Selections(), Ix([[1, 2]]), Ix([[1, 2, 0]])
+    sel.record(served)
+    served.select(1)
+    sel.follow(ref)
+    with pytest.raises(RuntimeError, match="indexer calls do not line up"):
+        ref.select(1)
+
+
+def test_selections_follow_the_served_expert_routes_and_count_flips() -> None:
+    """Every MoE gate of the model records the served run's routes, then the reference run
+    takes them in call order; a route whose experts differ as a set counts as differing (an
+    order flip does not); a route of another shape is refused; `ungate` unhooks every gate."""
+    import torch
+
+    from mla_backends.models.deepseek_v3 import Gate
+    from mla_backends.models.run import RANDOM_SIZES, Selections, random_model
+
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    gates = [m for m in model.modules() if isinstance(m, Gate)]
+    assert gates
+    sel = Selections()
+    sel.gates(model, follow=False)
+    served = [torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([[6, 7]])]
+    for idx in served:
+        assert torch.equal(gates[0].routes(idx), idx)  # type: ignore[misc]
+    sel.gates(model, follow=True)
+    mine = torch.tensor([[1, 0], [2, 5], [4, 5]])  # token 0 reordered, token 1 flipped
+    assert torch.equal(gates[-1].routes(mine), served[0])  # type: ignore[misc]
+    assert (sel.routes, sel.routes_differ) == (3, 1)
+    with pytest.raises(RuntimeError, match="expert routes do not line up"):
+        gates[0].routes(torch.tensor([[6, 7, 8]]))  # type: ignore[misc]
+    sel.ungate(model)
+    assert all(g.routes is None for g in gates)
