@@ -93,3 +93,25 @@ def test_readme_dotted_names_and_their_keywords_exist() -> None:
         target = _resolve(f"{short[head]}.{rest}" if head in short else func)
         assert callable(target), func
         assert keyword in inspect.signature(target).parameters, f"{func}(..., {keyword}=)"
+
+
+def test_readme_states_the_index_rows_contract_the_indexers_keep() -> None:
+    """The README's DSA section once said `flashinfer_mla` needs each index row's *first*
+    min(top-k, visible) entries valid and that the indexer's rows are so; the torch indexer
+    (`torch.topk(sorted=False)`) leaves -1 between valid entries, and `flashinfer_mla`
+    compacts each row itself: what it needs, and what both indexers write, is that count of
+    valid entries. The section states that, and the torch indexer keeps it."""
+    import torch
+
+    from mla_backends.sparse.index_k import select_topk
+
+    section = README.split("## DeepSeek-V3.2 sparse attention")[1].split("\n## ")[0]
+    text = " ".join(section.split())
+    assert "first min(top-k" not in text
+    assert "exactly min(top-k, visible keys) valid entries, in any position" in text
+    topk, width = 8, 40
+    logits = torch.randn(6, width, generator=torch.Generator().manual_seed(0))
+    visible = torch.tensor([1, 3, 6, 8, 9, 40])
+    logits[torch.arange(width)[None, :] >= visible[:, None]] = float("-inf")
+    rows = select_topk(logits, topk)
+    assert (rows >= 0).sum(1).tolist() == visible.clamp(max=topk).tolist()

@@ -1869,3 +1869,32 @@ def test_indexer_dims_refuse_an_odd_rope_dim(rope_dim: int) -> None:
     IndexerDims(rope_dim=64)
     with pytest.raises(ValueError, match=r"must be even"):
         IndexerDims(rope_dim=rope_dim)
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("topk", 2.5, ValueError),
+        ("topk", True, ValueError),
+        ("topk", "8", ValueError),
+        ("n_heads", 0, ValueError),
+        ("n_heads", -4, ValueError),
+        ("head_dim", 32.0, ValueError),
+        ("rope_dim", 8.0, ValueError),
+        ("quantized", "no", TypeError),
+    ],
+    ids=["topk-float", "topk-bool", "topk-str", "heads-0", "heads-neg", "dim-float",
+         "rope-float", "quantized-str"],
+)  # fmt: skip
+def test_indexer_dims_refuse_wrong_types_naming_the_field(
+    field: str, value: object, error: type[Exception]
+) -> None:
+    """Hazard: a float or bool topk and a float dim passed and failed at the first select
+    inside torch.topk or a kernel; 0 heads as a ZeroDivisionError; a truthy
+    `quantized="no"` stored quantised keys, silently. Each is refused when built."""
+    from mla_backends.sparse.index_k import IndexerDims
+
+    base = dict(n_heads=4, head_dim=32, rope_dim=16, topk=8, quantized=True)
+    IndexerDims(**base)  # type: ignore[arg-type]
+    with pytest.raises(error, match=rf"IndexerDims\.{field} must be"):
+        IndexerDims(**dict(base, **{field: value}))  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_backends.arith import cdiv
+from mla_backends.config import check_int
 from mla_backends.pool import LayerBuffers, slots_or_dummy
 from mla_backends.sparse.quant import block_quant, hadamard
 
@@ -25,6 +26,16 @@ class IndexerDims:
     quantized: bool = True
 
     def __post_init__(self) -> None:
+        # Hazard: a float topk or head count passed here and failed at the first select,
+        # inside torch.topk (or as a ZeroDivisionError at 0 heads), naming no field; and a
+        # truthy `quantized="no"` stored quantised keys, silently.
+        for name in ("n_heads", "head_dim", "rope_dim", "topk"):
+            check_int("IndexerDims.", name, getattr(self, name), 1)
+        if not isinstance(self.quantized, bool):
+            raise TypeError(
+                f"IndexerDims.quantized must be a bool, got {self.quantized!r} "
+                f"({type(self.quantized).__name__})"
+            )
         if self.head_dim & (self.head_dim - 1) or self.head_dim < 16:
             raise ValueError(f"index_head_dim must be a power of two >= 16, got {self.head_dim}")
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
