@@ -66,7 +66,9 @@ def _runnable_config(config: Config, name: str, cap: Capability, role: str) -> C
 
 def not_runnable(config: Config) -> dict[str, str]:
     """The backends `verify` skips on this machine, each with the reason it gives at a page
-    size it takes."""
+    size it takes; then the sparse ones ("sparse:NAME")."""
+    from mla_backends.sparse.verify import not_runnable_sparse
+
     cap = Capability.detect(config.torch_device)
     reasons = {}
     for name in available_backends():
@@ -78,7 +80,7 @@ def not_runnable(config: Config) -> dict[str, str]:
                 config, page_size=page, prefill_backend=name, decode_backend=name
             )
             reasons[name] = cls.supports(cfg, cap, "decode") or "no page size it takes fits"
-    return reasons
+    return reasons | not_runnable_sparse(config.torch_device, config.model.num_heads)
 
 
 def config_dtypes(config: Config) -> str:
@@ -189,7 +191,7 @@ def config_summary(config: Config, rows: list[Row]) -> list[str]:
         sparse_rows = [r for r in sparse_rows if r.backend == f"sparse:{sparse}"]
     groups: list[tuple[str, list[Row], str | None]] = [
         ("backends " + " / ".join(names), mine, None),
-        (f"sparse_backend {sparse}", sparse_rows, None),
+        (f"sparse_backend {sparse}", sparse_rows, None if sparse_rows else _sparse_why(config)),
     ]
     if config.dcp_size > 1:
         from mla_backends.dcp import verify as dcp
@@ -209,6 +211,17 @@ def config_summary(config: Config, rows: list[Row]) -> list[str]:
         )
         lines.append(f"this config's {label}: {verdict}")
     return lines
+
+
+def _sparse_why(config: Config) -> str | None:
+    """Why the config's named sparse backend ran no row here (None for "auto")."""
+    from mla_backends.sparse.verify import not_runnable_sparse
+
+    name = config.sparse_backend
+    if name == "auto":
+        return None
+    heads = config.model.num_heads
+    return not_runnable_sparse(config.torch_device, heads, [name]).get(f"sparse:{name}")
 
 
 def format_table(rows: list[Row]) -> str:

@@ -325,6 +325,13 @@ def test_verify_gives_its_verdict_on_the_configs_own_choices(
     assert lines[2] == (
         "this config's dcp_size 2 (replicated heads) over torch: NOT CHECKED: no row of it ran here"
     )
+    # a named sparse backend that cannot run here says why (it said only "no row of it ran")
+    on_cpu = dataclasses.replace(cfg, device="cpu", sparse_backend="flashmla")
+    line = V.config_summary(on_cpu, [row("torch", True)])[1]
+    assert line.startswith("this config's sparse_backend flashmla: NOT CHECKED: FlashMLA sparse")
+    assert "needs a CUDA GPU with SM 90, found cpu" in line and "topk 32)" in line
+    assert "needs a CUDA GPU" in V.not_runnable(on_cpu)["sparse:flashinfer_mla"]
+    assert "sparse:torch" not in V.not_runnable(on_cpu)
     # the command fails when the config's backend had no row, though every row passed
     yaml = tmp_path / "c.yaml"
     yaml.write_text("device: cpu\ndecode_backend: torch\nprefill_backend: torch\n")

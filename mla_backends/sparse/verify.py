@@ -15,7 +15,7 @@ from mla_backends.sparse.base import (
     get_sparse_backend_class,
     sparse_backend_names,
 )
-from mla_backends.sparse.testing import SparseCase, run
+from mla_backends.sparse.testing import SparseCase, build, run
 from mla_backends.verify import Row
 
 MODES = {
@@ -26,6 +26,23 @@ MODES = {
 POOLS = ("bfloat16", "fp8", "fp8_row")
 
 
+def _case(
+    name: str, pool: str, mode: str, device: torch.device, heads: int, seed: int
+) -> SparseCase:
+    """One `verify` case: DeepSeek dims and topk 2048 on a GPU, tiny dims on a CPU."""
+    if device.type == "cuda":
+        dims, topk, page = MLADims(heads, 512, 64, 128, 128, 40.0, 1.0), 2048, 64
+        kv_lens: tuple[int, ...] = (1, 100, 2047, 2048, 2049, 5000)
+    else:
+        dims, topk, page, kv_lens = MLADims(heads, 128, 16, 16, 16), 32, 16, (1, 5, 31, 33, 70)
+    exact = get_sparse_backend_class(name).caps.exact_counts
+    fmode, q = MODES[mode]
+    return SparseCase(
+        name, pool, "bfloat16", fmode, q, kv_lens, topk, page, dims,
+        drop=0.0 if exact else 0.2, empty_row=not exact, seed=seed,
+    )  # fmt: skip
+
+
 def verify_sparse(
     device: torch.device | str,
     heads: int = 16,
@@ -33,26 +50,41 @@ def verify_sparse(
     backends: Sequence[str] | None = None,
 ) -> list[Row]:
     device = torch.device(device)
-    gpu = device.type == "cuda"
-    if gpu:
-        dims, topk, page = MLADims(heads, 512, 64, 128, 128, 40.0, 1.0), 2048, 64
-        kv_lens: tuple[int, ...] = (1, 100, 2047, 2048, 2049, 5000)
-    else:
-        dims, topk, page, kv_lens = MLADims(heads, 128, 16, 16, 16), 32, 16, (1, 5, 31, 33, 70)
     rows = []
     for name in backends or sparse_backend_names():
-        exact = get_sparse_backend_class(name).caps.exact_counts
         for pool in POOLS:
-            for mode_name, (mode, q) in MODES.items():
-                case = SparseCase(
-                    name, pool, "bfloat16", mode, q, kv_lens, topk, page, dims,
-                    drop=0.0 if exact else 0.2, empty_row=not exact, seed=seed,
-                )  # fmt: skip
+            for mode in MODES:
                 try:
-                    out_err, lse_err, detail = run(case, device)
+                    out_err, lse_err, detail = run(
+                        _case(name, pool, mode, device, heads, seed), device
+                    )
                 except SparseBackendUnavailable:
-                    continue
-                rows.append(
-                    Row(f"sparse:{name}", mode_name, pool, out_err, lse_err, not detail, detail)
-                )
+                    continue  # `not_runnable_sparse` says why
+                rows.append(Row(f"sparse:{name}", mode, pool, out_err, lse_err, not detail, detail))
     return rows
+
+
+def not_runnable_sparse(
+    device: torch.device | str, heads: int = 16, backends: Sequence[str] | None = None
+) -> dict[str, str]:
+    """The sparse backends `verify_sparse` runs no row of here, each with its reasons (each
+    pool format's, distinct ones once). Hazard: `verify` with `sparse_backend: flashmla` on a
+    CPU said "NOT CHECKED: no row of it ran here" and named no cause."""
+    device = torch.device(device)
+    reasons: dict[str, str] = {}
+    for name in backends or sparse_backend_names():
+        why: dict[str, None] = {}
+        for pool in POOLS:
+            try:
+                build(_case(name, pool, "decode", device, heads, 0), device)
+            except SparseBackendUnavailable as e:
+                causes = str(e).removeprefix(f"sparse backend {name!r} cannot run here: ")
+                why |= dict.fromkeys(causes.split("; "))  # `supports` joins them so
+            else:
+                break  # one pool runs: its rows say the rest
+        else:
+            c = _case(name, "bfloat16", "decode", device, heads, 0)
+            d = c.dims
+            at = f"kv_lora_rank {d.kv_lora_rank} + rope {d.qk_rope_head_dim}, topk {c.topk}"
+            reasons[f"sparse:{name}"] = f"{'; '.join(why)} (verify's sparse cases here: {at})"
+    return reasons
