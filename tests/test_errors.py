@@ -50,6 +50,21 @@ def test_absorbed_rejects_mixed_q_dtypes_and_half_given_rows(setup) -> None:  # 
         rt.backend.forward_absorbed(0, qn, qr, torch.zeros(2, 64), torch.zeros(2, 64), batch)
 
 
+def test_absorbed_lse_asked_for_and_not_returned_is_refused(
+    setup, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A backend that declares `caps.lse` but whose `_attend_absorbed` gives lse None: the
+    caller got (out, None), and the parity matrix and `verify` passed it (nothing to compare)."""
+    rt, batch = setup
+    be = rt.backend
+    attend = be._attend_absorbed
+    monkeypatch.setattr(be, "_attend_absorbed", lambda *a: (attend(*a)[0], None))
+    be.init_forward_metadata(batch)
+    with pytest.raises(RuntimeError, match="'torch' returned no LSE although it was asked"):
+        be.forward_absorbed(0, *_q(), None, None, batch, True)
+    assert be.forward_absorbed(0, *_q(), None, None, batch).shape == (2, 16, 512)
+
+
 def test_mha_rejects_bad_shapes(setup) -> None:  # type: ignore[no-untyped-def]
     rt, _ = setup
     layout = RaggedLayout.from_lens([3, 2], [3, 2], "cpu")

@@ -181,7 +181,13 @@ class MLABackend(ABC, Generic[M]):
         if k_nope is not None and k_rope is not None:
             self.store_kv(layer, batch.out_cache_loc, unit_stride(k_nope), unit_stride(k_rope))
         out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch, return_lse)
-        return (out, lse) if return_lse else out
+        if not return_lse:
+            return out
+        if lse is None:
+            # Hazard: (out, None) passed the parity matrix and `verify` (no LSE, nothing to
+            # compare) for a backend that declares `caps.lse`; DCP's merge then read None
+            raise RuntimeError(f"backend {self.name!r} returned no LSE although it was asked")
+        return out, lse
 
     @abstractmethod
     def _attend_absorbed(
