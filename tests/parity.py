@@ -60,6 +60,18 @@ SMALL = MLADims(
 )
 
 
+# DeepSeek-V3's YaRN (factor 40, mscale_all_dim 1): a softmax scale 1.87x the plain
+# 1/sqrt(192) of the default dims. Hazard: at the default dims a kernel that drops
+# `self.scale` for its own 1/sqrt(head_dim) passed every row but the interpreter's (SMALL).
+YARN = MLADims(rope_scaling_factor=40.0, mscale_all_dim=1.0)
+
+
+def yarn_row(backend: str, where: str, page: int) -> Row:
+    """The backend's modes once at YaRN's scale: one page size, 16 heads, bf16."""
+    return Row(backend, where, pages=(page,), heads=(16,), dtypes=("bfloat16",), dims=YARN,
+               tag="yarn")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class BatchSweep:
     """Decode and verify at batch 1, 7 and 130 (lengths cycling through the edge lengths)."""
@@ -105,6 +117,7 @@ class Row:
     batch: BatchSweep | None = None
     mha: MhaSweep | None = None
     graphs: tuple[Graph, ...] = ()
+    tag: str = ""  # appended to the matrix ids: a second row of one backend at one place
 
     @property
     def caps(self) -> BackendCaps:
@@ -186,6 +199,12 @@ BACKENDS: list[Row] = [
     ),
     Row("cutlass_mla", "sm100", dtypes=("bfloat16",), long=200),
     Row("trtllm_mla", "sm100", long=200),
+    yarn_row("torch", "cpu", 16),
+    yarn_row("triton", "gpu", 64),
+    yarn_row("flashinfer_mla", "gpu", 64),
+    yarn_row("flashmla", "sm90", 64),
+    yarn_row("cutlass_mla", "sm100-emulation", 128),
+    yarn_row("trtllm_mla", "sm100-emulation", 64),
 ]
 
 
@@ -252,7 +271,7 @@ def _param(row: Row, *values: Any, id: str) -> Any:  # noqa: A002 - pytest's nam
 def matrix_params() -> list[Any]:
     """(where, case) for tests/test_parity.py::test_parity."""
     return [
-        _param(r, c, id=c.id + ("-joined" if c.joined_query else ""))
+        _param(r, c, id=c.id + ("-joined" if c.joined_query else "") + (r.tag and f"-{r.tag}"))
         for r in BACKENDS
         for c in matrix(r)
     ]
