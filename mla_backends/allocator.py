@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mla_backends.arith import cdiv
-from mla_backends.batch import as_int, as_ints
+from mla_backends.batch import as_int, as_int_at_least, as_ints
 from mla_backends.pool import ReqToTokenPool
 
 
@@ -60,12 +60,9 @@ class PagedTokenAllocator:
         req_to_token: ReqToTokenPool,
         page_order: Sequence[int] | None = None,
     ) -> None:
-        num_pages, page_size = as_int(num_pages, "num_pages"), as_int(page_size, "page_size")
-        if num_pages < 1 or page_size < 1:  # page_size 0 divided by zero at the first alloc
-            raise ValueError(
-                f"PagedTokenAllocator: num_pages and page_size must be >= 1, got "
-                f"{num_pages} / {page_size}"
-            )
+        # Hazard: page_size 0 was taken, then divided by zero at the first allocation
+        num_pages = as_int_at_least(num_pages, "PagedTokenAllocator: num_pages", 1)
+        page_size = as_int_at_least(page_size, "PagedTokenAllocator: page_size", 1)
         order = list(range(1, num_pages + 1)) if page_order is None else list(page_order)
         if sorted(order) != list(range(1, num_pages + 1)):
             raise ValueError(f"page_order must be a permutation of 1..{num_pages}")

@@ -50,7 +50,7 @@ def as_int(value: int, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
-def int_at_least(value: int, name: str, low: int) -> int:
+def as_int_at_least(value: int, name: str, low: int) -> int:
     """`value` as an int >= `low`, else one ValueError naming `name`, whatever was wrong with
     it. Hazard: `operator.index` takes a bool (a torch one too) as 0 / 1, and refuses a float
     with a TypeError that names no argument."""

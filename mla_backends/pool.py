@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mla_backends.batch import as_int, as_ints, int_at_least, is_bool
+from mla_backends.batch import as_int, as_int_at_least, as_ints, is_bool
 from mla_backends.checks import ShapeError, check_tensor
 
 if TYPE_CHECKING:
@@ -147,18 +147,14 @@ class MLATokenToKVPool:
         this dtype and device, last dim contiguous) instead of allocating: no copy, one pool."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES):
             raise ValueError(f"MLATokenToKVPool: unsupported kv dtype {dtype}")
-        sizes = {"num_layers": num_layers, "num_pages": num_pages, "page_size": page_size}
-        sizes |= {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim}
         # Hazard: a float size failed inside torch.zeros ("takes 1 positional argument"), a
         # negative one there too, and kv_lora_rank 0 built a pool of rope-only rows
+        sizes = {"num_layers": (num_layers, 0), "num_pages": (num_pages, 1)}
+        sizes |= {"page_size": (page_size, 1), "kv_lora_rank": (kv_lora_rank, 1)}
+        sizes |= {"qk_rope_head_dim": (qk_rope_head_dim, 0)}
         num_layers, num_pages, page_size, kv_lora_rank, qk_rope_head_dim = (
-            as_int(v, f"MLATokenToKVPool: {k}") for k, v in sizes.items()
+            as_int_at_least(v, f"MLATokenToKVPool: {k}", low) for k, (v, low) in sizes.items()
         )
-        if min(num_pages, page_size, kv_lora_rank) <= 0 or min(num_layers, qk_rope_head_dim) < 0:
-            raise ValueError(
-                f"MLATokenToKVPool: num_pages, page_size and kv_lora_rank must be > 0, "
-                f"num_layers and qk_rope_head_dim >= 0, got {sizes}"
-            )
         self.num_layers = num_layers
         self.num_pages = num_pages  # usable pages, page 0 excluded
         self.page_size = page_size
@@ -407,13 +403,9 @@ class ReqToTokenPool:
     ) -> None:
         """`table`: wrap an engine's existing int32 `[max_requests + 1, max_context_len]` table
         instead of allocating (no copy)."""
-        max_requests = as_int(max_requests, "ReqToTokenPool: max_requests")
-        max_context_len = as_int(max_context_len, "ReqToTokenPool: max_context_len")
-        if max_requests < 0 or max_context_len < 1:  # failed inside torch.zeros, naming neither
-            raise ValueError(
-                f"ReqToTokenPool: max_requests must be >= 0 and max_context_len >= 1, got "
-                f"{max_requests} / {max_context_len}"
-            )
+        # Hazard: a negative or float size failed inside torch.zeros, naming neither
+        max_requests = as_int_at_least(max_requests, "ReqToTokenPool: max_requests", 0)
+        max_context_len = as_int_at_least(max_context_len, "ReqToTokenPool: max_context_len", 1)
         self.size = max_requests
         self.max_context_len = max_context_len
         self.device = torch.device(device)
@@ -443,7 +435,7 @@ class ReqToTokenPool:
         return len(self._free_rows)
 
     def alloc(self, n: int = 1) -> list[int]:
-        n = int_at_least(n, "ReqToTokenPool: request rows to allocate", 0)  # numpy / torch too
+        n = as_int_at_least(n, "ReqToTokenPool: request rows to allocate", 0)  # numpy / torch too
         if n > len(self._free_rows):
             raise MemoryError(
                 f"ReqToTokenPool: requested {n} request rows, {len(self._free_rows)} free "
@@ -500,7 +492,8 @@ class ReqToTokenPool:
         tokens of a row (prefix + new) than the row has stored (row 0, padding, excepted).
         `filled`: each row's length if not this table's (a DCP group's global lengths).
         Host arrays and the batch's CPU copies only (no sync); a batch without CPU rows (a
-        graph runner's static one) is checked for its fields' shapes only (`ForwardBatch.check`)."""
+        graph runner's static one, SGLang's) is checked for its fields' shapes
+        (`ForwardBatch.check`) and its lengths against the table's width only."""
         batch.check(self.device)
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None or rows_cpu.numel() == 0:

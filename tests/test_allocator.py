@@ -346,11 +346,18 @@ def test_truncate_takes_an_integer_length() -> None:
 
 
 @pytest.mark.parametrize(
-    "sizes", [(8, 0), (0, 16), (8, 16.0)], ids=["page-0", "pages-0", "page-float"]
+    "sizes, want",
+    [
+        ((8, 0), "page_size must be an integer >= 1, got 0"),
+        ((0, 16), "num_pages must be an integer >= 1, got 0"),
+        ((8, 16.0), "page_size must be an integer >= 1, got 16.0"),
+    ],
+    ids=["page-0", "pages-0", "page-float"],
 )
-def test_allocator_constructor_refuses_a_bad_size(sizes: tuple) -> None:
-    """page_size 0 was taken, then the first allocation divided by zero."""
-    with pytest.raises((ValueError, TypeError), match="page_size|num_pages"):
+def test_allocator_constructor_refuses_a_bad_size(sizes: tuple, want: str) -> None:
+    """page_size 0 was taken, then the first allocation divided by zero. The refusal names
+    the one size that is wrong."""
+    with pytest.raises(ValueError, match=rf"^PagedTokenAllocator: {want}$"):
         PagedTokenAllocator(*sizes, ReqToTokenPool(4, 64, "cpu"))
 
 

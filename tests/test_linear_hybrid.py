@@ -411,6 +411,8 @@ def test_linear_forward_refuses_inputs_that_are_not_the_batchs_tokens_or_not_flo
         lin.forward(0, *_inputs(5, gen))
     assert not pool.recurrent.any()  # nothing advanced
     q, k, v, g, beta = _inputs(7, gen)
-    with pytest.raises(TypeError, match=r"must be floating point, got dtypes \['torch.int32'"):
+    with pytest.raises(TypeError, match=r"must be floating point, got \{'q': 'torch.int32'\}$"):
         lin.forward(0, q.int(), k, v, g, beta)
+    with pytest.raises(TypeError, match=r"got \{'beta': 'torch.int64'\}$"):  # named alone
+        lin.forward(0, q, k, v, g, beta.long())
     assert lin.forward(0, q, k, v, g, beta).shape == (7, H, V)

@@ -181,7 +181,7 @@ def test_req_to_token_rows() -> None:
     assert sorted(rows) == [1, 2, 3]  # row 0 reserved
     with pytest.raises(MemoryError, match="requested 1 request rows, 0 free"):
         rp.alloc()
-    with pytest.raises(ValueError, match="rows to allocate must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="rows to allocate must be an integer >= 0, got -1"):
         rp.alloc(-1)
     assert rp.alloc(torch.tensor(0)) == [] and rp.alloc(np.int64(0)) == []  # any integer
     rp.free(2)
@@ -341,25 +341,31 @@ def test_load_rows_refuses_float_slots() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs, err",
+    "kwargs, want",
     [
-        ({"num_layers": -1}, ValueError),
-        ({"kv_lora_rank": 0}, ValueError),
-        ({"page_size": 16.0}, TypeError),
+        ({"num_layers": -1}, "num_layers must be an integer >= 0, got -1"),
+        ({"kv_lora_rank": 0}, "kv_lora_rank must be an integer >= 1, got 0"),
+        ({"page_size": 16.0}, "page_size must be an integer >= 1, got 16.0"),
     ],
     ids=["layers-neg", "rank-0", "page-float"],
 )
-def test_pool_constructor_names_a_bad_size(kwargs: dict, err: type) -> None:
+def test_pool_constructor_names_a_bad_size(kwargs: dict, want: str) -> None:
     """Negative or float sizes failed inside torch.zeros naming no argument; kv_lora_rank 0
-    built a pool of rope-only rows."""
+    built a pool of rope-only rows. The refusal names the one size that is wrong."""
     args = {"num_layers": 2, "num_pages": 4, "page_size": 16, "kv_lora_rank": 32}
-    with pytest.raises(err, match="MLATokenToKVPool"):
+    with pytest.raises(ValueError, match=rf"^MLATokenToKVPool: {want}$"):
         MLATokenToKVPool(**(args | kwargs), qk_rope_head_dim=8, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(
-    "sizes", [(-3, 16), (4, 0), (4, 16.0)], ids=["rows-neg", "ctx-0", "ctx-float"]
+    "sizes, want",
+    [
+        ((-3, 16), "max_requests must be an integer >= 0, got -3"),
+        ((4, 0), "max_context_len must be an integer >= 1, got 0"),
+        ((4, 16.0), "max_context_len must be an integer >= 1, got 16.0"),
+    ],
+    ids=["rows-neg", "ctx-0", "ctx-float"],
 )
-def test_request_table_constructor_names_a_bad_size(sizes: tuple) -> None:
-    with pytest.raises((ValueError, TypeError), match="ReqToTokenPool: max_"):
+def test_request_table_constructor_names_a_bad_size(sizes: tuple, want: str) -> None:
+    with pytest.raises(ValueError, match=rf"^ReqToTokenPool: {want}$"):
         ReqToTokenPool(*sizes, "cpu")

@@ -181,13 +181,7 @@ class MLABackend(ABC, Generic[M]):
         if k_nope is not None and k_rope is not None:
             self.store_kv(layer, batch.out_cache_loc, unit_stride(k_nope), unit_stride(k_rope))
         out, lse = self._attend_absorbed(layer, q_nope, q_rope, batch, return_lse)
-        if not return_lse:
-            return out
-        if lse is None:
-            # Hazard: (out, None) passed the parity matrix and `verify` (no LSE, nothing to
-            # compare) for a backend that declares `caps.lse`; DCP's merge then read None
-            raise RuntimeError(f"backend {self.name!r} returned no LSE although it was asked")
-        return out, lse
+        return self._result(out, lse, return_lse)
 
     @abstractmethod
     def _attend_absorbed(
@@ -215,6 +209,12 @@ class MLABackend(ABC, Generic[M]):
         check_tensor("v", v, (layout.num_kv, h, d.v_head_dim), q.dtype, self.device)
         q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
         out, lse = self._attend_mha(q, k, v, layout, causal, return_lse)
+        return self._result(out, lse, return_lse)
+
+    def _result(self, out: Tensor, lse: Tensor | None, return_lse: bool) -> Any:
+        """`out`, or (out, lse) when asked. Hazard: (out, None) passed the parity matrix and
+        `verify` (no LSE, nothing to compare) for a backend that declares `caps.lse`; DCP's
+        merge then read None."""
         if not return_lse:
             return out
         if lse is None:

@@ -154,11 +154,11 @@ class LinearAttentionBackend:
         check_tensor("k", k, (t, h, dk))
         check_tensor("v", v, (t, h, rec.shape[-1]))
         check_tensor("beta", beta, (t, h))
-        bad = [n for n, x in zip("qkvg", (q, k, v, g)) if not x.is_floating_point()]
-        if bad or not beta.is_floating_point():  # integer inputs ran the recurrence as ints
+        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+        bad = {n: str(x.dtype) for n, x in inputs.items() if not x.is_floating_point()}
+        if bad:  # integer inputs ran the recurrence as ints
             raise TypeError(
-                f"linear layer {layer}: q, k, v, g, beta must be floating point, got dtypes "
-                f"{[str(x.dtype) for x in (q, k, v, g, beta)]}"
+                f"linear layer {layer}: q, k, v, g and beta must be floating point, got {bad}"
             )
         if g.shape not in ((t, h), (t, h, dk)):
             raise ValueError(

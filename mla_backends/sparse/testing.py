@@ -105,6 +105,29 @@ class Built:
     indices: torch.Tensor
 
 
+def _pool(case: SparseCase, pages: int, device: torch.device) -> MLATokenToKVPool | Fp8RowPool:
+    """The case's pool format, every row NaN-poisoned (an FP8 pool at `FP8_SCALE`)."""
+    d, ps = case.dims, case.page_size
+    if case.pool == "fp8_row":
+        rows = Fp8RowPool(1, pages, ps, d.kv_lora_rank, d.qk_rope_head_dim, device)
+        rows.kv_buffer[0].fill_(0xFF)  # e4m3 0xFF, fp32 and bf16 all-ones bits: NaN
+        return rows
+    kv = "float8_e4m3fn" if case.pool == "fp8" else case.pool
+    pool = MLATokenToKVPool(1, pages, ps, d.kv_lora_rank, d.qk_rope_head_dim, KV_DTYPES[kv], device)
+    pool.kv_buffer[0].fill_(float("nan"))
+    if pool.is_fp8:
+        pool.set_scale(0, FP8_SCALE)
+    return pool
+
+
+def context(case: SparseCase, device: torch.device | str) -> SparseContext:
+    """The case's context over a one-page pool and a one-row table: enough for `supports`
+    (nothing stored, nothing built)."""
+    device = torch.device(device)
+    req = ReqToTokenPool(1, case.page_size, device)
+    return SparseContext(case.dims, _pool(case, 1, device), req, case.topk, KV_DTYPES[case.dtype])
+
+
 def build(case: SparseCase, device: torch.device | str) -> Built:
     device = torch.device(device)
     rng = random.Random(case.seed)
@@ -112,18 +135,7 @@ def build(case: SparseCase, device: torch.device | str) -> Built:
     d, act = case.dims, KV_DTYPES[case.dtype]
     ps, n = case.page_size, len(case.kv_lens)
     pages = sum(-(-max(k, case.q_len) // ps) for k in case.kv_lens) + 2
-    pool: MLATokenToKVPool | Fp8RowPool
-    if case.pool == "fp8_row":
-        pool = Fp8RowPool(1, pages, ps, d.kv_lora_rank, d.qk_rope_head_dim, device)
-        pool.kv_buffer[0].fill_(0xFF)  # e4m3 0xFF, fp32 and bf16 all-ones bits: NaN
-    else:
-        kv = "float8_e4m3fn" if case.pool == "fp8" else case.pool
-        pool = MLATokenToKVPool(
-            1, pages, ps, d.kv_lora_rank, d.qk_rope_head_dim, KV_DTYPES[kv], device
-        )
-        pool.kv_buffer[0].fill_(float("nan"))
-        if pool.is_fp8:
-            pool.set_scale(0, FP8_SCALE)
+    pool = _pool(case, pages, device)
     max_ctx = max(max(case.kv_lens), case.q_len) + 1
     req = ReqToTokenPool(n, max_ctx, device)
     order = list(range(1, pages + 1))

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from mla_backends.arith import cdiv, next_pow2
-from mla_backends.batch import int_at_least
+from mla_backends.batch import as_int_at_least
 from mla_backends.checks import unit_stride
 from mla_backends.kernels.common import interpreting
 
@@ -471,7 +471,7 @@ def topk_slots(
         )
     if path not in ("auto", "launches", "fused"):
         raise ValueError(f"topk_slots: path must be auto, launches or fused, got {path!r}")
-    k = int_at_least(k, "topk_slots: k", 1)
+    k = as_int_at_least(k, "topk_slots: k", 1)
     t, width = logits.shape
     check_rows("topk_slots", t, width, req_to_token, rows, visible)
     if t == 0 or width == 0:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mla_backends.backends.context import Capability
 from mla_backends.batch import ForwardMode
 from mla_backends.config import MLADims
 from mla_backends.sparse.base import (
@@ -15,7 +16,7 @@ from mla_backends.sparse.base import (
     get_sparse_backend_class,
     sparse_backend_names,
 )
-from mla_backends.sparse.testing import SparseCase, build, run
+from mla_backends.sparse.testing import SparseCase, context, run
 from mla_backends.verify import Row
 
 MODES = {
@@ -59,7 +60,7 @@ def verify_sparse(
                         _case(name, pool, mode, device, heads, seed), device
                     )
                 except SparseBackendUnavailable:
-                    continue  # `not_runnable_sparse` says why
+                    continue  # `not_runnable_sparse` says why, once no pool of it runs
                 rows.append(Row(f"sparse:{name}", mode, pool, out_err, lse_err, not detail, detail))
     return rows
 
@@ -67,24 +68,19 @@ def verify_sparse(
 def not_runnable_sparse(
     device: torch.device | str, heads: int = 16, backends: Sequence[str] | None = None
 ) -> dict[str, str]:
-    """The sparse backends `verify_sparse` runs no row of here, each with its reasons (each
-    pool format's, distinct ones once). Hazard: `verify` with `sparse_backend: flashmla` on a
-    CPU said "NOT CHECKED: no row of it ran here" and named no cause."""
+    """The sparse backends `verify_sparse` runs no row of here ("sparse:NAME"), each with
+    its reasons over a bf16 pool (every backend reads one) at the cases' dims. Hazard:
+    `verify` with `sparse_backend: flashmla` on a CPU said "NOT CHECKED: no row of it ran
+    here" and named no cause."""
     device = torch.device(device)
+    cap = Capability.detect(device)
     reasons: dict[str, str] = {}
     for name in backends or sparse_backend_names():
-        why: dict[str, None] = {}
-        for pool in POOLS:
-            try:
-                build(_case(name, pool, "decode", device, heads, 0), device)
-            except SparseBackendUnavailable as e:
-                causes = str(e).removeprefix(f"sparse backend {name!r} cannot run here: ")
-                why |= dict.fromkeys(causes.split("; "))  # `supports` joins them so
-            else:
-                break  # one pool runs: its rows say the rest
-        else:
-            c = _case(name, "bfloat16", "decode", device, heads, 0)
-            d = c.dims
-            at = f"kv_lora_rank {d.kv_lora_rank} + rope {d.qk_rope_head_dim}, topk {c.topk}"
-            reasons[f"sparse:{name}"] = f"{'; '.join(why)} (verify's sparse cases here: {at})"
+        cls = get_sparse_backend_class(name)
+        cases = {pool: _case(name, pool, "decode", device, heads, 0) for pool in POOLS}
+        why = {pool: cls.supports(context(c, device), cap) for pool, c in cases.items()}
+        if all(why.values()):
+            d, topk = cases["bfloat16"].dims, cases["bfloat16"].topk
+            at = f"kv_lora_rank {d.kv_lora_rank} + rope {d.qk_rope_head_dim}, topk {topk}"
+            reasons[f"sparse:{name}"] = f"{why['bfloat16']} (verify's sparse cases here: {at})"
     return reasons
