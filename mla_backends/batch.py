@@ -55,7 +55,7 @@ def as_int_at_least(value: int, name: str, low: int) -> int:
     it. Hazard: `operator.index` takes a bool (a torch one too) as 0 / 1, and refuses a float
     with a TypeError that names no argument."""
     try:
-        n = None if is_bool(value) else operator.index(value)
+        n: int | None = as_int(value, name)
     except TypeError:
         n = None
     if n is None or n < low:

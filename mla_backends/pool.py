@@ -149,11 +149,12 @@ class MLATokenToKVPool:
             raise ValueError(f"MLATokenToKVPool: unsupported kv dtype {dtype}")
         # Hazard: a float size failed inside torch.zeros ("takes 1 positional argument"), a
         # negative one there too, and kv_lora_rank 0 built a pool of rope-only rows
-        sizes = {"num_layers": (num_layers, 0), "num_pages": (num_pages, 1)}
-        sizes |= {"page_size": (page_size, 1), "kv_lora_rank": (kv_lora_rank, 1)}
-        sizes |= {"qk_rope_head_dim": (qk_rope_head_dim, 0)}
-        num_layers, num_pages, page_size, kv_lora_rank, qk_rope_head_dim = (
-            as_int_at_least(v, f"MLATokenToKVPool: {k}", low) for k, (v, low) in sizes.items()
+        num_layers = as_int_at_least(num_layers, "MLATokenToKVPool: num_layers", 0)
+        num_pages = as_int_at_least(num_pages, "MLATokenToKVPool: num_pages", 1)
+        page_size = as_int_at_least(page_size, "MLATokenToKVPool: page_size", 1)
+        kv_lora_rank = as_int_at_least(kv_lora_rank, "MLATokenToKVPool: kv_lora_rank", 1)
+        qk_rope_head_dim = as_int_at_least(
+            qk_rope_head_dim, "MLATokenToKVPool: qk_rope_head_dim", 0
         )
         self.num_layers = num_layers
         self.num_pages = num_pages  # usable pages, page 0 excluded
@@ -475,11 +476,11 @@ class ReqToTokenPool:
             )
 
     def _check_seq_lens(self, batch: ForwardBatch) -> None:
-        """ShapeError unless every `seq_lens_cpu` is in 0..max_context_len, for a batch without
-        CPU rows (SGLang's, a graph runner's static one), which is not held to `filled`; a
-        batch with them is (a stricter check, naming the row). Hazard: a length past
-        the table's width read the next request row's slots (triton, silently) or raised an
-        IndexError inside the torch backend's gather. The CPU copy only: no sync."""
+        """ShapeError unless every `seq_lens_cpu` is in 0..max_context_len: the length check of
+        a batch without CPU rows (SGLang's, a graph runner's static one); one with them is held
+        to each row's stored length instead. Hazard: a length past the table's width read the
+        next request row's slots (triton, silently) or raised an IndexError inside the torch
+        backend's gather. The CPU copy only: no sync."""
         seq = batch.seq_lens_cpu.numpy()
         if seq.size and (seq.min() < 0 or seq.max() > self.max_context_len):
             raise ShapeError(
