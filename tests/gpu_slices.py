@@ -34,6 +34,7 @@ class Rule:
     backend: str | None = None  # the parametrised backend (tests/parity.py tables)
     kv_dtypes: tuple[str, ...] = ()  # ... and the case's KV dtypes; () = any
     pages: tuple[int, ...] = ()  # ... and the case's page sizes; () = any
+    tag: str = ""  # ... and the parity row's tag (`Row.tag`, the id's last part); "" = any
     seconds: float = 5.0  # per test
     cpu: bool = False  # the file's tests without any marker (instead of gpu-marked ones)
 
@@ -51,7 +52,8 @@ SLICES: dict[str, str] = {
     "tests-7": "hybrid Kimi-Linear models; multi-GPU DCP; SM100 kernels; the Gluon routes' "
     "parity cases (64-row and narrow); any test no rule names",
     "tests-8": "hybrid Kimi-Linear verify graphs of two draft counts (tests-7 is full); pools "
-    "past the int32 marks; the page-32 parity cases of triton and flashinfer_mla",
+    "past the int32 marks; the page-32 parity cases of triton and flashinfer_mla; their MHA "
+    "prefill at YaRN's scale",
 }
 
 PARITY = "test_parity.py"
@@ -60,6 +62,9 @@ RULES: list[Rule] = [
     # tests-8: page 32 joined the GPU parity rows in the thirty-eighth session (42 cases,
     # 108 s on a fresh H200 in 12 processes with 7 graph tests); tests-1 to 4 were full
     Rule("tests-8", PARITY, ("test_parity",), pages=(32,), seconds=3.5),
+    # tests-8: the YaRN-scale MHA prefill rows (tests/parity.py's yarn_mha_row; 4 cases) at
+    # the other MHA cases' estimate: tests-2 and tests-4 had 6 s and 2 s left
+    Rule("tests-8", PARITY, ("test_mha_prefill",), tag="yarn", seconds=4.0),
     # tests-7's Gluon-route parity cases first (the first matching rule wins); on a fresh
     # H100 (fourteenth session, call 9) the 20 GPU tests of test_gluon.py took 61 s,
     # compiles included: 8 s a case still leaves room
@@ -225,6 +230,9 @@ def _matches(rule: Rule, item: pytest.Item, gpu: bool) -> bool:
         return False
     backend, kv, page = _case_keys(item)
     if rule.backend is not None and backend != rule.backend:
+        return False
+    params = getattr(item, "callspec", None)
+    if rule.tag and not (params and params.id.endswith(f"-{rule.tag}")):
         return False
     return (not rule.kv_dtypes or kv in rule.kv_dtypes) and (not rule.pages or page in rule.pages)
 

@@ -9,7 +9,8 @@ afford them all (the interpreter is slow). From the rows:
   (0, 1, page - 1, page, page + 1, long) on a shuffled, interleaved, NaN-poisoned pool, out
   and LSE against both references (tests/test_parity.py);
 - `batch_sweep`: decode and verify at batch 1, 7 and 130;
-- `mha`: MHA-mode prefill of a ragged batch, causal and full;
+- `mha`: MHA-mode prefill of a ragged batch, causal and full (`yarn_mha_row`: alone, at
+  DeepSeek-V3's YaRN scale);
 - `graphs`: decode streams through the CUDA-graph runner, out and LSE (tests/test_graph_runner.py);
 - `mha_backends`: who has an MHA-prefill path where (tests/test_zero_key_rows.py).
 Every case carries its place's marker (`-m gpu` picks the GPU cases) and an id that starts
@@ -72,6 +73,14 @@ def yarn_row(backend: str, where: str, page: int) -> Row:
                tag="yarn")  # fmt: skip
 
 
+def yarn_mha_row(backend: str, where: str, lens: str, heads: int = 16) -> Row:
+    """MHA-mode prefill alone (no matrix) at YaRN's scale, bf16, causal and full. Hazard:
+    the MHA rows of the default dims pass with the plain softmax scale, so a `forward_mha`
+    that drops `self.scale` failed only the interpreter's row (SMALL, 1.2x the plain scale)."""
+    return Row(backend, where, matrix=False, dims=YARN, mha=MhaSweep(("bfloat16",), lens, heads),
+               tag="yarn")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class BatchSweep:
     """Decode and verify at batch 1, 7 and 130 (lengths cycling through the edge lengths)."""
@@ -117,7 +126,7 @@ class Row:
     batch: BatchSweep | None = None
     mha: MhaSweep | None = None
     graphs: tuple[Graph, ...] = ()
-    tag: str = ""  # appended to the matrix ids: a second row of one backend at one place
+    tag: str = ""  # appended to the matrix and MHA ids: a second row of one backend at one place
 
     @property
     def caps(self) -> BackendCaps:
@@ -205,6 +214,11 @@ BACKENDS: list[Row] = [
     yarn_row("flashmla", "sm90", 64),
     yarn_row("cutlass_mla", "sm100-emulation", 128),
     yarn_row("trtllm_mla", "sm100-emulation", 64),
+    # every backend with an MHA-prefill path; the interpreter's is tiny (its shapes cost)
+    yarn_mha_row("torch", "cpu", "mid"),
+    yarn_mha_row("triton", "interp", "short", heads=4),
+    yarn_mha_row("triton", "gpu", "long"),
+    yarn_mha_row("flashinfer_mla", "gpu", "long"),
 ]
 
 
@@ -292,7 +306,8 @@ def mha_params() -> list[Any]:
             r.dims,
             r.mha.lens,
             causal,
-            id=f"{r.backend}-{'causal' if causal else 'full'}-{dt}-h{r.mha.heads}",
+            id=f"{r.backend}-{'causal' if causal else 'full'}-{dt}-h{r.mha.heads}"
+            + (r.tag and f"-{r.tag}"),
         )
         for r in BACKENDS
         if r.mha is not None
