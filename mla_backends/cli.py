@@ -204,9 +204,10 @@ def _verify(args: argparse.Namespace) -> int:
     with out_of_memory(_model_sizes(args.config, config), config.torch_device):
         rows = verify(config, seed=args.seed)
     print(format_table(rows))
-    for name, reason in not_runnable(config).items():
+    skipped = not_runnable(config)
+    for name, reason in skipped.items():
         print(f"not run here: {name}: {reason}")
-    summary = config_summary(config, rows)
+    summary = config_summary(config, rows, skipped)
     print("\n".join(summary))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")

@@ -177,11 +177,15 @@ def _dcp_rows(config: Config, seed: int) -> list[Row]:
     ]  # fmt: skip
 
 
-def config_summary(config: Config, rows: list[Row]) -> list[str]:
+def config_summary(
+    config: Config, rows: list[Row], skipped: dict[str, str] | None = None
+) -> list[str]:
     """What `verify` says of the config's own choices: the rows of the backends it names
     (every sparse backend's when sparse_backend is auto, resolved only with a model's indexer
     dims), and the settings it does not check. Hazard: a table of PASS rows reads as "my
-    config is fine" even where the config's backend had no row or its DCP was never run."""
+    config is fine" even where the config's backend had no row or its DCP was never run.
+    skipped: `not_runnable(config)` where the caller has it (the sparse reasons are then not
+    asked of `supports` a second time)."""
     names = dict.fromkeys((config.decode_backend, config.prefill_backend))
     own = config_dtypes(config)  # rows of other dtype pairs say nothing of this config
     mine = [r for r in rows if r.backend in names and (r.dtype == own or r.mode.startswith("mha"))]
@@ -189,9 +193,10 @@ def config_summary(config: Config, rows: list[Row]) -> list[str]:
     sparse_rows = [r for r in rows if r.backend.startswith("sparse:")]
     if sparse != "auto":
         sparse_rows = [r for r in sparse_rows if r.backend == f"sparse:{sparse}"]
+    sparse_why = None if sparse_rows else _sparse_why(config, skipped)
     groups: list[tuple[str, list[Row], str | None]] = [
         ("backends " + " / ".join(names), mine, None),
-        (f"sparse_backend {sparse}", sparse_rows, None if sparse_rows else _sparse_why(config)),
+        (f"sparse_backend {sparse}", sparse_rows, sparse_why),
     ]
     if config.dcp_size > 1:
         from mla_backends.dcp import verify as dcp
@@ -213,15 +218,17 @@ def config_summary(config: Config, rows: list[Row]) -> list[str]:
     return lines
 
 
-def _sparse_why(config: Config) -> str | None:
-    """Why the config's named sparse backend ran no row here (None for "auto")."""
+def _sparse_why(config: Config, skipped: dict[str, str] | None = None) -> str | None:
+    """Why the config's named sparse backend ran no row here (None for "auto"), from
+    `skipped` (`not_runnable`'s) when given."""
     from mla_backends.sparse.verify import not_runnable_sparse
 
     name = config.sparse_backend
     if name == "auto":
         return None
-    heads = config.model.num_heads
-    return not_runnable_sparse(config.torch_device, heads, [name]).get(f"sparse:{name}")
+    if skipped is None:
+        skipped = not_runnable_sparse(config.torch_device, config.model.num_heads, [name])
+    return skipped.get(f"sparse:{name}")
 
 
 def format_table(rows: list[Row]) -> str:

@@ -495,3 +495,34 @@ def test_verify_runs_the_configs_own_dtypes(monkeypatch: pytest.MonkeyPatch) -> 
     own = [r for r in rows if r.dtype == "float16/float8_e4m3fn"]
     assert {r.mode for r in own} == {"decode", "verify", "extend"} and all(r.ok for r in own)
     assert V.config_summary(cfg, rows)[0] == "this config's backends torch: 5 of 5 rows pass"
+
+
+def test_verify_asks_a_named_sparse_backend_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`verify` with `sparse_backend: flashmla` on a CPU asked its `supports` twice over every
+    pool (`not_runnable`, then `config_summary` through `_sparse_why`), building a context
+    each time; the one answer now serves both lines, which read as before."""
+    from mla_backends import verify as V
+    from mla_backends.cli import main
+    from mla_backends.sparse.base import get_sparse_backend_class
+    from mla_backends.sparse.verify import POOLS
+
+    cls = get_sparse_backend_class("flashmla")
+    asked: list[str] = []
+
+    def supports(c: type, ctx: object, cap: object) -> str:
+        asked.append(c.__name__)
+        return "REASON"
+
+    monkeypatch.setattr(cls, "supports", classmethod(supports))
+    monkeypatch.setattr(V, "verify", lambda config, seed=0: [])
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("device: cpu\ndecode_backend: torch\nprefill_backend: torch\n"
+                    "sparse_backend: flashmla\n")  # fmt: skip
+    assert main(["verify", "--config", str(yaml)]) == 1
+    out = capsys.readouterr().out
+    assert len(asked) == len(POOLS), asked
+    because = "REASON (verify's sparse cases here: kv_lora_rank 128 + rope 16, topk 32)"
+    assert f"not run here: sparse:flashmla: {because}" in out
+    assert f"this config's sparse_backend flashmla: NOT CHECKED: {because}" in out

@@ -125,7 +125,12 @@ def test_kernel_package_warning_reads_local_labels_and_old_names(
         ("flashmla", {}, A100, r"FlashMLA needs SM 90, found NVIDIA A100 \(SM80\)"),
         ("flashmla", {"kv_dtype": "float32"}, H100, r"needs kv_dtype in"),
         ("flashmla", {"kv_dtype": "float8_e4m3fn"}, H100, r"needs kv_dtype in"),
-        ("flashmla", {"kv_dtype": "float16"}, H100, r"q and KV in one dtype: bfloat16 / float16"),
+        (
+            "flashmla",
+            {"kv_dtype": "float16"},
+            H100,
+            r"q and KV in one dtype: config dtype is bfloat16, kv_dtype is float16$",
+        ),
         (
             "flashmla",
             {"model": dataclasses.replace(DEEPSEEK_V3, kv_lora_rank=256)},
@@ -183,7 +188,7 @@ ONE_DTYPE = [
      "flashmla takes bfloat16/float16 activations, config dtype is float32 "
      "(q and KV in one dtype)"),
     ("flashmla", 64, H100, "bfloat16", "float16",
-     "flashmla needs q and KV in one dtype: float16 / bfloat16"),
+     "flashmla needs q and KV in one dtype: config dtype is float16, kv_dtype is bfloat16"),
     ("cutlass_mla", 128, Capability("cuda", (10, 0), "NVIDIA B200"), "float8_e4m3fn",
      "bfloat16",
      "cutlass_mla needs kv_dtype in ('bfloat16', 'float16'), config has 'float8_e4m3fn' "
@@ -215,6 +220,49 @@ def test_q_and_kv_in_one_dtype_refusals_state_each_cause_once(
     monkeypatch.setattr(cm, "missing", lambda *a: None)
     config = Config(model=DEEPSEEK_V3, page_size=page, device="cpu", kv_dtype=kv, dtype=act)
     assert get_backend_class(name).supports(config, cap, "decode") == want
+
+
+T4 = Capability("cuda", (7, 5), "T4")
+MACHINE_REASONS = {
+    "flashmla": ["PKG", "FlashMLA needs SM 90, found T4 (SM75)", "FlashMLA is built for"],
+    "cutlass_mla": ["PKG", "CUTLASS MLA needs SM 100, found T4 (SM75)", "CUTLASS MLA is built for",
+                    "CUTLASS MLA takes <= 128 heads, got 256"],
+    "flashinfer_mla": ["PKG", "FlashInfer MLA needs SM 80 or 86 or 89 or 90, found T4 (SM75)",
+                       "FlashInfer MLA is built for",
+                       "FlashInfer MLA takes bfloat16/float16 activations, config dtype is float32",
+                       "FlashInfer FP8 MLA needs fa3 (SM90), found T4 (SM75)"],
+    "trtllm_mla": ["PKG", "TRT-LLM MLA needs SM 100 or 103, found T4 (SM75)",
+                   "TRT-LLM MLA is built for",
+                   "TRT-LLM MLA takes bfloat16 activations, config dtype is float32"],
+    "triton": ["PKG", "triton MLA kernels need SM80 or newer, found T4 (SM75)",
+               "triton MLA kernels need kv_lora_rank and qk_rope_head_dim to be powers of two"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MACHINE_REASONS))
+def test_dense_machine_reasons_give_every_reason_at_once(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The dense `_machine_reason`s stopped at the first reason (`a or b`), where the sparse
+    ones join them all: a user installed the package only to be told next that the GPU, the
+    dims or the dtype cannot run the backend either."""
+    import mla_backends.backends.cutlass_mla as cm
+    import mla_backends.backends.flashinfer_mla as fi
+    import mla_backends.backends.flashmla as fm
+    import mla_backends.backends.triton_backend as tb
+    import mla_backends.backends.trtllm_mla as tm
+
+    for module in (fm, cm, tm):
+        monkeypatch.setattr(module, "missing", lambda *a: "PKG")
+    monkeypatch.setattr(fi, "fa3_unusable", lambda: "PKG")
+    monkeypatch.setattr(tb, "need_triton", lambda device_type: "PKG")
+    dims = dataclasses.replace(DEEPSEEK_V3, kv_lora_rank=384, num_heads=256)
+    config = Config(model=dims, page_size=64, device="cpu", dtype="float32",
+                    kv_dtype="float8_e4m3fn")  # fmt: skip
+    reason = get_backend_class(name)._machine_reason(config, T4)
+    got = [] if reason is None else reason.split("; ")
+    want = MACHINE_REASONS[name]
+    assert len(got) == len(want) and all(g.startswith(w) for g, w in zip(got, want)), got
 
 
 def test_flashmla_has_no_prefill_path() -> None:

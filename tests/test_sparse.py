@@ -1825,6 +1825,18 @@ def test_sparse_auto_on_a_cpu_is_the_torch_backend_under_the_interpreter_too(
     assert create_sparse_backend("auto", _sparse_ctx()).name == "torch"
 
 
+def test_an_unknown_sparse_backend_name_is_one_valueerror_naming_the_allowed() -> None:
+    """`create_sparse_backend("nope", ...)` (and `DSABackend.build` given a name) raised the
+    registry's bare KeyError, printed as a quoted repr; the dense names fail as a ValueError
+    listing the allowed ones."""
+    from mla_backends.sparse.base import create_sparse_backend
+
+    allowed = "['auto', 'flashmla', 'flashinfer_mla', 'triton', 'torch']"
+    with pytest.raises(ValueError) as e:
+        create_sparse_backend("nope", _sparse_ctx())
+    assert str(e.value) == f"sparse backend 'nope' is unknown; allowed: {allowed}"
+
+
 def test_forward_sparse_refuses_indices_of_another_shape_or_dtype() -> None:
     case = SparseCase("torch", "bfloat16", "bfloat16", ForwardMode.DECODE, 1, (20, 40))
     b = build(case, "cpu")

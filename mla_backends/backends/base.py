@@ -96,12 +96,16 @@ class MLABackend(ABC, Generic[M]):
                 "(q and KV in one dtype)"
             )
         elif kv in c.kv_dtypes and kv != act:
-            reasons.append(f"{cls.name} needs q and KV in one dtype: {act} / {kv}")
+            # Hazard: "float16 / bfloat16" named neither key; the user typed `dtype`, `kv_dtype`
+            reasons.append(
+                f"{cls.name} needs q and KV in one dtype: config dtype is {act}, kv_dtype is {kv}"
+            )
         return reasons
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        """Why this machine (packages, SM version) or config cannot run the kernels, or None."""
+        """Why this machine (packages, SM version) or config cannot run the kernels, every
+        reason through `joined`, or None."""
         return None
 
     @property

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mla_backends.backends.base import BackendCaps, BackendContext, Capability
+from mla_backends.backends.base import BackendCaps, BackendContext, Capability, joined
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
@@ -52,14 +52,14 @@ class CutlassMLABackend(PageTableBackend):
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        d = config.model
-        return (
-            missing("sgl_kernel")
-            or need_sm(cap, "CUTLASS MLA", ((10, 0),))
-            or need_deepseek_dims(config, "CUTLASS MLA")
-            or (
-                None if d.num_heads <= 128 else f"CUTLASS MLA takes <= 128 heads, got {d.num_heads}"
-            )
+        heads = config.model.num_heads
+        return joined(
+            [
+                missing("sgl_kernel"),
+                need_sm(cap, "CUTLASS MLA", ((10, 0),)),
+                need_deepseek_dims(config, "CUTLASS MLA"),
+                None if heads <= 128 else f"CUTLASS MLA takes <= 128 heads, got {heads}",
+            ]
         )
 
     def __init__(self, ctx: BackendContext) -> None:

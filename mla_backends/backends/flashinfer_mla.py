@@ -21,7 +21,13 @@ import torch
 from torch import Tensor
 
 from mla_backends.arith import cdiv
-from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
+from mla_backends.backends.base import (
+    BackendCaps,
+    BackendContext,
+    Capability,
+    GraphCapable,
+    joined,
+)
 from mla_backends.backends.flashinfer_kernel import (
     FaMLAKernel,
     FaPlan,
@@ -65,16 +71,16 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        return (
-            fa3_unusable()
-            or need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0)))
-            or need_deepseek_dims(config, "FlashInfer MLA")
-            or need_dtype(config, "FlashInfer MLA", ("bfloat16", "float16"))
-            or (
+        return joined(
+            [
+                fa3_unusable(),
+                need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0))),
+                need_deepseek_dims(config, "FlashInfer MLA"),
+                need_dtype(config, "FlashInfer MLA", ("bfloat16", "float16")),
                 None
                 if config.kv_dtype != "float8_e4m3fn" or cap.sm == (9, 0)
-                else f"FlashInfer FP8 MLA needs fa3 (SM90), found {cap.describe()}"
-            )
+                else f"FlashInfer FP8 MLA needs fa3 (SM90), found {cap.describe()}",
+            ]
         )
 
     def __init__(self, ctx: BackendContext) -> None:

@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from mla_backends.backends.base import BackendCaps, BackendContext, Capability
+from mla_backends.backends.base import BackendCaps, BackendContext, Capability, joined
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
@@ -69,10 +69,12 @@ class FlashMLABackend(PageTableBackend):
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        return (
-            missing("flash_mla", "sgl_kernel")
-            or need_sm(cap, "FlashMLA", ((9, 0),))
-            or need_deepseek_dims(config, "FlashMLA")
+        return joined(
+            [
+                missing("flash_mla", "sgl_kernel"),
+                need_sm(cap, "FlashMLA", ((9, 0),)),
+                need_deepseek_dims(config, "FlashMLA"),
+            ]
         )
 
     def __init__(self, ctx: BackendContext) -> None:

@@ -12,7 +12,13 @@ import torch
 from torch import Tensor
 
 from mla_backends.arith import cumsum_indptr
-from mla_backends.backends.base import BackendCaps, BackendContext, Capability, GraphCapable
+from mla_backends.backends.base import (
+    BackendCaps,
+    BackendContext,
+    Capability,
+    GraphCapable,
+    joined,
+)
 from mla_backends.backends.kernel_packages import need_triton
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
@@ -53,13 +59,11 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        reason = need_triton(cap.device_type)
-        if reason is not None:
-            return reason
-        if cap.sm is not None and cap.sm < (8, 0):
-            return f"triton MLA kernels need SM80 or newer, found {cap.describe()}"
-        if cap.sm is not None and config.kv_dtype == "float8_e4m3fn" and cap.sm < (8, 9):
-            return f"FP8 KV needs SM89 or newer, found {cap.describe()}"
+        sm, reasons = cap.sm, [need_triton(cap.device_type)]
+        if sm is not None and sm < (8, 0):  # one GPU, one reason: not the FP8 one beside it
+            reasons.append(f"triton MLA kernels need SM80 or newer, found {cap.describe()}")
+        elif sm is not None and config.kv_dtype == "float8_e4m3fn" and sm < (8, 9):
+            reasons.append(f"FP8 KV needs SM89 or newer, found {cap.describe()}")
         d = config.model
         if not (_pow2(d.kv_lora_rank) and _pow2(d.qk_rope_head_dim)):
             # Hazard: a YAML file without `model:` gets Config's `tiny` (R 8), not the shipped
@@ -67,11 +71,11 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
             hint = (
                 " (model tiny, the default without `model:`; tiny-kernel runs)" if d == TINY else ""
             )
-            return (
+            reasons.append(
                 f"triton MLA kernels need kv_lora_rank and qk_rope_head_dim to be powers of "
                 f"two >= 16, got {d.kv_lora_rank} and {d.qk_rope_head_dim}{hint}"
             )
-        return None
+        return joined(reasons)
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)

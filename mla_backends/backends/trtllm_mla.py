@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mla_backends.backends.base import BackendCaps, BackendContext, Capability
+from mla_backends.backends.base import BackendCaps, BackendContext, Capability, joined
 from mla_backends.backends.kernel_packages import (
     missing,
     need_deepseek_dims,
@@ -50,11 +50,13 @@ class TrtllmMLABackend(PageTableBackend):
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        return (
-            missing("flashinfer")
-            or need_sm(cap, "TRT-LLM MLA", ((10, 0), (10, 3)))
-            or need_deepseek_dims(config, "TRT-LLM MLA")
-            or need_dtype(config, "TRT-LLM MLA", ("bfloat16",))
+        return joined(
+            [
+                missing("flashinfer"),
+                need_sm(cap, "TRT-LLM MLA", ((10, 0), (10, 3))),
+                need_deepseek_dims(config, "TRT-LLM MLA"),
+                need_dtype(config, "TRT-LLM MLA", ("bfloat16",)),
+            ]
         )
 
     def __init__(self, ctx: BackendContext) -> None:

@@ -260,6 +260,10 @@ def sparse_backend_names() -> list[str]:
 def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     """The named backend ("auto": the first in `_MODULES` order that runs here; on a CPU the
     torch backend, which runs there compiled), or a clear error naming why it cannot run."""
+    if name != "auto" and name not in _MODULES and name not in _REGISTRY:
+        # Hazard: the registry's KeyError printed as a quoted repr, unlike the dense ValueError
+        allowed = ["auto", *_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]
+        raise ValueError(f"sparse backend {name!r} is unknown; allowed: {allowed}")
     if name == "auto":
         cap = Capability.detect(ctx.device)
         order = list(_MODULES) if ctx.device.type == "cuda" else ["torch"]
