@@ -1769,9 +1769,17 @@ def test_sparse_supports_gives_every_reason_at_once(monkeypatch: pytest.MonkeyPa
         "FlashMLA sparse needs SM 90, found A100 (SM80)",
     ]
     assert why("flashmla", a100, _sparse_ctx(kv_dtype="float16")) == [
-        "FlashMLA sparse reads a bfloat16 pool or FP8 rows, got torch.float16",
+        "FlashMLA sparse reads a bfloat16 pool or FP8 rows, got float16",
         "FlashMLA sparse needs SM 90, found A100 (SM80)",
     ]
+    # dtypes as the YAML spells them, not torch's repr
+    f32 = dataclasses.replace(_sparse_ctx(kv_dtype="float16"), dtype=torch.float32)
+    assert why("flashinfer_mla", a100, f32)[0] == (
+        "FlashInfer MLA takes bfloat16 / float16 activations, got float32"
+    )
+    assert (
+        why("flashmla", a100, f32)[0] == "FlashMLA sparse takes bfloat16 activations, got float32"
+    )
     # one GPU too old is one reason: not the FP8 one (SM89) beside the SM80 one
     assert why("triton", t4, _sparse_ctx(fp8_rows=True)) == [
         "the sparse Triton kernel needs SM80 or newer, found T4 (SM75)"

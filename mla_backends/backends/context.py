@@ -22,6 +22,12 @@ def joined(reasons: Iterable[str | None]) -> str | None:
     return "; ".join(r for r in reasons if r) or None
 
 
+def dtype_word(dtype: torch.dtype) -> str:
+    """A dtype as the YAML and CLI spell it ("float16", not "torch.float16"): the word a user
+    typed, in every refusal that quotes one."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class BackendCaps:
     """What a backend declares, checked against a config by `MLABackend.supports` before any

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mla_backends.backends.base import Capability
-from mla_backends.backends.context import joined
+from mla_backends.backends.context import dtype_word, joined
 from mla_backends.backends.flashinfer_kernel import FaPlan, fa3_unusable
 from mla_backends.backends.kernel_packages import need_sm
 from mla_backends.batch import ForwardBatch
@@ -82,7 +82,9 @@ class FlashInferSparseBackend(SparseMLABackend):
             got = f"{d.kv_lora_rank} + {d.qk_rope_head_dim}"
             reasons.append(f"FlashInfer MLA is built for kv_lora_rank 512 + rope 64, got {got}")
         if ctx.dtype not in (torch.bfloat16, torch.float16):
-            reasons.append(f"FlashInfer MLA takes bfloat16 / float16 activations, got {ctx.dtype}")
+            reasons.append(
+                f"FlashInfer MLA takes bfloat16 / float16 activations, got {dtype_word(ctx.dtype)}"
+            )
         if ctx.pool.dtype == torch.float32:
             reasons.append("FlashInfer MLA reads bfloat16 / float16 / e4m3 pools, not float32")
         return joined([*reasons, fa3_unusable(), need_sm(cap, "FlashInfer fa3 MLA", ((9, 0),))])

@@ -27,7 +27,7 @@ import torch
 
 from mla_backends.arith import round_up
 from mla_backends.backends.base import Capability
-from mla_backends.backends.context import joined
+from mla_backends.backends.context import dtype_word, joined
 from mla_backends.backends.kernel_packages import missing, need_sm, require
 from mla_backends.backends.util import joined_query
 from mla_backends.batch import ForwardBatch
@@ -83,11 +83,12 @@ class FlashMLASparseBackend(SparseMLABackend):
         if d.num_heads > 128:
             reasons.append(f"FlashMLA sparse takes at most 128 heads, got {d.num_heads}")
         if ctx.dtype != torch.bfloat16:
-            reasons.append(f"FlashMLA sparse takes bfloat16 activations, got {ctx.dtype}")
-        if not ctx.fp8_rows and ctx.pool.dtype != torch.bfloat16:
             reasons.append(
-                f"FlashMLA sparse reads a bfloat16 pool or FP8 rows, got {ctx.pool.dtype}"
+                f"FlashMLA sparse takes bfloat16 activations, got {dtype_word(ctx.dtype)}"
             )
+        if not ctx.fp8_rows and ctx.pool.dtype != torch.bfloat16:
+            pool = dtype_word(ctx.pool.dtype)
+            reasons.append(f"FlashMLA sparse reads a bfloat16 pool or FP8 rows, got {pool}")
         if ctx.fp8_rows and ctx.topk % 64:
             reasons.append(f"FlashMLA's FP8 sparse decode needs topk % 64 == 0, got {ctx.topk}")
         return joined([*reasons, missing("sgl_kernel"), need_sm(cap, "FlashMLA sparse", ((9, 0),))])
