@@ -195,7 +195,8 @@ BAD_INPUTS = [
             _yaml(t, "sparse_backend: flashmla\n"),
         ],
         r"run: config error: .*c.yaml: sparse_backend: sparse backend 'flashmla' cannot run here: "
-        r"FlashMLA sparse is built for kv_lora_rank 512",
+        r"FlashMLA sparse is built for kv_lora_rank 512.*\. Sparse backends that can run with "
+        r"this config on cpu.*: \[.*'torch'\]",
     ),
     (
         # num_pages that large is past the int32 slot ids (test_cli_edges): the table is here

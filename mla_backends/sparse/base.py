@@ -264,8 +264,8 @@ def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
         # Hazard: the registry's KeyError printed as a quoted repr, unlike the dense ValueError
         allowed = ["auto", *_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]
         raise ValueError(f"sparse backend {name!r} is unknown; allowed: {allowed}")
+    cap = Capability.detect(ctx.device)
     if name == "auto":
-        cap = Capability.detect(ctx.device)
         order = list(_MODULES) if ctx.device.type == "cuda" else ["torch"]
         for n in order:
             if get_sparse_backend_class(n).supports(ctx, cap) is None:
@@ -274,7 +274,12 @@ def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
         else:
             raise SparseBackendUnavailable(f"no sparse backend can run on {cap.describe()}")
     cls = get_sparse_backend_class(name)
-    reason = cls.supports(ctx, Capability.detect(ctx.device))
+    reason = cls.supports(ctx, cap)
     if reason is not None:
-        raise SparseBackendUnavailable(f"sparse backend {name!r} cannot run here: {reason}")
+        # as the dense refusal does: what would run instead, so the next try is not a guess
+        ok = [n for n in _MODULES if get_sparse_backend_class(n).supports(ctx, cap) is None]
+        raise SparseBackendUnavailable(
+            f"sparse backend {name!r} cannot run here: {reason}. "
+            f"Sparse backends that can run with this config on {cap.describe()}: {ok}"
+        )
     return cls(ctx)
