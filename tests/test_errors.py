@@ -92,6 +92,16 @@ def test_batch_q_len_is_one_in_decode_and_the_draft_count_in_verify() -> None:
     assert (decode.q_len, verify.q_len) == (1, 3)
 
 
+def test_an_empty_decode_or_verify_batch_passes_its_check() -> None:
+    """A rank with no requests still builds a DECODE / TARGET_VERIFY batch: its check must not
+    take the max of no query lengths (a RuntimeError from torch's empty reduction)."""
+    loc = torch.zeros(0, dtype=torch.int64)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        batch = ForwardBatch.build(mode, [], [], [], loc, "cpu")
+        batch.check(torch.device("cpu"))
+        assert (batch.batch_size, batch.num_tokens, batch.max_q_len) == (0, 0, 0)
+
+
 def test_metadata_must_be_built_first(setup) -> None:  # type: ignore[no-untyped-def]
     rt, batch = setup
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
@@ -526,6 +536,8 @@ def test_ragged_layout_refuses_negative_or_fractional_lengths() -> None:
     and a float one was truncated by the int32 tensor, silently."""
     with pytest.raises(ValueError, match=r"must be >= 0, got \[3, -2\] / \[3, 2\]"):
         RaggedLayout.from_lens([3, -2], [3, 2], "cpu")
+    with pytest.raises(ValueError, match=r"must be >= 0, got \[1\] / \[-1\]"):
+        RaggedLayout.from_lens([1], [-1], "cpu")  # the bound itself: -1 is refused
     with pytest.raises(TypeError, match=r"kv_lens must be integers, got \[3, 2\.5\]"):
         RaggedLayout.from_lens([3, 2], [3, 2.5], "cpu")
     assert RaggedLayout.from_lens([3, 0], [3, 2], "cpu").num_q == 3

@@ -184,6 +184,64 @@ def _cpu_runner(q_len: int = 1, sizes=(4,), forward=absorbed_forward):  # type: 
     return stream, runner
 
 
+def test_runner_refuses_a_verify_batch_of_another_q_len() -> None:
+    """A runner captured for q_len 2 must refuse a TARGET_VERIFY batch of q_len 3 by name: its
+    static buffers hold 2 tokens a request, so the copy would misplace every request's tokens
+    (the batch itself is consistent, so the backend's check lets it through)."""
+    case = Case(
+        backend="torch", mode=ForwardMode.TARGET_VERIFY, page_size=16, num_heads=16,
+        kv_dtype="float32", dtype="float32", q_len=3,
+    )  # fmt: skip
+    stream = DecodeStream(case, "cpu", num_requests=4, max_prompt=120, max_context=200)
+    be = stream.rt.backend
+    runner = CudaGraphRunner(
+        be, partial(absorbed_forward, be), _specs(case), (4,), q_len=2, use_graphs=False
+    )
+    runner.capture()
+    with pytest.raises(
+        ValueError, match="captured TARGET_VERIFY q_len=2, got TARGET_VERIFY q_len=3"
+    ):
+        runner.replay(*stream.step(2))
+
+
+def test_runner_sorts_its_sizes_and_pads_to_the_smallest_that_fits() -> None:
+    """Sizes given out of order (and repeated) are sorted once: the largest sizes the static
+    buffers and a batch pads to the smallest captured size that holds it (bisect on an
+    unsorted list picked a wrong size)."""
+    _, runner = _cpu_runner(sizes=(4, 1, 2, 2))
+    assert runner.batch_sizes == [1, 2, 4]
+    assert [runner.padded_size(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+
+
+def test_check_pointers_refuses_metadata_that_moved_after_capture() -> None:
+    """A replay whose metadata buffers are not the captured ones raises under check_pointers
+    (a graph would read the old buffers: stale metadata without an error)."""
+    stream, runner = _cpu_runner(sizes=(4,))
+    runner.capture()
+    runner.replay(*stream.step(2), check_pointers=True)  # the same buffers: fine
+    runner._pointers[4] = {k: p + 1 for k, p in runner._pointers[4].items()}
+    with pytest.raises(RuntimeError, match="backend buffers moved after capture of batch size 4"):
+        runner.replay(*stream.step(2), check_pointers=True)
+
+
+def test_pointer_snapshot_leaves_out_host_copies() -> None:
+    """Fields named `*_cpu` are per-batch host data a graph never reads: a snapshot that took
+    them flagged every replay as 'buffers moved' under check_pointers."""
+    from mla_backends.graph_runner import _collect
+
+    @dataclasses.dataclass
+    class Meta:
+        lens: torch.Tensor
+        lens_cpu: torch.Tensor
+        nested: tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+    a, b, c, d = (torch.zeros(2) for _ in range(4))
+    snap: dict[str, int] = {}
+    _collect("m", Meta(a, b, (c, {"k": d})), snap)
+    want = {"m.lens": a, "m.nested[0]": c, "m.nested[1]['k']": d}
+    assert snap == {k: t.data_ptr() for k, t in want.items()}
+
+
 def test_replay_checks_its_inputs_and_slices_every_output() -> None:
     """Replay copies inputs into static buffers, where a wrong token count broadcast and a
     wrong dtype cast silently: now each input is checked like an eager call's, a missing one
@@ -429,7 +487,8 @@ def test_padded_rows_device_lengths_equal_the_host_copies_after_a_larger_batch(
     values; a row left out kept the previous (larger) batch's real length, so the device
     lengths a captured kernel reads disagreed with the host copies (`seq_lens_cpu`) the
     backend sized its metadata from, and the padding contract (seq_len = fill + q_len - 1,
-    prefix = seq_len - q_len) no longer held."""
+    prefix = seq_len - q_len) no longer held. Padded tokens' positions and inputs are reset
+    alike (a stale position sent sparse paths past the padded row's keys)."""
     mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
     case = Case(
         backend="torch", mode=mode, page_size=16, num_heads=16, kv_dtype="float32",
@@ -444,6 +503,7 @@ def test_padded_rows_device_lengths_equal_the_host_copies_after_a_larger_batch(
             (
                 batch.seq_lens.clone(), batch.seq_lens_cpu.clone(),
                 batch.extend_prefix_lens.clone(), batch.extend_prefix_lens_cpu.clone(),
+                batch.positions.clone(), *(v.clone() for v in inputs.values()),
             )
         )  # fmt: skip
         return absorbed_forward(be, batch, inputs, False)
@@ -457,10 +517,14 @@ def test_padded_rows_device_lengths_equal_the_host_copies_after_a_larger_batch(
         batch, inputs = stream.step(n)
         seen.clear()
         runner.replay(batch, inputs)
-        seq, seq_cpu, pre, pre_cpu = seen[-1]
+        seq, seq_cpu, pre, pre_cpu, pos, *ins = seen[-1]
         assert torch.equal(seq.cpu(), seq_cpu), f"n={n}: device seq_lens {seq} vs {seq_cpu}"
         assert torch.equal(pre.cpu(), pre_cpu), f"n={n}: device prefix {pre} vs {pre_cpu}"
         assert (seq[n:] == pad_seq).all() and (pre[n:] == pad_seq - q_len).all()
+        pad_pos = torch.arange(pad_seq - q_len, pad_seq).repeat(4 - n)
+        assert torch.equal(pos[n * q_len :], pad_pos), f"n={n}: padded positions {pos}"
+        assert torch.equal(pos[: n * q_len], batch.positions), f"n={n}: real positions {pos}"
+        assert all((x[n * q_len :] == 0).all() for x in ins), f"n={n}: padded inputs not 0"
 
 
 @pytest.mark.parametrize(
@@ -468,6 +532,7 @@ def test_padded_rows_device_lengths_equal_the_host_copies_after_a_larger_batch(
     [
         ([1, 2, 4, 8], 8, [1, 2, 4, 8]),
         ([1, 2, 4, 8, 16], 3, [1, 2, 4]),  # 8 and 16 never replay: 4 holds every batch
+        ([1, 2, 4, 8, 16], 4, [1, 2, 4]),  # a size equal to max_batch is the cover
         ([16, 1, 32], 8, [16, 1]),  # unsorted: the order is the runner's to fix
         ([1, 2], 8, [1, 2]),  # larger batches run eagerly
         ([8], 1, [8]),

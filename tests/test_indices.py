@@ -100,6 +100,19 @@ def test_index_builders_return_int32_from_an_int64_request_table() -> None:
     assert pag.tolist() == [8, 4, 5, 6]
 
 
+def test_prefix_slots_are_each_requests_prefix_built_once_per_batch() -> None:
+    """Chunked-prefix prefill reads `prefix_slots` in every layer: the request-major slots of
+    each cached prefix, built on the first call and the same tensor after (not once a layer)."""
+    from mla_backends.batch import ForwardBatch
+
+    r2t = torch.arange(3 * 8, dtype=torch.int32).view(3, 8) + 100
+    loc = torch.zeros(4, dtype=torch.int64)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [2, 0, 1], [3, 0, 2], [1, 2, 1], loc, "cpu")
+    slots = batch.prefix_slots(r2t)
+    assert slots.tolist() == [116, 117, 118, 108, 109]
+    assert batch.prefix_slots(r2t) is slots
+
+
 def test_arith_helpers_at_their_edges() -> None:
     """next_pow2 of 0 and of negatives is 1 (the docstring's max(n, 1); `(n - 1).bit_length()`
     alone gives 2 at 0); the indptr is int32 whatever the lengths' dtype (the kernels read

@@ -104,6 +104,26 @@ def test_merge_states_refuses_mismatched_shapes() -> None:
         merge_states(o, lse, torch.randn(2, 3, 5), lse)
 
 
+def test_merge_states_refuses_mixed_dtypes() -> None:
+    """o2 and lse2 must match o1's and lse1's dtypes (a bf16 partial merged with an fp32 one
+    was cast silently to o1's dtype); mutants dropping either dtype check took them."""
+    from mla_backends.checks import ShapeError
+
+    o, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
+    with pytest.raises(ShapeError, match=r"o2: expected dtype in \['torch.float32'\]"):
+        merge_states(o, lse, o.bfloat16(), lse)
+    with pytest.raises(ShapeError, match=r"lse2: expected dtype in \['torch.float32'\]"):
+        merge_states(o, lse, o, lse.double())
+
+
+def test_check_tensor_refuses_what_is_not_a_tensor() -> None:
+    """A list (or None) named as such in a ShapeError, not an AttributeError on `.dim()`."""
+    from mla_backends.checks import ShapeError, check_tensor
+
+    with pytest.raises(ShapeError, match="x: expected a torch.Tensor, got list"):
+        check_tensor("x", [1.0, 2.0], (2,))  # type: ignore[arg-type]
+
+
 def test_merge_two_empty_sides_gives_zero_whatever_finite_o_they_hold() -> None:
     """M01 (merge.py:22 nan=0.0 -> 1.0): both sides lse -inf must give out 0 / lse -inf even
     when the (finite) o of a side is not zero; the mutant returned o1."""
