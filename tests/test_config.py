@@ -350,3 +350,17 @@ def test_pool_of_exactly_int32_slot_ids_loads_and_one_more_page_is_refused() -> 
     Config(page_size=16, num_pages=2**27 - 1)  # (2**27) * 16 slots: ids up to 2**31 - 1
     with pytest.raises(PoolSizeError):
         Config(page_size=16, num_pages=2**27)
+
+
+def test_runtime_build_hands_its_page_order_to_the_allocator() -> None:
+    """Hazard: the parity suites poison page tables through `Runtime.build(cfg, page_order)`
+    (pages out of order); an order dropped on the way gave every test pages 1, 2, ... and a
+    kernel that ignored the page table passed."""
+    from mla_backends import Config, Runtime
+    from mla_backends.config import TINY_KERNEL as TINY
+
+    cfg = Config(model=TINY, prefill_backend="torch", decode_backend="torch", num_pages=4)
+    rt = Runtime.build(cfg, page_order=[3, 1, 4, 2])
+    (row,) = rt.req_pool.alloc(1)
+    loc = rt.allocator.alloc_extend([row], [1])
+    assert int(loc[0]) // cfg.page_size == 3

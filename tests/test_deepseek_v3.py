@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,22 @@ def test_engine_decode_through_the_graph_runner_equals_eager(hf_checkpoint) -> N
         assert _rel(got, want) <= 1e-5, f"step {step}: {_rel(got, want)}"
 
 
+def test_engine_replays_a_batch_of_its_largest_captured_size(hf_checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A batch of exactly the largest captured size replays (a `<` for `<=` sent it eager: the
+    same logits on a CPU, so only a count of replays sees it)."""
+    eng = _engine(load_model(hf_checkpoint[0]))
+    eng.enable_graphs([1, 2], use_graphs=False)
+    rows = eng.new_requests(2)
+    eng.extend(rows, [[1, 2, 3], [4, 5]])
+    runner, seen = eng.runner, []
+    assert runner is not None
+    replay = runner.replay
+    monkeypatch.setattr(runner, "replay", lambda b, i: seen.append(b.batch_size) or replay(b, i))
+    eng.decode(rows, [6, 7])
+    eng.decode(rows[:1], [8])
+    assert seen == [2, 1]
+
+
 def test_engine_step_checks_ids_and_rolls_back_a_failed_step(hf_checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A token id past the vocabulary is refused before any slot is allocated (on a GPU it
     would be a device-side assert); a step that raises inside the model leaves every row at
@@ -281,6 +298,46 @@ def test_a_pending_verify_outlives_steps_on_other_rows_and_refuses_its_own() -> 
     eng.accept([a], [1])
     assert eng.rt.allocator.seq_len(a) == 4
     eng.decode([a, b], [11, 12])  # accepted: the rows run again
+
+
+@pytest.mark.parametrize("end", ["free", "reset"])
+def test_freeing_or_resetting_a_verify_row_rejects_the_other_rows_drafts(end: str) -> None:
+    """Hazard: a pending verify that loses a row (freed, or reset for a re-prefill) can no
+    longer be accepted, so its other rows must drop their drafts' KV; left in place, every
+    later step attended over drafts nobody accepted."""
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    eng = _engine(model)
+    a, b, c = eng.new_requests(3)
+    eng.extend([a, b, c], [[1, 2, 3], [4, 5], [6]])
+    eng.verify([a, b], [[7, 8], [9, 10]])
+    eng.free(a) if end == "free" else eng.reset([a])
+    assert [eng.rt.allocator.seq_len(r) for r in (b, c)] == [2, 1]
+    with pytest.raises(RuntimeError, match="follows a verify"):
+        eng.accept([b], [1])
+    eng.decode([b, c], [11, 12])  # no verify pending
+    assert [eng.rt.allocator.seq_len(r) for r in (b, c)] == [3, 2]
+
+
+def test_a_step_after_an_empty_verify_ends_it() -> None:
+    """Hazard: an empty verify has nothing to accept, so the next step ends it; kept pending,
+    an accept() long after it (for no verify) passed instead of being refused."""
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    eng = _engine(model)
+    eng.verify([], [])
+    (a,) = eng.new_requests(1)
+    eng.extend([a], [[1, 2]])
+    with pytest.raises(RuntimeError, match="follows a verify"):
+        eng.accept([], [])
+
+
+def test_an_engine_takes_a_runtime_holding_a_share_of_the_heads() -> None:
+    """Hazard: a tensor- or DCP-parallel rank's runtime holds a share of the model's heads;
+    the dims check compares every field but the head count, so such a runtime is served."""
+    model = random_model(dict(RANDOM_SIZES["tiny"], num_hidden_layers=2), 0)
+    dims = model.cfg.attention_dims
+    half = replace(dims, num_heads=dims.num_heads // 2)
+    rt = Runtime.build(Config(model=half, num_layers=2, num_pages=8, device="cpu"))
+    assert Engine(model, rt).rt is rt
 
 
 def test_engine_pure_mla_step_failing_inside_the_model_marks_no_row(

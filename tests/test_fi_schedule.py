@@ -106,6 +106,51 @@ def test_check_schedule_catches_broken_schedules() -> None:
         check_schedule(no_merge, qa, kva, page, heads, sms)
 
 
+def test_check_schedule_catches_overflow_stray_merges_and_stray_tiles() -> None:
+    """Hazard: the rule book must refuse what the kernel would read or write out of bounds:
+    partial rows past the 2 * clusters * tile rows of the partial buffer, more merge entries
+    than SMs (FlashInfer's merge arrays hold one an SM), a merge entry for a row of no split
+    tile, and a work item for a tile the batch does not have."""
+    heads, q, kv, page, sms = CASES["h128-decode-b1-long"]
+    qa, kva = np.array(q), np.array(kv)
+    good = plan_reference(qa, kva, page, heads, sms)
+    check_schedule(good, qa, kva, page, heads, sms)
+    tile = good.cluster * 64
+    off = 2 * good.num_clusters * tile  # every partial row moved past the buffer, consistently
+    works = [[(*w[:2], w[2] + off if w[2] >= 0 else -1, *w[3:]) for w in c] for c in good.works]
+    merges = [(a, b, c + off, d + off, e) for a, b, c, d, e in good.merges]
+    with pytest.raises(AssertionError, match="partial buffer overflow"):
+        check_schedule(
+            type(good)(good.cluster, good.num_clusters, works, merges), qa, kva, page, heads, sms
+        )
+    rows = q[0] * heads
+    stray = [(rows + i, rows + i + 1, 0, 1, 1) for i in range(sms + 1)]
+    too_many = type(good)(good.cluster, good.num_clusters, good.works, good.merges + stray)
+    with pytest.raises(AssertionError, match="merge entries > 8 SMs"):
+        check_schedule(too_many, qa, kva, page, heads, sms)
+    assert len(good.merges) < sms
+    one_more = type(good)(good.cluster, good.num_clusters, good.works, good.merges + stray[:1])
+    with pytest.raises(AssertionError, match="rows no split tile has"):
+        check_schedule(one_more, qa, kva, page, heads, sms)
+    w = good.flat()[0]
+    ghost = [*good.works[0], (*w[:5], 4 * tile, *w[6:])]
+    extra = type(good)(good.cluster, good.num_clusters, [ghost, *good.works[1:]], good.merges)
+    with pytest.raises(AssertionError, match="tiles that do not exist"):
+        check_schedule(extra, qa, kva, page, heads, sms)
+
+
+def test_int_workspace_offsets_must_be_4_byte_aligned() -> None:
+    """Hazard: plan-info offsets are bytes, read as int32 elements (offset // 4); an offset
+    of 2 mod 4 read every field two bytes off. Only a multiple of 4 passes."""
+    from mla_backends.fi_planner import info_offsets
+
+    info = synthetic_info(1, 8)
+    assert info_offsets(info)["q_indptr"] == info[2] // 4
+    for bad in (info[3] + 2, info[3] + 1):
+        with pytest.raises(ValueError, match=f"kv_indptr={bad} is not 4-byte"):
+            info_offsets([*info[:3], bad, *info[4:]])
+
+
 def test_schedule_refuses_batches_beyond_flashinfer_arrays() -> None:
     from mla_backends.kernels.fi_schedule import write_schedule
 
@@ -265,3 +310,24 @@ def test_schedule_refuses_a_batch_whose_tiles_fit_but_tiles_plus_clusters_do_not
     lens = torch.ones(16384, dtype=torch.int32)
     with pytest.raises(ValueError, match="workspace holds 16384"):
         write_schedule(ws, 1, 16, 64, 8, lens, lens, max_q_len=1)
+
+
+@pytest.mark.parametrize("kv", [[32], [64], [128], [256], [512], [4096]])
+def test_device_key_limit_bands_hold_their_upper_bound(kv: list[int]) -> None:
+    """Hazard: each band of the key limit includes its bound (8 clusters: 64 keys -> 8 a
+    cluster -> 32; 128 -> 16 -> 64; 256 -> 32 -> 128; 512 -> 64 -> 192) and past them the
+    share rounds up to a multiple of 256 (4096 -> 512, itself). A strict bound, or rounding a
+    multiple of 256 up a step, gave one side of the port / device pair another limit; a tile
+    of exactly `limit` keys (32) is one final item, not a split of one chunk."""
+    _agree(16, [1] * len(kv), kv, 16, 8)
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_synthetic_partial_o_holds_every_partial_row_the_rule_book_allows(cluster: int) -> None:
+    """Hazard: `check_schedule` lets partial rows reach 2 * clusters * tile rows; a partial-O
+    region (2-byte elements, 512 wide) sized for half of them put the partial LSE over the
+    second half of the partial rows."""
+    sms = 8
+    info = synthetic_info(cluster, sms)
+    rows = 2 * (sms // cluster) * cluster * 64
+    assert info[17] - info[16] >= rows * 512 * 2

@@ -696,3 +696,65 @@ def test_split_policy_gives_64_key_splits_to_16_row_requests_in_64_row_blocks() 
     assert split_policy(64, 16) == (1, 64)
     assert split_policy(64, 17) == (1, 256)
     assert split_policy(16, 16) == (2, 256)
+
+
+def test_block_m_split_and_launch_bounds_are_inclusive(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Hazard: every row / batch / page bound of the launch policy includes its value (the
+    measured shapes sit on them: H16 decode is 16 rows, H16 verify of 2 tokens 32 rows, B16
+    graphs): a strict bound moved 16- and 32-row requests and batches of 16 to the other
+    kernel, and 64 splits of a 16-row Gluon block to 256-key splits."""
+    from mla_backends.kernels import tuning
+
+    bf16 = torch.bfloat16
+    tuning.narrow_on.cache_clear()
+    request.addfinalizer(tuning.narrow_on.cache_clear)
+    monkeypatch.delenv("MLA_NARROW", raising=False)
+    assert [tuning.block_m_for(r, bf16, True, 64) for r in (16, 17, 32, 33)] == [16, 32, 32, 64]
+    assert [tuning.block_m_for(r, bf16, False, 64) for r in (16, 17, 32, 33)] == [16, 32, 32, 64]
+    assert tuning.split_policy(64, 16) == (1, 64) and tuning.split_policy(64, 17) == (1, 256)
+    # narrow kernel: 64-key TMA tiles, Gluon; a 64-row block on 32-token pages: no TMA
+    narrow = tuning.launch_config(32, 64, 1, 1, bf16, True, 576, None)
+    assert narrow["gluon"] and narrow["tma"] and narrow["num_warps"] == 4, narrow
+    gather = tuning.launch_config(64, 32, 8, 1, bf16, True, 576, None)
+    assert not gather["tma"] and gather["num_stages"] == 3 and "gluon" not in gather, gather
+    monkeypatch.setenv("MLA_NARROW", "0")
+    tuning.narrow_on.cache_clear()
+    assert tuning.block_m_for(16, bf16, True, 16) == 64  # one Gluon block at batch <= 16
+    assert tuning.block_m_for(16, bf16, True, 17) == 16
+
+
+def test_fit_smem_narrows_key_tiles_down_to_16() -> None:
+    """Hazard: a GPU whose shared memory holds 16-key gather tiles but not 32-key ones must
+    get 16 (the narrowest tile the kernel takes), not the error; below that it fails naming
+    the sizes."""
+    from mla_backends.kernels.mla_attention import smem_bytes
+    from mla_backends.kernels.tuning import launch_config
+
+    limit = smem_bytes(64, 16, 3, False, 576, 2)
+    assert smem_bytes(64, 32, 3, False, 576, 2) > limit
+    cfg = launch_config(64, 16, 8, 1, torch.bfloat16, False, 576, limit)
+    assert cfg["block_n"] == 16 and cfg["num_stages"] == 3 and not cfg["tma"], cfg
+    with pytest.raises(ValueError, match=f"64 x 16 tiles of 576-wide rows need {limit} bytes"):
+        launch_config(64, 16, 8, 1, torch.bfloat16, False, 576, limit - 1)
+
+
+def test_mha_route_takes_torch_only_where_its_causal_rule_is_ours() -> None:
+    """Hazard: torch's SDPA / cuDNN causal mask is top-left; with a prefix (fewer queries
+    than keys) ours is bottom-right, so `sdpa_fits=False` must always take our kernel."""
+    from mla_backends.kernels.tuning import mha_route
+
+    for lse, cudnn in ((False, False), (False, True), (True, True)):
+        assert mha_route(torch.bfloat16, True, False, lse, cudnn) == "triton"
+    assert mha_route(torch.bfloat16, True, True, False, False) == "sdpa"
+    assert mha_route(torch.bfloat16, True, True, True, True) == "cudnn"
+
+
+def test_narrow_kernel_counts_a_splits_tiles_rounded_up() -> None:
+    """Hazard: a split of a 1025-key context over 2 splits streams up to 513 keys, 9 tiles,
+    past NARROW_MAX_TILES; flooring the keys a split counted 8 and took the narrow kernel."""
+    from mla_backends.kernels.tuning import decode_splits, narrow_pays
+
+    assert decode_splits(33, 64, 32, 1025, 132, narrow=True) == 2
+    assert narrow_pays(64, 33, 1024, 132) and not narrow_pays(64, 33, 1025, 132)
