@@ -118,6 +118,9 @@ def test_kernel_package_warning_reads_local_labels_and_old_names(
         assert len(got) == 1 and got[0].startswith(warned), got
 
 
+T4 = Capability("cuda", (7, 5), "T4")
+
+
 @pytest.mark.parametrize(
     "name, cfg, cap, pattern",
     [
@@ -145,6 +148,21 @@ def test_kernel_package_warning_reads_local_labels_and_old_names(
         ),
         ("flashinfer_mla", {"kv_dtype": "float8_e4m3fn"}, A100, r"FP8 MLA needs fa3 \(SM90\)"),
         ("flashinfer_mla", {}, Capability("cpu"), r"needs a CUDA GPU"),
+        # one GPU, one reason: with FP8 KV the SM the FP8 path needs, alone
+        ("flashinfer_mla", {}, T4, r"^FlashInfer MLA needs SM 80 or 86 or 89 or 90, found T4"),
+        (
+            "flashinfer_mla",
+            {"kv_dtype": "float8_e4m3fn"},
+            T4,
+            r"^FlashInfer FP8 MLA needs fa3 \(SM90\), found T4 \(SM75\)$",
+        ),
+        ("triton", {}, T4, r"^triton MLA kernels need SM80 or newer, found T4 \(SM75\)$"),
+        (
+            "triton",
+            {"kv_dtype": "float8_e4m3fn"},
+            T4,
+            r"^FP8 KV needs SM89 or newer, found T4 \(SM75\)$",
+        ),
         # every reason at once, the machine's too: one at a time sent users to fix the page
         # size first, only to be told then that the GPU cannot run the backend
         (
@@ -222,19 +240,19 @@ def test_q_and_kv_in_one_dtype_refusals_state_each_cause_once(
     assert get_backend_class(name).supports(config, cap, "decode") == want
 
 
-T4 = Capability("cuda", (7, 5), "T4")
 MACHINE_REASONS = {
     "flashmla": ["PKG", "FlashMLA needs SM 90, found T4 (SM75)", "FlashMLA is built for"],
     "cutlass_mla": ["PKG", "CUTLASS MLA needs SM 100, found T4 (SM75)", "CUTLASS MLA is built for",
                     "CUTLASS MLA takes <= 128 heads, got 256"],
-    "flashinfer_mla": ["PKG", "FlashInfer MLA needs SM 80 or 86 or 89 or 90, found T4 (SM75)",
+    # FP8 KV: one GPU, one reason, the one whose fix runs it (SM90, not the SM80 list)
+    "flashinfer_mla": ["PKG", "FlashInfer FP8 MLA needs fa3 (SM90), found T4 (SM75)",
                        "FlashInfer MLA is built for",
-                       "FlashInfer MLA takes bfloat16/float16 activations, config dtype is float32",
-                       "FlashInfer FP8 MLA needs fa3 (SM90), found T4 (SM75)"],
+                       "FlashInfer MLA takes bfloat16/float16 activations, config dtype is "
+                       "float32"],
     "trtllm_mla": ["PKG", "TRT-LLM MLA needs SM 100 or 103, found T4 (SM75)",
                    "TRT-LLM MLA is built for",
                    "TRT-LLM MLA takes bfloat16 activations, config dtype is float32"],
-    "triton": ["PKG", "triton MLA kernels need SM80 or newer, found T4 (SM75)",
+    "triton": ["PKG", "FP8 KV needs SM89 or newer, found T4 (SM75)",
                "triton MLA kernels need kv_lora_rank and qk_rope_head_dim to be powers of two"],
 }  # fmt: skip
 

@@ -1780,8 +1780,11 @@ def test_sparse_supports_gives_every_reason_at_once(monkeypatch: pytest.MonkeyPa
     assert (
         why("flashmla", a100, f32)[0] == "FlashMLA sparse takes bfloat16 activations, got float32"
     )
-    # one GPU too old is one reason: not the FP8 one (SM89) beside the SM80 one
+    # one GPU too old is one reason, the one whose fix runs FP8 rows: SM89, not SM80 beside it
     assert why("triton", t4, _sparse_ctx(fp8_rows=True)) == [
+        "FP8 KV needs SM89 or newer, found T4 (SM75)"
+    ]
+    assert why("triton", t4, _sparse_ctx()) == [
         "the sparse Triton kernel needs SM80 or newer, found T4 (SM75)"
     ]
 

@@ -71,15 +71,20 @@ class FlashInferMLABackend(GraphCapable[FlashInferMetadata, FlashInferGraphState
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
+        # one GPU, one reason: with FP8 KV the SM90 one (the SM80 / 86 / 89 list beside it
+        # named GPUs that refuse FP8)
+        if config.kv_dtype != "float8_e4m3fn":
+            sm = need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0)))
+        elif cap.sm != (9, 0):
+            sm = f"FlashInfer FP8 MLA needs fa3 (SM90), found {cap.describe()}"
+        else:
+            sm = None
         return joined(
             [
                 fa3_unusable(),
-                need_sm(cap, "FlashInfer MLA", ((8, 0), (8, 6), (8, 9), (9, 0))),
+                sm,
                 need_deepseek_dims(config, "FlashInfer MLA"),
                 need_dtype(config, "FlashInfer MLA", ("bfloat16", "float16")),
-                None
-                if config.kv_dtype != "float8_e4m3fn" or cap.sm == (9, 0)
-                else f"FlashInfer FP8 MLA needs fa3 (SM90), found {cap.describe()}",
             ]
         )
 

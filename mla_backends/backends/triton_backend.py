@@ -60,10 +60,12 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
         sm, reasons = cap.sm, [need_triton(cap.device_type)]
-        if sm is not None and sm < (8, 0):  # one GPU, one reason: not the FP8 one beside it
-            reasons.append(f"triton MLA kernels need SM80 or newer, found {cap.describe()}")
-        elif sm is not None and config.kv_dtype == "float8_e4m3fn" and sm < (8, 9):
+        # one GPU, one reason: with FP8 KV the SM89 one (an SM80 reason sent a T4 user to an
+        # A100, there to be refused for FP8)
+        if sm is not None and config.kv_dtype == "float8_e4m3fn" and sm < (8, 9):
             reasons.append(f"FP8 KV needs SM89 or newer, found {cap.describe()}")
+        elif sm is not None and sm < (8, 0):
+            reasons.append(f"triton MLA kernels need SM80 or newer, found {cap.describe()}")
         d = config.model
         if not (_pow2(d.kv_lora_rank) and _pow2(d.qk_rope_head_dim)):
             # Hazard: a YAML file without `model:` gets Config's `tiny` (R 8), not the shipped
