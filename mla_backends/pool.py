@@ -475,17 +475,20 @@ class ReqToTokenPool:
                 f"ReqToTokenPool.alloc; allocated now: {sorted(self._used_rows)}"
             )
 
-    def _check_seq_lens(self, batch: ForwardBatch) -> None:
-        """ShapeError unless every `seq_lens_cpu` is in 0..max_context_len: the length check of
-        a batch without CPU rows (SGLang's, a graph runner's static one); one with them is held
-        to each row's stored length instead. Hazard: a length past the table's width read the
-        next request row's slots (triton, silently) or raised an IndexError inside the torch
-        backend's gather. The CPU copy only: no sync."""
+    def check_seq_lens(self, batch: ForwardBatch, limit: int | None = None, what: str = "") -> None:
+        """ShapeError unless every `seq_lens_cpu` is in 0..limit (default the table's width,
+        max_context_len; `what` says what the limit is): the length check of a batch without
+        CPU rows (SGLang's, a graph runner's static one); one with them is held to each row's
+        stored length instead. Hazard: a length past the table's width read the next request
+        row's slots (triton, silently) or raised an IndexError inside the torch backend's
+        gather. The CPU copy only: no sync."""
+        if limit is None:
+            limit, what = self.max_context_len, "the request table's max_context_len"
         seq = batch.seq_lens_cpu.numpy()
-        if seq.size and (seq.min() < 0 or seq.max() > self.max_context_len):
+        if seq.size and (seq.min() < 0 or seq.max() > limit):
             raise ShapeError(
-                f"ForwardBatch.seq_lens_cpu: every length must be in 0..{self.max_context_len} "
-                f"(the request table's max_context_len), got {seq.tolist()}"
+                f"ForwardBatch.seq_lens_cpu: every length must be in 0..{limit} ({what}), "
+                f"got {seq.tolist()}"
             )
 
     def check_batch(self, batch: ForwardBatch, filled: np.ndarray | None = None) -> None:
@@ -498,8 +501,8 @@ class ReqToTokenPool:
         batch.check(self.device)
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None or rows_cpu.numel() == 0:
-            if filled is None:  # DCP's global lengths (`filled` given) span every rank's table
-                self._check_seq_lens(batch)
+            if filled is None:  # DCP's global lengths (`filled` given): DCPBackend checks them
+                self.check_seq_lens(batch)
             return
         filled = self.filled if filled is None else filled
         rows = rows_cpu.numpy().astype(np.int64)

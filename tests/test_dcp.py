@@ -265,6 +265,53 @@ def test_a_batch_of_the_wrong_length_is_refused_on_every_rank_alike(size: int) -
         assert re.search(want, said.pop())
 
 
+def _rowless_length_worker(rank: int, group: Any, extra: list[int]) -> list[str]:
+    """Per `extra`: a DECODE batch without CPU rows (SGLang's) whose global length is the
+    group's width (ranks x table columns) plus `extra`; what this rank's metadata call says."""
+    import dataclasses
+
+    from mla_backends.checks import ShapeError
+
+    cfg = Config(
+        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+    )  # fmt: skip
+    rt = build_dcp_runtime(cfg, group)
+    [row] = rt.req_pool.alloc(1)
+    rt.allocator.alloc_extend([row], [5])
+    width = rt.backend.layout.size * rt.req_pool.max_context_len  # type: ignore[attr-defined]
+    out = []
+    for n in extra:
+        seq = torch.tensor([width + n], dtype=torch.int32)
+        loc = torch.zeros(1, dtype=torch.int64)
+        batch = ForwardBatch.build(ForwardMode.DECODE, [row], [4], [1], loc, "cpu")
+        rowless = dataclasses.replace(
+            batch, seq_lens=seq.clone(), seq_lens_cpu=seq, extend_prefix_lens=seq - 1,
+            extend_prefix_lens_cpu=seq - 1, req_pool_indices_cpu=None,
+        )  # fmt: skip
+        try:
+            rt.backend.init_forward_metadata(rowless)
+            out.append("taken")
+        except ShapeError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_batch_without_cpu_rows_past_the_groups_width_is_refused_on_every_rank(
+    size: int,
+) -> None:
+    """A batch without CPU rows had only each rank's share checked against its table: a
+    global length one past the group's width is past rank 0's share alone, so rank 0 refused
+    it and the others took it (and would then wait in the merge's collective for ever). The
+    global length is now held to ranks x table columns on every rank alike."""
+    per_rank = spawn(_rowless_length_worker, size, "gloo", ([1, 0],))
+    past, at = ({got[i] for got in per_rank} for i in range(2))
+    assert len(past) == 1, f"ranks differ: {past}"
+    assert re.search(rf"every length must be in 0\.\.\d+ \({size} ranks x \d+ table", past.pop())
+    assert at == {"taken"}
+
+
 def test_merge_partials_takes_a_lone_share_exactly_and_ignores_garbage() -> None:
     """Rows where one rank saw keys equal that rank's partial bit for bit; rows no rank saw
     are exactly 0 / -inf; whatever invalid partials hold (NaN, junk) never leaks in; rows

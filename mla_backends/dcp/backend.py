@@ -136,10 +136,17 @@ class DCPBackend(GraphCapable[DCPMetadata, DCPGraphState]):
         waited in the merge's collective for ever; the global lengths refuse it on all."""
         if batch is self._checked_batch:
             return
-        table = self.ctx.req_to_token_pool
+        table, lay = self.ctx.req_to_token_pool, self.layout
         if self.global_lens is not None:
             table.check_batch(batch, self.global_lens)
-        lay = self.layout
+        rows_cpu = batch.req_pool_indices_cpu
+        if rows_cpu is None or rows_cpu.numel() == 0:
+            # Hazard: a batch without CPU rows had only its shares checked, and a global length
+            # just past the group's width is past rank 0's share alone (refused there, taken
+            # on the others, which then wait in the merge's collective for ever)
+            width = table.max_context_len
+            group = f"{lay.size} ranks x {width} table columns"
+            table.check_seq_lens(batch, lay.size * width, group)
         share = dataclasses.replace(
             batch,
             seq_lens_cpu=lay.local_lens(batch.seq_lens_cpu),
