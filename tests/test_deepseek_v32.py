@@ -340,6 +340,8 @@ def test_fp8_row_dense_slots_are_built_once_per_batch(monkeypatch: pytest.Monkey
     dsa.init_forward_metadata(batches[1])  # 13 keys: sparse
     with pytest.raises(RuntimeError, match="no dense slots for this batch"):
         dsa.dense_slots(batches[1])
+    with pytest.raises(RuntimeError, match="no dense slots for this batch"):
+        dsa.dense_slots(batches[0])  # a later batch's init drops the earlier one's slots
 
 
 def test_missing_indexer_tensor_is_named(hf_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

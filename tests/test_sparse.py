@@ -1921,3 +1921,65 @@ def test_indexer_dims_refuse_wrong_types_naming_the_field(
     IndexerDims(**base)  # type: ignore[arg-type]
     with pytest.raises(error, match=rf"IndexerDims\.{field} must be"):
         IndexerDims(**dict(base, **{field: value}))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "head_dim, rope_dim, error",
+    [
+        (16, 16, None),
+        (8, 8, "index_head_dim must be a power of two >= 16, got 8"),
+        (16, 18, "indexer rope dim 18 must be even, <= head_dim"),
+    ],
+    ids=["rope-eq-head", "head-8", "rope-past-head"],
+)
+def test_indexer_dims_take_each_bound_and_refuse_one_past_it(
+    head_dim: int, rope_dim: int, error: str | None
+) -> None:
+    """The bounds themselves: a 16-wide head (the kernels' smallest dot tile) whose RoPE spans
+    all of it is taken; an 8-wide head, or RoPE past the head, is refused when built."""
+    from mla_backends.sparse.index_k import IndexerDims
+
+    if error is None:
+        assert IndexerDims(4, head_dim, rope_dim, 8).rope_dim == head_dim
+        return
+    with pytest.raises(ValueError, match=re.escape(error)):
+        IndexerDims(4, head_dim, rope_dim, 8)
+
+
+def test_dsa_refuses_an_indexer_of_another_topk_or_a_narrower_view_of_the_table() -> None:
+    """An indexer picking another number of keys than the sparse backend takes, or reading a
+    view of the same request table cut to fewer rows (same data pointer), is refused when
+    the DSA backend is built: either selects over other rows than the backend attends."""
+    from mla_backends.sparse.dsa import DSABackend
+
+    rt = _fp32_cpu_runtime()
+    idims = IndexerDims(4, 32, 16, 8, True)
+    dsa = DSABackend.build(rt, idims, "torch", indexer_kernels="torch")
+    cache, r2t = dsa.indexer.cache, rt.req_pool.req_to_token
+    wide = Indexer(dataclasses.replace(idims, topk=16), cache, r2t, "torch")
+    with pytest.raises(ValueError, match="indexer topk 16 != sparse backend topk 8"):
+        DSABackend(dsa.dense, wide, dsa.sparse)
+    with pytest.raises(ValueError, match="different request tables"):
+        DSABackend(dsa.dense, Indexer(idims, cache, r2t[:1], "torch"), dsa.sparse)
+
+
+def test_fp8_row_pool_rounds_its_slots_up_to_whole_flashmla_blocks() -> None:
+    """The dummy page and every page are held, rounded up to whole 64-row blocks (4 pages of
+    16 + the dummy: 80 slots, 128 rows); a latent rank not a whole number of 128-wide tiles
+    is refused when the format is built."""
+    pool = Fp8RowPool(1, num_pages=4, page_size=16, kv_lora_rank=128, qk_rope_head_dim=16)
+    assert pool.num_slots == 128 and pool.kv_buffer[0].shape == (128, 128 + 4 + 32)
+    with pytest.raises(ValueError, match="FP8 rows need kv_lora_rank % 128 == 0, got 64"):
+        Fp8RowFormat(kv_lora_rank=64)
+
+
+def test_sparse_reference_reads_slot_zero_as_a_row() -> None:
+    """Only negative entries are unused: slot 0 (the dummy page's first slot, a real row to
+    the kernels) is gathered and attended like any other slot."""
+    from mla_backends.sparse.reference import gather_rows
+
+    pool = Fp8RowPool(1, num_pages=1, page_size=64, kv_lora_rank=128, qk_rope_head_dim=16)
+    pool.set_mla_kv_buffer(0, torch.tensor([0]), torch.ones(1, 128), torch.ones(1, 16))
+    rows, valid = gather_rows(pool, 0, torch.tensor([[0, -1]], dtype=torch.int32))
+    assert valid.tolist() == [[True, False]]
+    assert torch.equal(rows[0, 0], torch.ones(144)) and not rows[0, 1].any()

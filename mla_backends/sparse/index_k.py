@@ -40,8 +40,6 @@ class IndexerDims:
             raise ValueError(f"index_head_dim must be a power of two >= 16, got {self.head_dim}")
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ValueError(f"indexer rope dim {self.rope_dim} must be even, <= head_dim")
-        if self.topk <= 0:
-            raise ValueError(f"index_topk must be > 0, got {self.topk}")
 
     @property
     def weight_scale(self) -> float:
