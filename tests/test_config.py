@@ -142,6 +142,8 @@ def test_a_yaml_merge_key_is_overridden_not_a_key_given_twice(tmp_path: Path) ->
         ),
         ("cuda_graph_batch_sizes: [1, 0]\n", r"cuda_graph_batch_sizes must be a list of positive"),
         ("cuda_graph_batch_sizes: [1.5]\n", r"cuda_graph_batch_sizes must be a list of positive"),
+        ("cuda_graph_batch_sizes: [true]\n", r"cuda_graph_batch_sizes must be a list of positive"),
+        ("model: {base: [tiny]}\n", r"c.yaml: model.base=\['tiny'\] is not one of"),  # unhashable
         ("kv_dtype: 8\n", r"c.yaml: kv_dtype must be a string, one of .*got 8 \(int\)"),
         ("decode_backend: 3\n", r"c.yaml: decode_backend must be a string"),
     ],
@@ -153,6 +155,12 @@ def test_bad_yaml_fails_naming_file_key_and_allowed(
         text += "device: cpu\n"  # results must not depend on whether this machine has a GPU
     with pytest.raises(ConfigError, match=pattern):
         load_config(_write(tmp_path, text))
+
+
+def test_load_without_resolve_keeps_auto(tmp_path: Path) -> None:
+    """A caller that changes the dims first (the SGLang plug-in) resolves after that itself."""
+    cfg = load_config(_write(tmp_path, "device: cpu\n"), resolve=False)
+    assert (cfg.prefill_backend, cfg.decode_backend) == ("auto", "auto")
 
 
 def test_backend_that_cannot_run_fails_at_load(tmp_path: Path) -> None:

@@ -442,6 +442,83 @@ def test_factory_refuses_kv_scale_not_one() -> None:
             layer(q, None, None, fb, save_kv_cache=False)
 
 
+# ---------------------------------------------------------------------------------- settings
+def _settings_config(**kw: Any) -> Any:
+    from mla_backends.config import TINY
+    from mla_backends.integrations.sglang.settings import settings_config
+
+    base = {
+        "page_size": 16,
+        "kv_cache_dtype": torch.bfloat16,
+        "kv_flag": "auto",
+        "dtype": torch.bfloat16,
+        "dims": TINY,
+        "backend": "torch",
+        "device": torch.device("cpu"),
+    }
+    return settings_config(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"kv_cache_dtype": None, "kv_flag": "auto"}, r"--kv-cache-dtype auto \(None\) is not"),
+        ({"dtype": torch.float8_e4m3fn}, r"model dtype torch.float8_e4m3fn: use --dtype"),
+    ],
+    ids=["kv-none", "fp8-activations"],
+)
+def test_settings_refuse_dtypes_naming_the_flag(kw: dict[str, Any], pattern: str) -> None:
+    """Refused as SettingsError naming SGLang's flag, not as Config's own error later."""
+    with pytest.raises(SettingsError, match=pattern):
+        _settings_config(**kw)
+
+
+def test_settings_keep_the_runners_sizes_and_lift_an_empty_pool_to_one_page() -> None:
+    """A pool smaller than one page (size // page_size = 0) still builds a Config."""
+    cfg = _settings_config(num_pages=0, max_requests=3, max_context_len=7)
+    assert (cfg.num_pages, cfg.max_requests, cfg.max_context_len) == (1, 3, 7)
+
+
+def test_refusal_names_the_first_page_size_that_runs(on_h100: Capability) -> None:
+    from mla_backends.backends.base import BackendCaps, MLABackend
+    from mla_backends.backends.registry import _REGISTRY, register_backend
+    from mla_backends.integrations.sglang.settings import refusal
+
+    @register_backend("pages_32_64_test")
+    class Pages(MLABackend):
+        name = "pages_32_64_test"
+        caps = BackendCaps(page_sizes=(32, 64))
+
+        def _build_metadata(self, batch):  # type: ignore[no-untyped-def]
+            return None
+
+        def _attend_absorbed(self, *a):  # type: ignore[no-untyped-def]
+            raise AssertionError
+
+    try:
+        cfg = _settings_config(backend="pages_32_64_test")
+        msg = refusal("mlab_pages", "pages_32_64_test", cfg, on_h100, "decode")
+        assert msg is not None and "Start SGLang with --page-size 32 (it takes [32, 64])" in msg
+    finally:
+        del _REGISTRY["pages_32_64_test"]
+
+
+@pytest.mark.parametrize("ratio", [1.0 + 1e-6, 1.0 + 1e-4])
+def test_model_dims_takes_a_scale_just_above_the_plain_one(ratio: float) -> None:
+    """A YaRN mscale a hair above 1 is expressed (within 1e-9), not refused."""
+    mc = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                         v_head_dim=128, scaling=192**-0.5 * ratio)  # fmt: skip
+    dims = binding.model_dims(mc, 16)
+    assert math.isclose(dims.softmax_scale, mc.scaling, rel_tol=1e-9)
+
+
+def test_model_dims_refuses_a_scale_just_below_the_plain_one() -> None:
+    mc = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                         v_head_dim=128, scaling=192**-0.5 * (1.0 - 1e-6))  # fmt: skip
+    with pytest.raises(SettingsError, match=r"is below \(qk_nope \+ qk_rope\)\^-0.5"):
+        binding.model_dims(mc, 16)
+
+
 # ---------------------------------------------------------------------------------- helpers
 def _adapter(
     backend: str,

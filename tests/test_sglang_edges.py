@@ -220,6 +220,68 @@ def test_ragged_verify_mode_is_refused_at_start_up(
         assert why is None or "RAGGED" not in why, why
 
 
+@pytest.mark.parametrize(
+    ("algo", "mode", "refused"),
+    [("DFLASH", "compact", True), ("dspark", "compact", True), ("DSPARK", " Static ", False)],
+)
+def test_ragged_verify_mode_reads_both_algorithms_and_any_spelling_of_static(
+    algo: str, mode: str, refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mla_backends.integrations.sglang.settings import server_refusal
+
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", mode)
+    why = server_refusal("mlab_torch", SimpleNamespace(speculative_algorithm=algo), dcp=False)
+    assert (why is not None and "SGLANG_RAGGED_VERIFY_MODE" in why) == refused, why
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        ({"attn_cp_size": 2}, "mlab_torch: prefill context parallelism"),
+        ({"speculative_eagle_topk": 2}, "--speculative-eagle-topk 2: our kernels verify chain"),
+        (  # the resolved config's backend, an enum, wins over the flag
+            {
+                "cuda_graph_config": SimpleNamespace(
+                    prefill=SimpleNamespace(backend=SimpleNamespace(value="full"))
+                ),
+                "cuda_graph_backend_prefill": "breakable",
+            },
+            "--cuda-graph-backend-prefill full captures",
+        ),
+        (  # every algorithm whose draft takes SGLang's table, the per-phase flags too
+            {
+                "speculative_algorithm": "STANDALONE",
+                "attention_backend": "triton",
+                "decode_attention_backend": "mlab_torch",
+            },
+            "--speculative-algorithm STANDALONE would build the draft model's attention on "
+            "mlab_torch",
+        ),
+        (  # the draft's own flag wins over the target's
+            {
+                "speculative_algorithm": "NEXTN",
+                "attention_backend": "mlab_torch",
+                "speculative_draft_attention_backend": "mlab_triton",
+            },
+            "--speculative-algorithm NEXTN would build the draft model's attention on mlab_triton",
+        ),
+    ],
+    ids=["attn-cp-2", "topk-2", "resolved-full-prefill-graph", "standalone-draft", "nextn-draft"],
+)
+def test_server_refusal_from_the_flags_alone(args: dict[str, Any], text: str) -> None:
+    from mla_backends.integrations.sglang.settings import server_refusal
+
+    why = server_refusal("mlab_torch", SimpleNamespace(**args), dcp=False)
+    assert why is not None and text in why, why
+
+
+def test_int_flag_reads_unset_and_unresolved_as_one() -> None:
+    from mla_backends.integrations.sglang.settings import int_flag
+
+    args = SimpleNamespace(a=None, b=0, c="auto", d=3)
+    assert [int_flag(args, f) for f in ("a", "b", "c", "d", "missing")] == [1, 1, 1, 3, 1]
+
+
 def test_chunk_metadata_through_sglangs_wrappers() -> None:
     """DeepSeek's chunked-prefix MHA calls `init_mha_chunk_metadata` on whatever wrapper is
     installed: SGLang's HybridAttnBackend (our prefill and decode names differ, as in the
