@@ -600,3 +600,208 @@ def test_hopper_rows_and_table_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     table = hopper.markdown([row]).splitlines()
     assert len(table) == 3 and table[2].startswith("| 16 | 1 | 2 | 64 | bfloat16 | 10.0 | 8.0 |")
     assert "| 1.00 |" in table[2] and "| - | - | - |" in table[2]
+
+
+# ------------------------------------------------- mutation round 11: host-side numbers
+def test_grid_table_reads_each_rate_against_its_own_ceiling() -> None:
+    """The TFLOP/s column is FLOPs / µs / 1e6 and its % is of the matmul ceiling (the copy
+    one's of the copy ceiling): 1e8 FLOPs in 10 µs is 10 TFLOP/s, 50% of 20."""
+    from mla_backends.bench.report import format_table
+
+    c = {"copy_gbps": 3000.0, "matmul_tflops": 20.0}
+    row = {"heads": 16, "q_len": 1, "batch": 1, "kv_len": 4096, "bytes": 3e6, "flops": 1e8,
+           "triton_us": 10.0}  # fmt: skip
+    line = format_table({"device": "GPU", "ceilings": c, "rows": [row]}).splitlines()[2]
+    assert line.split()[-4:] == ["300.00", "10%", "10.0000", "50%"], line
+
+
+def _fake_clock(monkeypatch: pytest.MonkeyPatch, module: object, durations: list[float]):  # type: ignore[no-untyped-def]
+    """`module.time.perf_counter` reads a clock that each call of the returned fn advances by
+    the next of `durations` (seconds); the fn's calls are counted in `calls`."""
+    clock, calls = [0.0], []
+
+    def fn(*args: object) -> None:
+        calls.append(args)
+        clock[0] += durations[len(calls) - 1]
+
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])  # type: ignore[attr-defined]
+    return fn, calls
+
+
+def test_cpu_bench_us_is_the_median_after_an_untimed_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU: one warm-up call, not timed and not in the window; calls until `rep_ms` has
+    passed, at least 3; the median of them (not the first, the least or the mean)."""
+    from mla_backends.bench import timing
+
+    cpu = torch.device("cpu")
+    # a cold 1 s warm-up, then 1, 4, 2, 3.5 ms: the 10 ms window ends after the fourth
+    fn, calls = _fake_clock(monkeypatch, timing, [1.0, 1e-3, 4e-3, 2e-3, 3.5e-3, 1.0])
+    assert timing.bench_us(fn, rep_ms=10, device=cpu) == pytest.approx(3500.0)
+    assert len(calls) == 5
+    # a window of 0 ms still times 3 calls
+    fn, calls = _fake_clock(monkeypatch, timing, [1.0, 4e-3, 1e-3, 2e-3, 1.0])
+    assert timing.bench_us(fn, rep_ms=0, device=cpu) == pytest.approx(2000.0)
+    assert len(calls) == 4
+
+
+def test_host_us_is_the_median_of_the_calls_after_five_warm_ups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mla_backends.bench import timing
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fn, calls = _fake_clock(monkeypatch, timing, [1.0] * 5 + [1e-3, 5e-3, 2e-3])
+    assert timing.host_us(fn, n=3) == pytest.approx(2000.0)
+    assert len(calls) == 8
+
+
+def test_cpu_reference_rates_count_read_and_write_and_take_the_faster_matmul(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy rate counts the bytes read and the bytes written; the matmul rate is the
+    best of float32 and bfloat16 (here float32's), named as such."""
+    from functools import partial
+
+    from mla_backends.bench import timing
+
+    def fake_us(fn: object, device: object = None) -> float:
+        if isinstance(fn, partial):  # torch.matmul(x, y): 100 µs in fp32, 50 µs in bf16
+            return 100.0 if fn.args[0].dtype == torch.float32 else 50.0
+        return 1000.0  # the copy
+
+    monkeypatch.setattr(timing, "bench_us", fake_us)
+    c = timing.ceilings(torch.device("cpu"))
+    assert c["copy_gbps"] == pytest.approx(2 * 2**25 * 2 / 1000 / 1e3)
+    assert c["matmul_tflops"] == pytest.approx(2 * 1024**3 / 100 / 1e6)  # over bf16's 5.4
+    assert c["matmul_what"].startswith("float32 matmul") and c["is_ceiling"] is False
+
+
+def test_grid_refuses_any_kv_length_shorter_than_the_query(tmp_path: Path) -> None:
+    """Every KV length of the grid must hold the step's query tokens: the shortest, not only
+    the longest."""
+    rc, out, err = _bench(
+        tmp_path, "--backends", "torch", "--batch", "1", "--kv-len", "1,100", "--q-len", "2"
+    )
+    assert rc == 2 and out == "", (out, err)
+    assert "error: --kv-len 1 is shorter than --q-len 2" in err, err
+
+
+def test_hopper_out_files_follow_its_default_part() -> None:
+    """Without --part, hopper writes hopper-small.*: the files checked before timing are those."""
+    from mla_backends.bench import hopper
+    from mla_backends.bench.cli import out_files
+    from mla_backends.bench.options import Options
+
+    assert "small" in hopper.PARTS
+    assert out_files(Options(suite="hopper")) == ["hopper-small.json", "hopper-small.md"]
+
+
+def test_size_options_name_every_list_as_given() -> None:
+    """A pool-size error names the options as given: comma lists, shapes among them."""
+    from mla_backends.bench.cli import _size_options
+    from mla_backends.bench.options import Options
+
+    shapes = Options(suite="anchors", shapes=[(16, 1, 1, 64), (4, 2, 2, 8)])
+    assert _size_options(shapes) == "--shapes 16:1:1:64,4:2:2:8"
+    grid = Options(suite="grid", batch=[1, 8], kv_len=[16])
+    assert _size_options(grid) == "--batch 1,8, --kv-len 16"
+    assert _size_options(Options(suite="stack")) == "--suite stack"
+
+
+def test_out_refuses_a_blank_folder_name() -> None:
+    import argparse
+
+    from mla_backends.bench.cli import _out_folder
+
+    assert _out_folder("o") == "o"
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a folder name"):
+        _out_folder("  ")
+
+
+def test_stack_numbers_speed_up_step_time_and_differences(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Speed-up is eager / graph; a step's time leaves its warm-up step out; differences are
+    relative to the second (reference) tensor, per token the median."""
+    from mla_backends.bench import stack
+
+    row = dict(backend="torch", batch=2, eager_ms=10.0, graph_ms=4.0, graph_tokens_per_s=500.0,
+               graph_vs_eager=1e-3, graph_vs_eager_tokens=(1e-3, 0), vs_first_backend=0.0,
+               vs_first_backend_tokens=(0.0, 0))  # fmt: skip
+    assert "| 10.00 | 4.00 | 2.50x | 500 |" in stack.table([row]).splitlines()[2]
+
+    fn, calls = _fake_clock(monkeypatch, stack, [1.0, 2e-3, 4e-3])
+    eng = type("Eng", (), {"decode": staticmethod(fn), "device": torch.device("cpu")})()
+    gen = torch.Generator().manual_seed(0)
+    assert stack._timed_steps(eng, [0], 3, gen, 10) == pytest.approx(3e-3)  # type: ignore[arg-type]
+    assert len(calls) == 3
+
+    assert stack._rel(torch.tensor([2.0]), torch.tensor([1.0])) == 1.0
+    a, b = torch.tensor([[1.0], [1.0], [1.9]]), torch.ones(3, 1)
+    assert stack._per_token(a, b) == (0.0, 1)
+
+
+def test_traffic_counts_anchors_bytes_and_flops() -> None:
+    """ANCHORS.md: the cache row once (576 elements) and q in and out (576 + 512) once per
+    query head; FLOPs 2 x (576 + 512) per query head and key."""
+    from mla_backends.bench.fixtures import decode_setup, traffic
+
+    s = decode_setup("torch", 4, 2, 3, 100, 16, device="cpu", dtype="float32")
+    b, q, h, kv = 3, 2, 4, 100
+    assert traffic(s) == (576 * 2 * b * kv + b * q * h * 1088 * 2, 2 * b * q * h * kv * 1088)
+
+
+def test_backend_config_refuses_a_head_count_past_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A page size is taken only if the backend runs every head count of the grid: a refusal
+    of the second head count (at every page size) is the ConfigError."""
+    from mla_backends.backends.context import Capability
+    from mla_backends.bench import fixtures
+    from mla_backends.config import ConfigError
+
+    class EightHeadsOnly:
+        caps = type("Caps", (), {"page_sizes": (1, 64)})
+
+        @staticmethod
+        def supports(cfg: object, cap: object, role: str) -> str | None:
+            heads = cfg.model.num_heads  # type: ignore[attr-defined]
+            return None if heads == 8 else f"{heads} heads: takes 8"
+
+    monkeypatch.setattr(fixtures, "get_backend_class", lambda name: EightHeadsOnly)
+    cfg = fixtures.setup_config("torch", 8, 2, 100, page_size=32, device="cpu", dtype="float32")
+    assert fixtures.backend_config(cfg, "torch", Capability("cpu"), [8]).page_size == 32
+    with pytest.raises(ConfigError, match=r"'torch' cannot run here: 4 heads: takes 8"):
+        fixtures.backend_config(cfg, "torch", Capability("cpu"), [8, 4])
+
+
+def test_grid_table_ends_with_the_prefill_lines_and_errors() -> None:
+    """`--prefill-tokens` on the grid: its timed paths and its errors are in the table."""
+    from mla_backends.bench.report import format_table
+
+    prefill = {"tokens": 64, "heads": 2, "sdpa_us": 100.0, "sdpa_tflops": 5.0,
+               "fa_error": "RuntimeError: needs a GPU"}  # fmt: skip
+    result = {"device": "GPU", "ceilings": {"copy_gbps": 1.0, "matmul_tflops": 1.0},
+              "rows": [], "prefill": prefill}  # fmt: skip
+    lines = format_table(result).splitlines()
+    assert lines[2].startswith("prefill 64 x 2 heads causal sdpa") and "vs sdpa 1.00x" in lines[2]
+    assert lines[3:] == ["prefill fa_error: RuntimeError: needs a GPU"]
+
+
+def test_require_fits_refuses_a_pool_one_byte_over_the_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mla_backends.bench.fixtures import pool_bytes, require_fits, setup_config
+    from mla_backends.cli import UsageError
+
+    cfg = setup_config("torch", 128, 64, 4096, device="cuda")
+    free = [pool_bytes(cfg)]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (free[0], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 0)
+    require_fits(cfg, "--batch 64")  # exactly enough
+    free[0] -= 1
+    with pytest.raises(UsageError, match="--batch 64: out of memory on cuda"):
+        require_fits(cfg, "--batch 64")
