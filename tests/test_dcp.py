@@ -184,17 +184,20 @@ def test_dcp_runtime_keeps_the_configs_context_limit() -> None:
         assert got[1] == "9: 9"
 
 
+# torch on a CPU at SMALL dims, fp32: the config the host-side DCP tests build their ranks on
+CPU_SMALL = Config(
+    model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
+    kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
+)  # fmt: skip
+
+
 def _pointer_check_worker(rank: int, group: Any) -> list[str]:
     """A DCP graph runner (eager replay on the CPU): the pointers its check compares at each
     replay, and the wrapped backend's metadata tensors they must include."""
     from mla_backends.graph_runner import CudaGraphRunner, InputSpec, _collect
 
-    cfg = Config(
-        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
-        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
-    )  # fmt: skip
-    rt = build_dcp_runtime(cfg, group)
-    d, be = cfg.model, rt.backend
+    rt = build_dcp_runtime(CPU_SMALL, group)
+    d, be = CPU_SMALL.model, rt.backend
     rows = rt.req_pool.alloc(2)
     rt.allocator.alloc_extend(rows, [5, 9])
     specs = {
@@ -229,11 +232,7 @@ def _wrong_length_worker(rank: int, group: Any, cases: list[tuple[int, int]]) ->
     rank's metadata call says."""
     from mla_backends.batch import ForwardBatch, ForwardMode
 
-    cfg = Config(
-        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
-        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
-    )  # fmt: skip
-    rt = build_dcp_runtime(cfg, group)
+    rt = build_dcp_runtime(CPU_SMALL, group)
     out = []
     for stored, claimed in cases:
         [row] = rt.req_pool.alloc(1)
@@ -272,11 +271,7 @@ def _rowless_length_worker(rank: int, group: Any, extra: list[int]) -> list[str]
 
     from mla_backends.checks import ShapeError
 
-    cfg = Config(
-        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
-        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
-    )  # fmt: skip
-    rt = build_dcp_runtime(cfg, group)
+    rt = build_dcp_runtime(CPU_SMALL, group)
     [row] = rt.req_pool.alloc(1)
     rt.allocator.alloc_extend([row], [5])
     width = rt.backend.layout.size * rt.req_pool.max_context_len  # type: ignore[attr-defined]
@@ -642,11 +637,7 @@ def test_nccl_dcp2_equals_single_process_with_graphs(backend: str) -> None:
 
 def _torch_backend() -> Any:
     """The wrapped backend DCPBackend's host-side checks read: torch on a CPU, SMALL dims."""
-    cfg = Config(
-        model=SMALL, prefill_backend="torch", decode_backend="torch", device="cpu",
-        kv_dtype="float32", dtype="float32", page_size=16, max_context_len=64, num_pages=8,
-    )  # fmt: skip
-    return Runtime.build(cfg).backend
+    return Runtime.build(CPU_SMALL).backend
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
