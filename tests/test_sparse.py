@@ -1848,6 +1848,20 @@ def test_an_unknown_sparse_backend_name_is_one_valueerror_naming_the_allowed() -
     assert str(e.value) == f"sparse backend 'nope' is unknown; allowed: {allowed}"
 
 
+def test_a_sparse_refusal_names_added_backends_among_those_that_can_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend registered from outside the built-in list is "allowed" by name; the refusal's
+    list of backends that can run named only the built-in ones, so it was missing there."""
+    from mla_backends.sparse import base
+    from mla_backends.sparse.torch_backend import TorchSparseBackend
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    base.register_sparse_backend("extra")(type("Extra", (TorchSparseBackend,), {"name": "extra"}))
+    with pytest.raises(base.SparseBackendUnavailable, match=r"can run .*: \[.*'torch', 'extra'\]$"):
+        base.create_sparse_backend("flashmla", _sparse_ctx())
+
+
 def test_forward_sparse_refuses_indices_of_another_shape_or_dtype() -> None:
     case = SparseCase("torch", "bfloat16", "bfloat16", ForwardMode.DECODE, 1, (20, 40))
     b = build(case, "cpu")

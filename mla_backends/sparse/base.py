@@ -260,10 +260,10 @@ def sparse_backend_names() -> list[str]:
 def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     """The named backend ("auto": the first in `_MODULES` order that runs here; on a CPU the
     torch backend, which runs there compiled), or a clear error naming why it cannot run."""
-    if name != "auto" and name not in _MODULES and name not in _REGISTRY:
+    known = [*_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]  # built-in, then added
+    if name != "auto" and name not in known:
         # Hazard: the registry's KeyError printed as a quoted repr, unlike the dense ValueError
-        allowed = ["auto", *_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]
-        raise ValueError(f"sparse backend {name!r} is unknown; allowed: {allowed}")
+        raise ValueError(f"sparse backend {name!r} is unknown; allowed: {['auto', *known]}")
     cap = Capability.detect(ctx.device)
     if name == "auto":
         order = list(_MODULES) if ctx.device.type == "cuda" else ["torch"]
@@ -277,7 +277,7 @@ def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     reason = cls.supports(ctx, cap)
     if reason is not None:
         # as the dense refusal does: what would run instead, so the next try is not a guess
-        ok = [n for n in _MODULES if get_sparse_backend_class(n).supports(ctx, cap) is None]
+        ok = [n for n in known if get_sparse_backend_class(n).supports(ctx, cap) is None]
         raise SparseBackendUnavailable(
             f"sparse backend {name!r} cannot run here: {reason}. "
             f"Sparse backends that can run with this config on {cap.describe()}: {ok}"
