@@ -110,6 +110,18 @@ def need_triton(device_type: str) -> str | None:
     return None
 
 
+def need_triton_sm(cap: Capability, fp8: bool, needs: str) -> str | None:
+    """The one GPU reason of a Triton kernel (dense and sparse): SM80, or SM89 with FP8 KV.
+    `needs` opens the SM80 sentence ("triton MLA kernels need"). Hazard: one GPU, one reason,
+    and with FP8 the SM89 one (an SM80 reason sent a T4 user to an A100, there to be refused
+    for FP8)."""
+    if cap.sm is not None and fp8 and cap.sm < (8, 9):
+        return f"FP8 KV needs SM89 or newer, found {cap.describe()}"
+    if cap.sm is not None and cap.sm < (8, 0):
+        return f"{needs} SM80 or newer, found {cap.describe()}"
+    return None
+
+
 def need_sm(cap: Capability, name: str, allowed: tuple[tuple[int, int], ...]) -> str | None:
     """Reason unless the device is a CUDA GPU of one of the `allowed` SM versions."""
     if cap.sm is None:

@@ -19,7 +19,7 @@ from mla_backends.backends.base import (
     GraphCapable,
     joined,
 )
-from mla_backends.backends.kernel_packages import need_triton
+from mla_backends.backends.kernel_packages import need_triton, need_triton_sm
 from mla_backends.backends.registry import register_backend
 from mla_backends.batch import ForwardBatch, RaggedLayout
 from mla_backends.config import TINY, Config, ConfigError
@@ -59,13 +59,11 @@ class TritonBackend(GraphCapable[TritonMetadata, TritonGraphState]):
 
     @classmethod
     def _machine_reason(cls, config: Config, cap: Capability) -> str | None:
-        sm, reasons = cap.sm, [need_triton(cap.device_type)]
-        # one GPU, one reason: with FP8 KV the SM89 one (an SM80 reason sent a T4 user to an
-        # A100, there to be refused for FP8)
-        if sm is not None and config.kv_dtype == "float8_e4m3fn" and sm < (8, 9):
-            reasons.append(f"FP8 KV needs SM89 or newer, found {cap.describe()}")
-        elif sm is not None and sm < (8, 0):
-            reasons.append(f"triton MLA kernels need SM80 or newer, found {cap.describe()}")
+        fp8 = config.kv_dtype == "float8_e4m3fn"
+        reasons = [
+            need_triton(cap.device_type),
+            need_triton_sm(cap, fp8, "triton MLA kernels need"),
+        ]
         d = config.model
         if not (_pow2(d.kv_lora_rank) and _pow2(d.qk_rope_head_dim)):
             # Hazard: a YAML file without `model:` gets Config's `tiny` (R 8), not the shipped

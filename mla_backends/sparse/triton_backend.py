@@ -11,7 +11,7 @@ import torch
 
 from mla_backends.backends.base import Capability
 from mla_backends.backends.context import joined
-from mla_backends.backends.kernel_packages import need_triton
+from mla_backends.backends.kernel_packages import need_triton, need_triton_sm
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.sparse.base import (
     SparseCaps,
@@ -128,14 +128,11 @@ class TritonSparseBackend(SparseMLABackend):
 
     @classmethod
     def _machine_reason(cls, ctx: SparseContext, cap: Capability) -> str | None:
-        sm, reasons = cap.sm, [need_triton(cap.device_type)]
         fp8 = ctx.fp8_rows or getattr(ctx.pool, "is_fp8", False)
-        # one GPU, one reason: with FP8 rows the SM89 one (an SM80 reason sent a T4 user to an
-        # A100, there to be refused for FP8)
-        if sm is not None and fp8 and sm < (8, 9):
-            reasons.append(f"FP8 KV needs SM89 or newer, found {cap.describe()}")
-        elif sm is not None and sm < (8, 0):
-            reasons.append(f"the sparse Triton kernel needs SM80 or newer, found {cap.describe()}")
+        reasons = [
+            need_triton(cap.device_type),
+            need_triton_sm(cap, fp8, "the sparse Triton kernel needs"),
+        ]
         d = ctx.dims
         bad = [n for n in (d.kv_lora_rank, d.qk_rope_head_dim) if n < 16 or n & (n - 1)]
         if bad:
