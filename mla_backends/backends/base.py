@@ -11,9 +11,10 @@ The verbs:
 - request lifecycle: `reset_requests(rows)`, `accept(num_accepted)` (no-ops for MLA: the pool
   and allocator hold everything; hybrid models keep recurrent state).
 
-`MLABackend` implements the verbs once (validation, the batch check, the store, the empty-row
-contract) and leaves each kernel library three hooks: `_build_metadata`, `_attend_absorbed`
-and, for MHA-mode prefill, `_attend_mha`. `GraphCapable` adds the graph hooks over one
+`MLABackend` implements the verbs once (validation, the batch check, the store) and leaves
+each kernel library three hooks: `_build_metadata`, `_attend_absorbed` (which applies the
+empty-row contract, `util.mask_empty_rows`, unless its kernel keeps it) and, for MHA-mode
+prefill, `_attend_mha`. `GraphCapable` adds the graph hooks over one
 graph-state dataclass per backend. docs/NEW_BACKEND.md lists what an author writes.
 """
 
