@@ -786,6 +786,29 @@ def test_a_tied_checkpoint_without_lm_head_loads_with_the_embedding_as_head(tmp_
     assert torch.equal(model.lm_head.weight, hf.model.embed_tokens.weight.float())
 
 
+def test_a_tied_checkpoint_storing_a_different_head_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With `tie_word_embeddings` HF's model uses the embedding as its head whatever the
+    checkpoint stores; ours took a stored `lm_head.weight`, so logits differed from HF's
+    whenever the two differed. A differing head is now refused; an equal one loads."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    d = _tiny_hf_dict()
+    d["tie_word_embeddings"] = True
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**d)).eval()
+    hf.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    embed = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embed.clone()}, str(file), metadata={"format": "pt"})
+    model = load_model(tmp_path)  # the same head stored twice: loads
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    save_file({**tensors, "lm_head.weight": embed + 1}, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens"):
+        load_model(tmp_path)
+
+
 def test_an_indexed_shard_holding_a_stale_copy_of_another_shards_tensor_is_not_read_for_it(
     tmp_path,
 ) -> None:  # type: ignore[no-untyped-def]

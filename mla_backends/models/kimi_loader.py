@@ -2,8 +2,8 @@
 
 The layout follows Kimi-Linear's and fla's names for what this model has:
 - `model.` prefix, `self_attn.` for both layer kinds, `mlp.gate_proj / up_proj / down_proj`;
-- `model.embed_tokens`, `model.norm`, `lm_head` (tied to the embedding when absent and
-  `tie_word_embeddings`);
+- `model.embed_tokens`, `model.norm`, `lm_head` (the embedding when `tie_word_embeddings`:
+  `loader.tie_head`);
 - KDA short convolutions as three depthwise Conv1d weights `q_conv1d / k_conv1d /
   v_conv1d.weight` of shape [heads * head_dim, 1, kernel], which are joined into our one
   `conv_weight` [3 * heads * head_dim, kernel].
@@ -38,6 +38,7 @@ from mla_backends.models.loader import (
     fetch_tensor,
     read_config_json,
     read_tensors,
+    tie_head,
 )
 
 _CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
@@ -165,8 +166,7 @@ def load_kimi_linear(
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     tensors = read_tensors(path)
-    if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
+    tie_head(tensors, bool(raw.get("tie_word_embeddings")))
     loaded: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     fp32 = keeps_fp32(model)  # the MoE gates: as HF keeps them

@@ -231,6 +231,22 @@ def available_host_bytes() -> int | None:
     return None
 
 
+def tie_head(tensors: dict[str, torch.Tensor], tied: bool) -> None:
+    """With `tie_word_embeddings` the head is the embedding, as HF ties it. Hazard: a
+    checkpoint that also stores a different `lm_head.weight` would give logits HF's model
+    does not (HF drops it for the embedding), so that is refused rather than either taken."""
+    if not tied or "model.embed_tokens.weight" not in tensors:
+        return  # untied, or no embedding: the missing-tensor error names it
+    embed = tensors["model.embed_tokens.weight"]
+    head = tensors.get("lm_head.weight")
+    if head is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+        raise CheckpointError(
+            "tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
+            "model.embed_tokens.weight (HF would use the embedding); untie it or drop the head"
+        )
+    tensors["lm_head.weight"] = embed
+
+
 M = TypeVar("M", bound=torch.nn.Module)
 
 
@@ -239,8 +255,7 @@ def load_weights(model: M, path: Path, dtype: torch.dtype, device: torch.device 
     cfg = cast(Any, model).cfg  # every model here keeps its HF config as `cfg`
     tensors = read_tensors(path)
     want = model.state_dict()
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
+    tie_head(tensors, cfg.tie_word_embeddings)
     fp32 = keeps_fp32(model)  # RoPE, the routing gate: as HF keeps them
     loaded = {}
     for name, ref in want.items():
