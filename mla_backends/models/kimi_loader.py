@@ -2,8 +2,8 @@
 
 The layout follows Kimi-Linear's and fla's names for what this model has:
 - `model.` prefix, `self_attn.` for both layer kinds, `mlp.gate_proj / up_proj / down_proj`;
-- `model.embed_tokens`, `model.norm`, `lm_head` (the embedding when `tie_word_embeddings`:
-  `loader.tie_head`);
+- `model.embed_tokens`, `model.norm`, `lm_head` (the embedding when `tie_word_embeddings` and
+  none is stored: `loader.tie_head`);
 - KDA short convolutions as three depthwise Conv1d weights `q_conv1d / k_conv1d /
   v_conv1d.weight` of shape [heads * head_dim, 1, kernel], which are joined into our one
   `conv_weight` [3 * heads * head_dim, kernel].

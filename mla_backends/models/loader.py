@@ -232,19 +232,12 @@ def available_host_bytes() -> int | None:
 
 
 def tie_head(tensors: dict[str, torch.Tensor], tied: bool) -> None:
-    """With `tie_word_embeddings` the head is the embedding, as HF ties it. Hazard: a
-    checkpoint that also stores a different `lm_head.weight` would give logits HF's model
-    does not (HF drops it for the embedding), so that is refused rather than either taken."""
-    if not tied or "model.embed_tokens.weight" not in tensors:
-        return  # untied, or no embedding: the missing-tensor error names it
-    embed = tensors["model.embed_tokens.weight"]
-    head = tensors.get("lm_head.weight")
-    if head is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
-        raise CheckpointError(
-            "tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
-            "model.embed_tokens.weight (HF would use the embedding); untie it or drop the head"
-        )
-    tensors["lm_head.weight"] = embed
+    """With `tie_word_embeddings` and no `lm_head.weight` stored (as transformers saves a tied
+    model), the head is the embedding. Hazard: a tied config whose checkpoint also stores a
+    different head keeps that head, as transformers 5.x does (it warns and does not tie);
+    taking the embedding there would give logits HF's model does not."""
+    if tied and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight", torch.empty(0))
 
 
 M = TypeVar("M", bound=torch.nn.Module)
