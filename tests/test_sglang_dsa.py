@@ -135,6 +135,53 @@ def test_bad_inputs_refused_with_a_reason() -> None:
         dsa.forward_sparse(None, q, torch.zeros(8, 1, 48), 48, idx, 0.1)
 
 
+def test_no_latent_columns_a_pool_of_another_dtype_and_a_flat_table_refused() -> None:
+    """Refused with the reason before any launch (each reached the kernel, or an IndexError)."""
+    q, pool = torch.zeros(2, 16, 48), torch.zeros(8, 1, 48)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="v_head_dim 0 must be below q_all's width 48"):
+        dsa.forward_sparse(None, q, pool, 0, idx, 0.1)
+    with pytest.raises(ValueError, match=r"48 wide and torch.float32 like q_all .* torch.float16"):
+        dsa.forward_sparse(None, q, pool.half(), 32, idx, 0.1)
+    with pytest.raises(ValueError, match=r"page_table_1 must be \[tokens = 2, topk\], got \(2,\)"):
+        dsa.forward_sparse(None, q, pool, 32, idx[:, 0], 0.1)
+
+
+def test_call_launches_for_its_own_shape_with_the_gluon_routes_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launch is `launch_config(heads, tokens, topk)` of this call, with the Gluon kernel
+    only while its route is open. Off the interpreter's fixed config on a faked SM90; the
+    table is int64 (cast to the kernel's int32). No kernel runs."""
+    from mla_backends.kernels import mla_attention
+    from mla_backends.sparse import triton_backend as tb
+    from mla_backends.sparse import triton_kernel
+
+    calls: list[tuple[torch.Tensor, dict[str, int]]] = []
+
+    def attend(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor,
+               indices: torch.Tensor, sm_scale: float, kv_scale: float,
+               launch: dict[str, int]) -> tuple[torch.Tensor, None]:  # fmt: skip
+        calls.append((indices, launch))
+        return q_nope, None
+
+    monkeypatch.setattr(triton_kernel, "attend", attend)
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    monkeypatch.setattr(dsa, "_device_facts", lambda device: (132, True))
+    monkeypatch.setattr(mla_attention, "gluon_error", lambda: None)
+    q, pool = torch.zeros(3, 64, 48), torch.zeros(8, 1, 48)
+    idx = torch.zeros(3, 2048, dtype=torch.int64)
+    dsa.forward_sparse(None, q, pool, 32, idx, 0.1)
+    monkeypatch.setattr(mla_attention, "gluon_error", lambda: "Gluon turned off")
+    dsa.forward_sparse(None, q, pool, 32, idx, 0.1)
+    assert [c[1] for c in calls] == [
+        tb.launch_config(64, False, 3, 2048, 132, True),
+        tb.launch_config(64, False, 3, 2048, 132, False),
+    ]
+    assert "gluon" in calls[0][1] and "gluon" not in calls[1][1]
+    assert calls[0][0].dtype == torch.int32
+
+
 @pytest.mark.parametrize("choice", ["triton", "auto"])
 def test_hook_runs_eagerly_inside_a_compiled_model(
     hooks: None, monkeypatch: pytest.MonkeyPatch, choice: str
@@ -224,3 +271,30 @@ def test_auto_limit_follows_the_kernel_the_call_will_take(monkeypatch: pytest.Mo
     assert dsa.auto_rows(q.half(), pool, 512) == dsa.AUTO_ROWS  # pool in another dtype
     narrow = torch.zeros(64, 1, 320, dtype=torch.bfloat16)  # L 256: not the kernel's 512
     assert dsa.auto_rows(torch.zeros(2, 64, 320).bfloat16(), narrow, 256) == dsa.AUTO_ROWS
+
+
+def test_auto_limit_is_inclusive_and_every_argument_passes_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exactly `auto_rows` query rows is ours, one token more SGLang's; either call gets every
+    argument as given, `topk_length` too (SGLang's own method may read it)."""
+    got: list[tuple[object, ...]] = []
+    monkeypatch.setattr(dsa, "forward_sparse", lambda *a: got.append(("ours", *a)))
+
+    def sglangs(*args: object) -> None:
+        got.append(("sglangs", *args))
+
+    pool, lengths = torch.zeros(8, 1, 48).half(), torch.full((1,), 4, dtype=torch.int32)
+    for t, who in ((dsa.AUTO_ROWS // 16, "ours"), (dsa.AUTO_ROWS // 16 + 1, "sglangs")):
+        q, idx = torch.zeros(t, 16, 48).half(), torch.zeros(t, 4, dtype=torch.int32)
+        dsa.auto_sparse(sglangs, "self", q, pool, 32, idx, 0.1, lengths)
+        want = (who, "self", q, pool, 32, idx, 0.1, lengths)
+        assert len(got[-1]) == len(want) and all(a is b for a, b in zip(got[-1], want)), t
+
+
+def test_env_value_read_without_surrounding_space(
+    hooks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value written with a trailing newline or spaces (a shell file) is still `auto`."""
+    monkeypatch.setenv(dsa.ENV, " auto\n")
+    assert dsa.register_hook() == "auto"

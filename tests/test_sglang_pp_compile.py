@@ -18,6 +18,7 @@ names (sglang 0.5.17, CPU).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,11 +36,20 @@ except Exception as e:  # noqa: BLE001 - any import failure means: cannot run he
 
 import test_sglang_cpu as base  # noqa: E402
 
+import mla_backends.integrations.sglang as sglang_plugin  # noqa: E402
+from mla_backends.integrations.sglang import dsa  # noqa: E402
 from mla_backends.integrations.sglang.batches import BatchError  # noqa: E402
+from mla_backends.integrations.sglang.layers import (  # noqa: E402
+    check_layer,
+    flat_heads,
+    split_absorbed,
+)
+from mla_backends.integrations.sglang.settings import SettingsError  # noqa: E402
 from mla_backends.reference import absorbed  # noqa: E402
 from mla_backends.testing import TOLERANCES  # noqa: E402
 
 START = 4  # this rank: layers 4 and 5
+tiny_model, on_h100 = base.tiny_model, base.on_h100  # test_sglang_cpu's fixtures
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -195,3 +205,113 @@ def test_torch_compiled_model_runs_our_attention_eagerly(backend: str) -> None:
             assert torch.equal(buf, eager_rows)
     torch._dynamo.reset()
     assert traced and not any(traced), f"Dynamo traced our attention ({traced})"
+
+
+# ------------------------------------------- the layer check and the plug-in's registration
+def test_layer_check_refuses_heads_scale_and_logit_cap() -> None:
+    """A RadixAttention layer built otherwise than the model config is refused with its
+    layer id and reason; a scale within 1e-6 relative is the same scale."""
+    adapter, _ = base._adapter("mlab_torch", page=16, dims=base.SMALL)
+    d = adapter.dims
+    near = base._mqa_layer(adapter)
+    near.scaling = d.softmax_scale * (1 + 1e-7)
+    check_layer(near, d)
+    cases = (
+        (
+            "tp_q_head_num",
+            2 * d.num_heads,
+            rf"has {2 * d.num_heads} query heads, .* for {d.num_heads}",
+        ),
+        ("scaling", d.softmax_scale * (1 + 1e-5), "softmax scale .* != the model config's"),
+        ("logit_cap", 30.0, "logit capping is not supported"),
+    )
+    for field, value, match in cases:
+        layer = base._mqa_layer(adapter)
+        layer.layer_id = START
+        setattr(layer, field, value)
+        with pytest.raises(SettingsError, match=f"layer {START}.*{match}"):
+            check_layer(layer, d)
+
+
+def test_registering_again_adds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`register` runs in every process, and again where SGLang reloads plug-ins: every name
+    once in DeepSeek's absorbed list, one start-up check hook, no second DSA hook."""
+    from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    hooks = type(HookRegistry._hooks)(list, {k: list(v) for k, v in HookRegistry._hooks.items()})
+    monkeypatch.setattr(HookRegistry, "_hooks", hooks)
+    absorb = list(FORWARD_ABSORB_CORE_ATTENTION_BACKENDS)
+    monkeypatch.setenv(dsa.ENV, "triton")
+    try:
+        names = sglang_plugin.register()
+        assert [FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.count(n) for n in names] == [1] * len(names)
+    finally:
+        FORWARD_ABSORB_CORE_ATTENTION_BACKENDS[:] = absorb
+    assert [h for _, h, _ in hooks[sglang_plugin.CHECK_TARGET]].count(
+        sglang_plugin.check_server_args_hook
+    ) == 1
+    assert dsa.TARGET not in hooks
+
+
+def test_bad_dsa_choice_is_logged_not_raised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang logs and swallows a plug-in's exception: ours says why loudly and registers the
+    rest."""
+    monkeypatch.setenv(dsa.ENV, "flashmla")
+    sglang_plugin._register_dsa()
+    assert "DSA sparse attention hook not installed: MLAB_DSA_SPARSE='flashmla'" in caplog.text
+
+
+def test_start_up_check_ignores_sglangs_own_backends() -> None:
+    """Servers on SGLang's own backends are not ours to check (nothing else is read)."""
+    sa = SimpleNamespace(
+        attention_backend="flashinfer",
+        prefill_attention_backend=None,
+        decode_attention_backend=None,
+    )
+    assert sglang_plugin.check_server_args_hook(None, sa) is None
+
+
+def test_attention_tp_size_divides_by_the_context_parallel_ranks() -> None:
+    """A layer's heads split over tp / dp (under --enable-dp-attention) / attn_cp ranks."""
+    sa = SimpleNamespace(tp_size=8, dp_size=2, enable_dp_attention=True, attn_cp_size=2)
+    assert sglang_plugin._attn_tp_size(sa) == 2
+    sa.enable_dp_attention = False
+    assert sglang_plugin._attn_tp_size(sa) == 4
+
+
+def test_start_up_check_checks_each_of_our_names(tiny_model: Any, on_h100: Any) -> None:
+    """Prefill on one of our names, decode on another: the decode one is checked too."""
+    sa = base._server_args(
+        tiny_model,
+        prefill_attention_backend="mlab_flashmla",
+        decode_attention_backend="mlab_trtllm",
+        page_size=64,
+    )
+    with pytest.raises(SettingsError, match=r"mlab_trtllm.*SM 100"):
+        sa.check_server_args()
+
+
+def test_flat_heads_flattens_only_where_it_is_a_view() -> None:
+    """[T, H, D] contiguous -> the [T, H * D] view SGLang's callers take; head-major memory
+    (a strided q's output) stays 3-D rather than be copied."""
+    out = torch.randn(3, 4, 8)
+    flat = flat_heads(out)
+    assert flat.shape == (3, 32) and flat.data_ptr() == out.data_ptr()
+    strided = torch.randn(4, 3, 8).transpose(0, 1)
+    assert flat_heads(strided) is strided
+
+
+def test_split_absorbed_without_k_gives_no_new_rows() -> None:
+    """k None (the caller stored the rows already): q split into views, no k parts (a k part
+    there was taken for new rows, and refused as missing its rope columns)."""
+    adapter, _ = base._adapter("mlab_torch", page=16, dims=base.SMALL)
+    d = adapter.dims
+    q = torch.randn(3, d.num_heads * (d.kv_lora_rank + d.qk_rope_head_dim))
+    q_nope, q_rope, k_nope, k_rope = split_absorbed(q, None, {}, d)
+    assert k_nope is None and k_rope is None
+    joined = q.view(3, d.num_heads, -1)
+    assert torch.equal(q_nope, joined[..., : d.kv_lora_rank]) and q_nope.data_ptr() == q.data_ptr()
+    assert torch.equal(q_rope, joined[..., d.kv_lora_rank :])
