@@ -1,5 +1,6 @@
-"""SGLang plug-in: `pip install mla-backends`, then `--attention-backend mlab_triton` (or
-`mlab_flashmla`, `mlab_flashinfer`, `mlab_cutlass`, `mlab_trtllm`, `mlab_torch`).
+"""SGLang plug-in: `pip install .` from this checkout (not on PyPI), then
+`--attention-backend mlab_triton` (or `mlab_flashmla`, `mlab_flashinfer`, `mlab_cutlass`,
+`mlab_trtllm`, `mlab_torch`).
 
 SGLang finds `register` through the entry point `[project.entry-points."sglang.srt.plugins"]`
 and calls it in every process before it parses arguments. Importing this package does not
