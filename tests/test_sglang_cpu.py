@@ -653,6 +653,55 @@ def test_eager_batch_conversion() -> None:
     assert lay.qo_indptr_cpu.tolist() == [0, 4, 5, 7] == lay.kv_indptr.tolist()
 
 
+# SGLang's forward modes -> ours; None: refused in one line (the draft model's attention,
+# diffusion's non-causal extend, a prebuilt cache, IDLE, which the hooks answer before).
+SGL_MODES = {
+    "EXTEND": "EXTEND",
+    "MIXED": "EXTEND",
+    "SPLIT_PREFILL": "EXTEND",
+    "DECODE": "DECODE",
+    "TARGET_VERIFY": "TARGET_VERIFY",
+    "DRAFT_EXTEND_V2": None,
+    "DLLM_EXTEND": None,
+    "PREBUILT": None,
+    "IDLE": None,
+}
+
+
+@pytest.mark.parametrize("name", [m.name for m in ForwardMode])
+def test_every_sglang_forward_mode_maps_or_is_refused(name: str) -> None:
+    from mla_backends.integrations.sglang.batches import _mode
+
+    fb = SimpleNamespace(forward_mode=ForwardMode[name])
+    want = SGL_MODES[name]  # a KeyError: a new SGLang mode this table must place
+    if want is None:
+        with pytest.raises(BatchError, match=f"forward mode {name} is not served"):
+            _mode(fb)
+    else:
+        assert _mode(fb).name == want
+
+
+@pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "verify"])
+def test_eager_decode_and_verify_conversion(q_len: int) -> None:
+    """DECODE / TARGET_VERIFY batches carry no extend_* fields: ours derive them (q tokens a
+    request, prefix = KV length - q, device and CPU copies alike); verify lengths gain the
+    drafts, and `num_draft_tokens` is the draft count (0 in DECODE)."""
+    from mla_backends.integrations.sglang.batches import eager_batch
+
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16))
+    fb = _extend_batch(runner, 16, (9, 20), (q_len, q_len), seed=1)
+    fb.forward_mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
+    if q_len > 1:  # SGLang's verify seq_lens exclude the draft tokens
+        fb.seq_lens, fb.seq_lens_cpu = fb.seq_lens - q_len, fb.seq_lens_cpu - q_len
+    b = eager_batch(fb)
+    kv = [9 + q_len, 20 + q_len]
+    assert b.seq_lens.tolist() == kv and b.seq_lens_cpu.tolist() == kv
+    assert b.extend_prefix_lens.tolist() == [9, 20] == b.extend_prefix_lens_cpu.tolist()
+    assert b.extend_seq_lens.tolist() == [q_len] * 2 == b.extend_seq_lens_cpu.tolist()
+    assert b.num_draft_tokens == (q_len if q_len > 1 else 0)
+    assert torch.equal(b.out_cache_loc, fb.out_cache_loc) and b.out_cache_loc.dtype == torch.int64
+
+
 def _graph_view(fb: Any, bs: int, pad: int, mode: Any) -> SimpleNamespace:
     """SGLang's replay view (decode_cuda_graph_runner.build_replay_fb_view): padded request
     rows 0 with seq_len 1, live (unpadded) out_cache_loc."""
@@ -707,6 +756,9 @@ def test_graph_replay_view_padding(q_len: int) -> None:
     assert b.req_pool_indices.tolist() == [0, 1, 0, 0]
     want = [9 + q_len, 20 + q_len] + ([1, 1] if q_len == 1 else [1 + q_len] * 2)
     assert b.seq_lens.tolist() == want and b.seq_lens_cpu.tolist() == want
+    pre = [s - q_len for s in want]  # the KV each request had before this step
+    assert b.extend_prefix_lens.tolist() == pre == b.extend_prefix_lens_cpu.tolist()
+    assert b.extend_seq_lens.tolist() == [q_len] * 4 == b.extend_seq_lens_cpu.tolist()
     assert b.out_cache_loc[2 * q_len :].eq(0).all()
     assert torch.equal(b.out_cache_loc[: 2 * q_len], fb.out_cache_loc)
     assert b.num_draft_tokens == (q_len if q_len > 1 else 0)
@@ -804,6 +856,42 @@ def test_absorbed_call_refuses_to_drop_new_rows() -> None:
         adapter.init_forward_metadata(fb)
         with pytest.raises(BatchError, match=r"k of 32 columns and no k_rope"):
             adapter.forward(q_nope, k_nope, k_nope, _mqa_layer(adapter), fb, True, q_rope=q_rope)
+
+
+def test_absorbed_call_without_save_kv_cache_stores_nothing() -> None:
+    """save_kv_cache=False with k and k_rope given (SGLang's rows are stored already, e.g. by
+    a fused kernel): the pool is left as it was."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (3,), (2,))
+    gen = torch.Generator().manual_seed(4)
+    q_nope = torch.randn(2, d.num_heads, d.kv_lora_rank, generator=gen).bfloat16()
+    q_rope = torch.randn(2, d.num_heads, d.qk_rope_head_dim, generator=gen).bfloat16()
+    k_nope = torch.randn(2, 1, d.kv_lora_rank, generator=gen).bfloat16()
+    k_rope = torch.randn(2, 1, d.qk_rope_head_dim, generator=gen).bfloat16()
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    before = buf.clone()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        adapter.forward(
+            q_nope, k_nope, k_nope, _mqa_layer(adapter), fb, False, q_rope=q_rope, k_rope=k_rope
+        )
+    assert torch.equal(buf, before)
+
+
+def test_idle_batch_clears_the_metadata() -> None:
+    """DP attention runs IDLE batches (no requests) on idle ranks: every metadata hook
+    answers with no metadata instead of refusing the mode."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _extend_batch(runner, 16, (3,), (2,))
+    adapter.init_forward_metadata(fb)
+    fb.forward_mode = ForwardMode.IDLE
+    adapter.init_forward_metadata(fb)
+    assert adapter.forward_metadata is None
+    adapter.init_cuda_graph_state(4, 4)
+    adapter.init_forward_metadata_out_graph(fb)
+    adapter.init_forward_metadata_in_graph(fb)
+    assert adapter.forward_metadata is None
 
 
 def _hybrid(runner: Any, layer_ids: list[int], inner: Any = None) -> Any:
@@ -1128,6 +1216,26 @@ def test_graph_refill_recorded_in_graph(on_device: bool, monkeypatch: pytest.Mon
     if on_device:  # replay of a size never captured: a clear error, not stale metadata
         with pytest.raises(RuntimeError, match="no graph captured for batch size 3"):
             adapter.init_forward_metadata_out_graph(_graph_view(fb, 3, 1, ForwardMode.DECODE))
+
+
+def test_replay_recorded_in_graph_still_checks_the_view_on_the_host() -> None:
+    """With the refill in the graph, out_graph's replay side does host checks only; they
+    must still run: a view whose num_padding disagrees with its live slots is refused, not
+    replayed over the captured metadata. in_graph before any graph state does nothing."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=(4, 32, 16, 16, 16), batch=4)
+    fb = _extend_batch(runner, 16, (9, 20), (1, 1), seed=1)
+    fb.forward_mode = ForwardMode.DECODE
+    with torch.no_grad():
+        adapter.init_forward_metadata_in_graph(_graph_view(fb, 4, 2, ForwardMode.DECODE))
+        adapter.init_cuda_graph_state(4, 4)
+        cap = _graph_view(fb, 4, 2, ForwardMode.DECODE)
+        cap.num_padding, cap.out_cache_loc = 0, torch.zeros(4, dtype=torch.int64)
+        adapter.init_forward_metadata_out_graph(cap, in_capture=True)
+        assert adapter.backend.graph_refill_on_device(4)
+        bad = _graph_view(fb, 4, 2, ForwardMode.DECODE)
+        bad.num_padding = 1
+        with pytest.raises(BatchError, match="2 live slots for 3 of 4 requests x 1 tokens"):
+            adapter.init_forward_metadata_out_graph(bad)
 
 
 def test_graph_replay_padding_writes_the_dummy_slot_after_a_fuller_replay() -> None:

@@ -184,6 +184,16 @@ def test_verify_with_fewer_tokens_than_drafts_is_refused() -> None:
         adapter.init_forward_metadata(fb)
 
 
+def test_verify_without_a_draft_count_and_uneven_tokens_is_refused() -> None:
+    """Without EAGLE's draft count the shapes name it: 3 + 4 tokens over 2 requests are no
+    uniform count (taking 7 // 2 = 3 would drop a token and misplace the rest)."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _extend_batch(runner, 16, (9, 20), (3, 4), seed=11)
+    fb.forward_mode, fb.spec_info = ForwardMode.TARGET_VERIFY, None
+    with pytest.raises(BatchError, match="7 tokens over 2 requests: not uniform"):
+        adapter.init_forward_metadata(fb)
+
+
 def test_surplus_slots_outside_sglangs_padding_are_refused() -> None:
     """Slots past the requests' token counts are cut only where SGLang padded the batch
     (`_pad_inputs_to_size` records `_original_num_tokens`): elsewhere the surplus is a real

@@ -342,6 +342,8 @@ def test_graph_views_without_num_padding_still_check_their_live_slots() -> None:
         adapter._graph.check(view(5))
     with pytest.raises(BatchError, match="6 live slots for 3 of 4 requests x 3 tokens"):
         adapter._graph.check(view(6, num_padding=1))
+    with pytest.raises(BatchError, match="15 live slots for 5 of 4 requests x 3 tokens"):
+        adapter._graph.check(view(15))  # more live requests than the batch holds
 
 
 @pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "verify"])
