@@ -879,6 +879,26 @@ def test_absorbed_call_without_save_kv_cache_stores_nothing() -> None:
     assert torch.equal(buf, before)
 
 
+def test_mha_call_asked_to_save_kv_cache_is_refused() -> None:
+    """An MHA-mode call (per-head K and V) with save_kv_cache=True: the expanded K has no
+    place in the latent pool, and going on would leave the new tokens unstored while the
+    caller believes them cached. Refused, and the pool is left as it was."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (0,), (3,))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, d.num_heads, d.qk_head_dim, generator=gen).bfloat16()
+    k = torch.randn(3, d.num_heads, d.qk_head_dim, generator=gen).bfloat16()
+    v = torch.randn(3, d.num_heads, d.v_head_dim, generator=gen).bfloat16()
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    before = buf.clone()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        with pytest.raises(BatchError, match="MHA-mode call with save_kv_cache=True"):
+            adapter.forward(q, k, v, _mha_layer(adapter), fb, True)
+    assert torch.equal(buf, before)
+
+
 def test_idle_batch_clears_the_metadata() -> None:
     """DP attention runs IDLE batches (no requests) on idle ranks: every metadata hook
     answers with no metadata instead of refusing the mode."""
