@@ -292,6 +292,137 @@ def test_run_catches_a_backend_that_is_wrong(tmp_path: Path, capsys) -> None:  #
     assert "DISAGREE" in capsys.readouterr().out
 
 
+def test_run_fits_requests_to_the_pool_and_context_exactly() -> None:
+    """`run`'s request bound at its edges: a prompt of 3 plus --max-new 14 stores 16 tokens
+    (the last pick is never fed back), one page of 16 and max_context_len 16 exactly; prompts
+    of 3, 14 and 25 with one new token fill 1 + 1 + 2 pages, a pool of 4 exactly."""
+    import dataclasses
+
+    from mla_backends.config import load_config
+    from mla_backends.models.run import max_requests
+
+    base = load_config(None)
+    assert base.page_size == 16
+    assert max_requests(dataclasses.replace(base, num_pages=4), 1) == 3
+    assert max_requests(dataclasses.replace(base, num_pages=3), 1) == 2
+    for edge in (dict(num_pages=1), dict(max_context_len=16)):
+        cfg = dataclasses.replace(base, **edge)  # type: ignore[arg-type]
+        assert (max_requests(cfg, 14), max_requests(cfg, 15)) == (1, 0), edge
+
+
+def _run_diff(out: str) -> float:
+    return float(re.search(r"max relative difference (\S+) \(tolerance", out).group(1))  # type: ignore[union-attr]
+
+
+def test_run_judges_every_decode_step_at_the_float32_tolerance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A decode backend whose output is off by 0.1 % (prefill exact): `run` compares the
+    logits of every step, not the prefill's alone, at fp32's 1e-4, and exits 1 on it."""
+    from mla_backends.cli import main
+
+    @register_backend("off_decode_test")
+    class OffDecode(TorchBackend):
+        name = "off_decode_test"
+
+        def _attend_absorbed(self, layer, q_nope, q_rope, batch, need_lse):  # type: ignore[no-untyped-def]
+            out, lse = super()._attend_absorbed(layer, q_nope, q_rope, batch, need_lse)
+            return out * (1 + 1e-3), lse
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "device: cpu\ndtype: float32\nkv_dtype: float32\n"
+        "prefill_backend: torch\ndecode_backend: off_decode_test\n"
+    )
+    try:
+        code = main(["run", "--config", str(cfg), "--requests", "2", "--max-new", "3"])
+    finally:
+        del _REGISTRY["off_decode_test"]
+    out = capsys.readouterr().out
+    assert code == 1 and "(tolerance 0.0001): DISAGREE" in out, out
+    assert 2e-4 < _run_diff(out) < 1e-3, out  # past 1e-4, within a 10x looser bound
+
+
+def test_run_compares_logits_relative_to_their_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny checkpoint with its head scaled by 1000 (logits near 1000): fp32 kernels
+    still agree with the fp64 reference, the difference taken relative to the logits."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_backends.cli import main
+    from mla_backends.models.run import save_random
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_random("tiny", ckpt, seed=0)
+    t = load_file(str(ckpt / "model.safetensors"))
+    t["lm_head.weight"] = t["lm_head.weight"] * 1000
+    save_file(t, str(ckpt / "model.safetensors"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("device: cpu\ndtype: float32\nkv_dtype: float32\n")
+    argv = ["run", "--model", str(ckpt), "--config", str(cfg), "--requests", "2", "--max-new", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert ": agree;" in out and _run_diff(out) < 1e-5, out
+
+
+def test_run_fails_when_the_reference_picks_other_layer0_index_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """V3.2: the reference run follows the served run's index selections, so its logits agree
+    whatever it would pick; at layer 0 (the same inputs) its own picks must match, or `run`
+    fails even though the logits agree."""
+    from mla_backends.cli import main
+    from mla_backends.models.choices import Selections
+
+    own = Selections.follow
+
+    def follow(self: Selections, indexer: object) -> None:
+        select = indexer.select  # type: ignore[attr-defined]
+        indexer.select = lambda layer, *a: select(layer, *a) + 1  # type: ignore[attr-defined]
+        own(self, indexer)
+
+    monkeypatch.setattr(Selections, "follow", follow)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("device: cpu\ndtype: float32\nkv_dtype: float32\nsparse_backend: torch\n")
+    argv = ["run", "--random", "tiny-v32", "--config", str(cfg), "--requests", "2"]
+    assert main([*argv, "--max-new", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "on its own in 0 of 2 calls" in out and _run_diff(out) <= 1e-4, out
+    assert "(tolerance 0.0001): DISAGREE" in out, out
+
+
+def test_run_follows_the_served_routes_and_tokens_past_a_near_tie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run` itself (test_run_v32 drives `_serve`): bf16 tiny V3.2, its sparse attention off
+    by 2^-7, flips a near-tie (an expert route, a greedy token); the reference run follows
+    the served run's routes and decodes its tokens, so the logits still agree."""
+    from mla_backends.cli import main
+    from mla_backends.sparse import torch_backend as TB
+
+    attend = TB.TorchSparseBackend._attend
+
+    def scaled(self, layer, q_nope, q_rope, indices):  # type: ignore[no-untyped-def]
+        out, lse = attend(self, layer, q_nope, q_rope, indices)
+        if self.name == "torch":  # the served run's backend, not the fp64 reference
+            out = (out.float() * (1 + 2**-7)).to(out.dtype)
+        return out, lse
+
+    monkeypatch.setattr(TB.TorchSparseBackend, "_attend", scaled)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "device: cpu\nmax_context_len: 128\nsparse_backend: torch\n"
+        "prefill_backend: torch\ndecode_backend: torch\n"
+    )
+    argv = ["run", "--random", "tiny-v32", "--config", str(cfg), "--requests", "3"]
+    assert main([*argv, "--max-new", "3"]) == 0
+    out = capsys.readouterr().out
+    assert ": agree;" in out and "kv bfloat16" in out, out
+    assert 2**-9 < _run_diff(out) <= 5e-2, out
+
+
 def test_verify_gives_its_verdict_on_the_configs_own_choices(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -165,3 +165,44 @@ def test_kimi_config_reads_the_hubs_moe_keys(tmp_path: Path) -> None:
     assert [cfg.is_moe(i) for i in range(4)] == [False, False, True, True]
     one = config_from_hf({**raw, **hub, "topk_group": 2, "use_grouped_topk": False})
     assert (one.n_group, one.topk_group) == (1, 1)
+
+
+def test_kimi_conv_parts_of_another_shape_are_refused_naming_the_part(tmp_path: Path) -> None:
+    """A short-conv part [C, 2, K] (not depthwise) lost its second channel to the join into
+    our [3C, K] weight, and loaded; each part must be [C, 1, K]."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_backends.models.kimi_loader import load_kimi_linear
+
+    _kimi_raw(tmp_path)
+    file, name = tmp_path / "model.safetensors", "model.layers.0.self_attn.k_conv1d.weight"
+    t = load_file(str(file))
+    c, _, k = t[name].shape
+    t[name] = t[name].expand(c, 2, k).contiguous()
+    save_file(t, str(file))
+    want = rf"{name}: checkpoint shape \[{c}, 2, {k}\], expected \[{c}, 1, {k}\]"
+    with pytest.raises(CheckpointError, match=want):
+        load_kimi_linear(tmp_path)
+
+
+def test_kimi_bf16_load_keeps_the_routing_gate_at_the_checkpoints_fp32_values(
+    tmp_path: Path,
+) -> None:
+    """A bf16 Kimi-Linear load kept the MoE gate's dtype fp32 but took its values rounded to
+    bf16 first (0.5-5 % of tokens sent to other experts, as DeepSeek-V3's gate was)."""
+    from mla_backends.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
+    from mla_backends.models.kimi_loader import load_kimi_linear, save_kimi_linear
+
+    cfg = KimiLinearConfig(num_hidden_layers=2, n_routed_experts=4, moe_intermediate_size=8)
+    model = KimiLinearForCausalLM(cfg)
+    with torch.no_grad():  # its init leaves the gate at values bf16 holds exactly
+        for name, p in model.named_parameters():
+            if ".mlp.gate." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    save_kimi_linear(model, tmp_path)
+    want = dict(load_kimi_linear(tmp_path).named_parameters())
+    got = dict(load_kimi_linear(tmp_path, dtype=torch.bfloat16).named_parameters())
+    gates = [n for n in got if ".mlp.gate." in n]
+    assert gates and got["embed_tokens.weight"].dtype == torch.bfloat16
+    for name in gates:
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
