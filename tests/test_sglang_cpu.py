@@ -646,8 +646,11 @@ def test_eager_batch_conversion() -> None:
     b = adapter.forward_metadata.batch
     assert b.mode.name == "EXTEND" and b.req_pool_indices.dtype == torch.int32
     assert b.seq_lens.tolist() == [4, 6, 19] and b.seq_lens_cpu.tolist() == [4, 6, 19]
-    assert b.extend_prefix_lens_cpu.tolist() == [0, 5, 17]
+    assert b.extend_prefix_lens.tolist() == [0, 5, 17] == b.extend_prefix_lens_cpu.tolist()
     assert b.extend_seq_lens.tolist() == [4, 1, 2]
+    lens = (b.seq_lens, b.seq_lens_cpu, b.extend_prefix_lens, b.extend_prefix_lens_cpu)
+    lens += (b.extend_seq_lens, b.extend_seq_lens_cpu)  # SGLang's: int64 tensors and lists
+    assert [t.dtype for t in lens] == [torch.int32] * 6
     assert torch.equal(b.out_cache_loc, fb.out_cache_loc)
     lay = adapter.forward_metadata.new_tokens
     assert lay.qo_indptr_cpu.tolist() == [0, 4, 5, 7] == lay.kv_indptr.tolist()
@@ -899,6 +902,71 @@ def test_mha_call_asked_to_save_kv_cache_is_refused() -> None:
     assert torch.equal(buf, before)
 
 
+def test_kv_buffers_re_created_by_sglang_are_refused() -> None:
+    """Our pool views SGLang's KV tensors; if SGLang re-allocates one (same count, e.g. on
+    releasing and resuming memory), the views read freed memory: the next batch is refused."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _extend_batch(runner, 16, (3,), (2,))
+    adapter.init_forward_metadata(fb)
+    bufs = runner.token_to_kv_pool.kv_buffer
+    bufs[0] = bufs[0].clone()
+    with pytest.raises(RuntimeError, match="re-created its KV buffers"):
+        adapter.init_forward_metadata(fb)
+
+
+@pytest.mark.parametrize(
+    "name", ["cos_sin_cache", "is_neox", "llama_4_scaling", "topk_indices", "sinks"]
+)
+def test_keyword_arguments_of_other_backends_are_refused(name: str) -> None:
+    """DeepSeek passes these only to other backends (fused rope, DSA top-k, attention
+    sinks); ours would ignore them, so a call with one is refused, naming it."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (3,), (2,))
+    q = torch.randn(2, d.num_heads * d.kv_dim).bfloat16()
+    with forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        with pytest.raises(BatchError, match=rf"does not take \['{name}'\]"):
+            adapter.forward(q, None, None, _mqa_layer(adapter), fb, False, **{name: True})
+
+
+def test_mha_lse_comes_back_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's merge_state reads the LSE as a contiguous [T, H] buffer; a backend may give a
+    transposed view (a kernel's [H, T] output): the adapter hands back a contiguous one."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    d = adapter.dims
+    fb = _extend_batch(runner, 16, (0,), (3,))
+    inner = adapter.backend.forward_mha
+
+    def transposed_lse(*args: Any, **kwargs: Any) -> Any:
+        out, lse = inner(*args, **kwargs)
+        return out, lse.t().contiguous().t()  # the same [T, H] values, strides (1, T)
+
+    monkeypatch.setattr(adapter.backend, "forward_mha", transposed_lse)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, d.num_heads, d.qk_head_dim, generator=gen).bfloat16()
+    k = torch.randn(3, d.num_heads, d.qk_head_dim, generator=gen).bfloat16()
+    v = torch.randn(3, d.num_heads, d.v_head_dim, generator=gen).bfloat16()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
+        adapter.init_forward_metadata(fb)
+        fb.mha_return_lse = True
+        _, lse = _mha_layer(adapter)(q, k, v, fb, save_kv_cache=False)
+    assert lse.shape == (3, d.num_heads) and lse.is_contiguous()
+
+
+def test_adapter_builds_its_attention_tp_share_of_the_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under attention TP a worker's layers hold num_heads / attn_tp_size heads: the adapter
+    builds our backend for that share (2 of the model's 4 heads at attention TP 2)."""
+    from sglang.srt import runtime_context
+
+    par = SimpleNamespace(attn_tp_size=2, dcp_enabled=False)
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: par)
+    adapter, _ = _adapter("mlab_torch", page=16, dims=SMALL)
+    assert adapter.dims.num_heads == 2
+
+
 def test_idle_batch_clears_the_metadata() -> None:
     """DP attention runs IDLE batches (no requests) on idle ranks: every metadata hook
     answers with no metadata instead of refusing the mode."""
@@ -1045,6 +1113,8 @@ def test_mha_prefill_and_chunked_prefix_with_lse(
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=adapter)):
         adapter.init_forward_metadata(fb)
         adapter.init_mha_chunk_metadata(fb)
+        chunks = adapter.forward_metadata.chunks
+        assert [chunks[i].kv_indptr.tolist() for i in range(3)] == cu.tolist()
         fb.mha_return_lse = True
         fb.set_attn_attend_prefix_cache(False)
         out, lse = layer(q.to(dev), k.to(dev), v.to(dev), fb, save_kv_cache=False)
@@ -1209,6 +1279,29 @@ def test_graph_buffers_are_kept_and_a_larger_state_is_refused_after_capture() ->
     assert adapter._graph is bufs
 
 
+@pytest.mark.parametrize(
+    ("mode", "ext", "pattern"),
+    [
+        ("EXTEND", (3, 3), "CUDA graphs serve DECODE and TARGET_VERIFY batches only"),
+        ("TARGET_VERIFY", (3, 3), "graph batch of 2 x 3 tokens exceeds .* 2 requests / 4 tokens"),
+        ("DECODE", (1, 1, 1), "graph batch of 3 x 1 tokens exceeds .* 2 requests / 4 tokens"),
+    ],
+    ids=["extend", "too-many-tokens", "too-many-requests"],
+)
+def test_graph_batch_outside_the_graph_state_is_refused(
+    mode: str, ext: tuple[int, ...], pattern: str
+) -> None:
+    """A capture batch the static buffers cannot hold (an EXTEND, more tokens or more
+    requests than init_cuda_graph_state sized) is refused in one line, not copied past
+    the buffers' ends."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL, batch=4)
+    fb = _extend_batch(runner, 16, (9, 20, 5)[: len(ext)], ext, seed=1)
+    fb.forward_mode = ForwardMode[mode]
+    adapter.init_cuda_graph_state(2, 4)
+    with pytest.raises(BatchError, match=pattern):
+        adapter.init_forward_metadata_out_graph(fb, in_capture=True)
+
+
 @pytest.mark.parametrize("on_device", [True, False], ids=["in-graph", "out-graph"])
 def test_graph_refill_recorded_in_graph(on_device: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend whose refill is device-only (`graph_refill_on_device`) is refilled by
@@ -1274,7 +1367,7 @@ def test_graph_replay_padding_writes_the_dummy_slot_after_a_fuller_replay() -> N
             batch_size=4,
             forward_mode=ForwardMode.DECODE,
             input_ids=torch.zeros(4, dtype=torch.int64),
-            positions=torch.zeros(4, dtype=torch.int64),
+            positions=torch.tensor(lens, dtype=torch.int64) - 1,  # the new token's
             req_pool_indices=torch.tensor(rows, dtype=torch.int64),
             seq_lens=torch.tensor(lens, dtype=torch.int64),
             seq_lens_cpu=torch.tensor(lens, dtype=torch.int64),
@@ -1287,3 +1380,4 @@ def test_graph_replay_padding_writes_the_dummy_slot_after_a_fuller_replay() -> N
     bufs.load(view([33, 34, 35, 36]))  # every row live: real slots fill the buffer
     b = bufs.load(view([40, 41]))  # 2 live + 2 padded
     assert b.out_cache_loc.tolist() == [40, 41, 0, 0]
+    assert b.positions.tolist() == [9, 10, 0, 0]  # the view's, which DSA's indexer reads

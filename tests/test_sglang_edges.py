@@ -131,6 +131,19 @@ def test_dp_padded_chunked_prefix_returns_padded_lse() -> None:
     assert not got[t:].any() and not lse[t:].any()
 
 
+def test_prefix_chunk_whose_indptr_and_lengths_disagree_is_refused() -> None:
+    """A chunk's device indptr (`prefix_chunk_cu_seq_lens`) must cover the requests its host
+    lengths do; otherwise the kernels would read another request's prefix rows."""
+    adapter, runner = _adapter("mlab_torch", page=16, dims=SMALL)
+    fb = _extend_batch(runner, 16, (4, 9), (3, 2), seed=9)
+    fb.prefix_chunk_seq_lens_cpu = [torch.tensor([4, 9])]
+    fb.prefix_chunk_cu_seq_lens = [torch.tensor([0, 4], dtype=torch.int32)]
+    fb.num_prefix_chunks = 1
+    adapter.init_forward_metadata(fb)
+    with pytest.raises(BatchError, match="prefix chunk 0: 2 vs 3 indptrs"):
+        adapter.init_mha_chunk_metadata(fb)
+
+
 def _verify_batch(runner: Any, q_len: int) -> Any:
     """TARGET_VERIFY of 2 requests x q_len chain drafts, with EAGLE's verify input (its
     draft_token_num) and SGLang's verify lengths (the drafts excluded)."""
@@ -208,6 +221,15 @@ def test_surplus_slots_outside_sglangs_padding_are_refused() -> None:
     fb = _extend_batch(runner, 16, (0, 7), (5, 2), seed=7)
     _dp_pad(fb, runner, adapter, 8, 2)
     assert eager_batch(fb).out_cache_loc.numel() == 7
+    fb.out_cache_loc = fb.out_cache_loc[:6]  # padded, yet a real token has no slot
+    with pytest.raises(BatchError, match="out_cache_loc has 6 slots for 7 tokens$"):
+        eager_batch(fb)
+    fb = _extend_batch(runner, 16, (0, 7), (5, 2), seed=7)
+    fb.out_cache_loc = torch.cat([fb.out_cache_loc, fb.out_cache_loc[-1:] + 1])
+    fb.positions = torch.cat([fb.positions, fb.positions[-1:] + 1])
+    _dp_pad(fb, runner, adapter, 8, 2)  # SGLang padded nothing: its 8 tokens were real
+    with pytest.raises(BatchError, match="8 slots for 7 tokens and the batch is not SGLang's"):
+        eager_batch(fb)
 
 
 @pytest.mark.parametrize(
