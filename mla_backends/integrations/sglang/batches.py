@@ -75,19 +75,13 @@ def _cpu_i32(x: Any, what: str) -> torch.Tensor:
 
 
 def write_loc(fb: Any) -> torch.Tensor:
-    """The physical slot of every new token, through SGLang's KVWriteLoc.
+    """The physical slot of every new token: SGLang's `out_cache_loc`.
 
     Hazard: on SGLang's unified memory pool `out_cache_loc` is virtual and the physical slot
-    is KVWriteLoc.full_loc; that pool is refused at start-up (binding._check_pool), so here
-    KVWriteLoc.loc is the physical slot our store kernels write."""
-    try:
-        from sglang.srt.mem_cache.memory_pool import KVWriteLoc, unwrap_write_loc
-    except ImportError:  # SGLang without KVWriteLoc (< 0.5.17) is refused at registration
-        return fb.out_cache_loc
-    loc, swa, full = unwrap_write_loc(KVWriteLoc(fb.out_cache_loc))
-    if swa is not None or full is not None:
-        raise BatchError("hybrid-SWA / unified-pool write locations are not supported")
-    return loc
+    is the `KVWriteLoc.full_loc` its own attention metadata resolves; that pool (and the
+    hybrid-SWA one, whose `swa_loc` is another) is refused at start-up
+    (`binding._check_pool`), so here `out_cache_loc` is the slot our store kernels write."""
+    return fb.out_cache_loc
 
 
 def eager_batch(fb: Any) -> ForwardBatch:
