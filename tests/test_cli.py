@@ -399,18 +399,11 @@ def test_run_follows_the_served_routes_and_tokens_past_a_near_tie(
     """`run` itself (test_run_v32 drives `_serve`): bf16 tiny V3.2, its sparse attention off
     by 2^-7, flips a near-tie (an expert route, a greedy token); the reference run follows
     the served run's routes and decodes its tokens, so the logits still agree."""
+    from test_run_v32 import skew_served_sparse_attention
+
     from mla_backends.cli import main
-    from mla_backends.sparse import torch_backend as TB
 
-    attend = TB.TorchSparseBackend._attend
-
-    def scaled(self, layer, q_nope, q_rope, indices):  # type: ignore[no-untyped-def]
-        out, lse = attend(self, layer, q_nope, q_rope, indices)
-        if self.name == "torch":  # the served run's backend, not the fp64 reference
-            out = (out.float() * (1 + 2**-7)).to(out.dtype)
-        return out, lse
-
-    monkeypatch.setattr(TB.TorchSparseBackend, "_attend", scaled)
+    skew_served_sparse_attention(monkeypatch)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
         "device: cpu\nmax_context_len: 128\nsparse_backend: torch\n"

@@ -9,6 +9,22 @@ import pytest
 from conftest import Cli
 
 
+def skew_served_sparse_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served run's `torch` sparse attention off by 2^-7 (the fp64 reference's is not):
+    enough to flip a near-tie (an expert route, a greedy token) in a bf16 tiny V3.2."""
+    from mla_backends.sparse import torch_backend as TB
+
+    own = TB.TorchSparseBackend._attend
+
+    def scaled(self, layer, q_nope, q_rope, indices):  # type: ignore[no-untyped-def]
+        out, lse = own(self, layer, q_nope, q_rope, indices)
+        if self.name == "torch":  # the served run's backend, not the fp64 reference
+            out = (out.float() * (1 + 2**-7)).to(out.dtype)
+        return out, lse
+
+    monkeypatch.setattr(TB.TorchSparseBackend, "_attend", scaled)
+
+
 def test_run_serves_a_v32_model_against_the_fp64_references(cli: Cli, tmp_path: Path) -> None:
     cfg = tmp_path / "f32.yaml"
     cfg.write_text("device: cpu\nkv_dtype: float32\ndtype: float32\nsparse_backend: auto\n")
@@ -85,7 +101,6 @@ def test_run_comparison_measures_attention_not_discrete_flips(
     from mla_backends.config import load_config
     from mla_backends.models import run as R
     from mla_backends.models.loader import load_model
-    from mla_backends.sparse import torch_backend as TB
 
     base = dataclasses.replace(load_config(None), device="cpu", max_context_len=128)
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,15 +114,7 @@ def test_run_comparison_measures_attention_not_discrete_flips(
     config = resolve_backends(cfg, "test")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, c.vocab_size, (n,), generator=gen).tolist() for n in (3, 14, 25)]
-    own = TB.TorchSparseBackend._attend
-
-    def scaled(self, layer, q_nope, q_rope, indices):  # type: ignore[no-untyped-def]
-        out, lse = own(self, layer, q_nope, q_rope, indices)
-        if self.name == "torch":  # the served run's backend, not the fp64 reference
-            out = (out.float() * (1 + 2**-7)).to(out.dtype)
-        return out, lse
-
-    monkeypatch.setattr(TB.TorchSparseBackend, "_attend", scaled)
+    skew_served_sparse_attention(monkeypatch)
     sel = R.Selections()
     served = R._serve(model, config, prompts, 3, selections=sel)
     ref = R._serve(model, config, prompts, 3, True, sel, feed=served.tokens).steps
