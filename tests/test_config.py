@@ -47,6 +47,24 @@ def test_config_argument_takes_a_path_or_a_shipped_name(tmp_path: Path) -> None:
         load_config("")  # it was reported as "."'s being a directory
 
 
+def test_an_unknown_backend_class_name_reads_as_its_message() -> None:
+    """`get_backend_class` (public) and the sparse registry refuse an unknown name with an
+    error that is a KeyError and a ValueError and prints as its message: a bare KeyError
+    printed its repr, in quotes, with the inner quotes escaped."""
+    from mla_backends.backends.registry import UnknownBackendError, get_backend_class
+    from mla_backends.sparse.base import get_sparse_backend_class
+
+    for lookup, what in (
+        (get_backend_class, "backend"),
+        (get_sparse_backend_class, "sparse backend"),
+    ):
+        with pytest.raises(UnknownBackendError) as e:
+            lookup("flashmlaa")
+        assert isinstance(e.value, KeyError) and isinstance(e.value, ValueError)
+        assert str(e.value).startswith(f"unknown {what} 'flashmlaa'; known: [")
+        assert "'torch'" in str(e.value)
+
+
 def test_auto_on_a_cpu_never_picks_an_interpreted_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the Triton interpreter enabled (tests, `verify`) the triton backend can run on a
     CPU, but "auto" keeps to the backend that runs there compiled."""

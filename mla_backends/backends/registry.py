@@ -45,6 +45,15 @@ def registrar(registry: dict[str, Any], what: str, name: str) -> Callable[[C], C
     return deco
 
 
+class UnknownBackendError(KeyError, ValueError):
+    """A backend name the registry does not know. A KeyError (a lookup by name) and a
+    ValueError (a bad argument), printed as its message: a bare KeyError prints its repr,
+    quotes and escapes included."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def lookup_class(
     registry: dict[str, C],
     modules: dict[str, str],
@@ -55,7 +64,7 @@ def lookup_class(
     """`registry[name]`, importing `modules[name]` (which registers it) first if needed."""
     if name not in registry:
         if name not in modules:
-            raise KeyError(f"unknown {what} {name!r}; known: {known()}")
+            raise UnknownBackendError(f"unknown {what} {name!r}; known: {known()}")
         importlib.import_module(modules[name])
     return registry[name]
 

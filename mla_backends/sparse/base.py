@@ -262,7 +262,7 @@ def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     torch backend, which runs there compiled), or a clear error naming why it cannot run."""
     known = [*_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]  # built-in, then added
     if name != "auto" and name not in known:
-        # Hazard: the registry's KeyError printed as a quoted repr, unlike the dense ValueError
+        # before the registry's own error: the allowed names here include "auto"
         raise ValueError(f"sparse backend {name!r} is unknown; allowed: {['auto', *known]}")
     cap = Capability.detect(ctx.device)
     if name == "auto":
