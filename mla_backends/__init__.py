@@ -2,7 +2,12 @@
 
 from mla_backends.allocator import OutOfPagesError, PagedTokenAllocator
 from mla_backends.backends.base import BackendContext, Capability, MLABackend
-from mla_backends.backends.registry import available_backends, get_backend_class, register_backend
+from mla_backends.backends.registry import (
+    UnknownBackendError,
+    available_backends,
+    get_backend_class,
+    register_backend,
+)
 from mla_backends.batch import ForwardBatch, ForwardMode, RaggedLayout
 from mla_backends.checks import ShapeError
 from mla_backends.config import (
@@ -45,6 +50,7 @@ __all__ = [
     "Runtime",
     "ShapeError",
     "UncalibratedScaleWarning",
+    "UnknownBackendError",
     "available_backends",
     "create_backend",
     "get_backend_class",
