@@ -245,8 +245,13 @@ def register_sparse_backend(name: str) -> Callable[[T], T]:
     return registrar(_REGISTRY, "sparse backend", name)
 
 
+def _known() -> list[str]:
+    """Every sparse backend name: the built-in ones, then those registered from outside."""
+    return [*_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]
+
+
 def get_sparse_backend_class(name: str) -> type[SparseMLABackend]:
-    return lookup_class(_REGISTRY, _MODULES, "sparse backend", name, lambda: sorted(_MODULES))
+    return lookup_class(_REGISTRY, _MODULES, "sparse backend", name, _known)
 
 
 class SparseBackendUnavailable(ValueError):
@@ -260,7 +265,7 @@ def sparse_backend_names() -> list[str]:
 def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     """The named backend ("auto": the first in `_MODULES` order that runs here; on a CPU the
     torch backend, which runs there compiled), or a clear error naming why it cannot run."""
-    known = [*_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]  # built-in, then added
+    known = _known()
     if name != "auto" and name not in known:
         # before the registry's own error: the allowed names here include "auto"
         raise ValueError(f"sparse backend {name!r} is unknown; allowed: {['auto', *known]}")
