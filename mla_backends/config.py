@@ -30,7 +30,6 @@ PAGE_SIZES = (1, 16, 32, 64, 128)
 # the largest id
 MAX_SLOTS = 2**31 - 1
 DCP_HEADS = ("replicated", "tp")
-SPARSE_BACKENDS = ("auto", "flashmla", "flashinfer_mla", "triton", "torch")  # sparse/base.py
 TOPK_PATHS = ("auto", "launches")  # sparse/topk_kernel.py
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -288,10 +287,11 @@ class Config:
         if self.dcp_heads not in DCP_HEADS:
             raise ConfigError(f"dcp_heads={self.dcp_heads!r} is not one of {list(DCP_HEADS)}")
         _check_str("sparse_backend", self.sparse_backend, "auto or a sparse backend name")
-        if self.sparse_backend not in SPARSE_BACKENDS:
-            raise ConfigError(
-                f"sparse_backend={self.sparse_backend!r} is not one of {list(SPARSE_BACKENDS)}"
-            )
+        from mla_backends.sparse.base import sparse_backend_names  # imports this module
+
+        allowed = ["auto", *sparse_backend_names()]  # a plug-in's, registered before, too
+        if self.sparse_backend not in allowed:
+            raise ConfigError(f"sparse_backend={self.sparse_backend!r} is not one of {allowed}")
         _check_str("indexer_topk", self.indexer_topk, ", ".join(TOPK_PATHS))
         if self.indexer_topk not in TOPK_PATHS:
             raise ConfigError(

@@ -1018,6 +1018,30 @@ def test_verify_sparse_reports_every_runnable_backend_and_pool() -> None:
     assert all(r.ok for r in rows), format_table(rows)
 
 
+def test_verify_checks_a_sparse_backend_registered_from_outside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`verify` listed the built-in sparse backends only (the dense list takes added ones),
+    so a plug-in's sparse backend was never checked against the reference."""
+    from mla_backends.sparse import base
+    from mla_backends.sparse.torch_backend import TorchSparseBackend
+    from mla_backends.sparse.verify import verify_sparse
+    from mla_backends.verify import format_table
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    base.register_sparse_backend("extra")(type("Extra", (TorchSparseBackend,), {"name": "extra"}))
+    assert base.sparse_backend_names() == ["flashmla", "flashinfer_mla", "triton", "torch", "extra"]
+    # verify's own list from here on: the added backend alone (the built-in ones are slow
+    # in the interpreter and checked by the test above)
+    monkeypatch.setattr(base, "_MODULES", {})
+    monkeypatch.setattr(base, "_REGISTRY", {"extra": base._REGISTRY["extra"]})
+    rows = verify_sparse("cpu")
+    assert [(r.backend, r.dtype) for r in rows[::3]] == [
+        ("sparse:extra", p) for p in ("bfloat16", "fp8", "fp8_row")
+    ]
+    assert len(rows) == 9 and all(r.ok for r in rows), format_table(rows)
+
+
 @pytest.mark.interp
 def test_fix_empty_rows_equals_the_torch_contract() -> None:
     """One-launch empty-row fix (out 0, lse -inf where every index is < 0) against
@@ -1852,14 +1876,20 @@ def test_a_sparse_refusal_names_added_backends_among_those_that_can_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A backend registered from outside the built-in list is "allowed" by name; the refusal's
-    list of backends that can run named only the built-in ones, so it was missing there."""
+    list of backends that can run named only the built-in ones, so it was missing there, and
+    a config could not name it."""
+    from mla_backends.config import Config, ConfigError
     from mla_backends.sparse import base
     from mla_backends.sparse.torch_backend import TorchSparseBackend
 
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    with pytest.raises(ConfigError, match=r"^sparse_backend='extra' is not one of \['auto', "):
+        Config(device="cpu", sparse_backend="extra")
     base.register_sparse_backend("extra")(type("Extra", (TorchSparseBackend,), {"name": "extra"}))
     with pytest.raises(base.SparseBackendUnavailable, match=r"can run .*: \[.*'torch', 'extra'\]$"):
         base.create_sparse_backend("flashmla", _sparse_ctx())
+    # a YAML config may name it once registered (it listed the built-in names only)
+    assert Config(device="cpu", sparse_backend="extra").sparse_backend == "extra"
 
 
 def test_forward_sparse_refuses_indices_of_another_shape_or_dtype() -> None:

@@ -245,27 +245,24 @@ def register_sparse_backend(name: str) -> Callable[[T], T]:
     return registrar(_REGISTRY, "sparse backend", name)
 
 
-def _known() -> list[str]:
-    """Every sparse backend name: the built-in ones, then those registered from outside."""
+def sparse_backend_names() -> list[str]:
+    """Every sparse backend name: the built-in ones (in "auto" order), then those registered
+    from outside (a plug-in's backend is checked by `verify` as the built-in ones are)."""
     return [*_MODULES, *(n for n in _REGISTRY if n not in _MODULES)]
 
 
 def get_sparse_backend_class(name: str) -> type[SparseMLABackend]:
-    return lookup_class(_REGISTRY, _MODULES, "sparse backend", name, _known)
+    return lookup_class(_REGISTRY, _MODULES, "sparse backend", name, sparse_backend_names)
 
 
 class SparseBackendUnavailable(ValueError):
     """The named sparse backend cannot run with this context on this machine."""
 
 
-def sparse_backend_names() -> list[str]:
-    return list(_MODULES)
-
-
 def create_sparse_backend(name: str, ctx: SparseContext) -> SparseMLABackend:
     """The named backend ("auto": the first in `_MODULES` order that runs here; on a CPU the
     torch backend, which runs there compiled), or a clear error naming why it cannot run."""
-    known = _known()
+    known = sparse_backend_names()
     if name != "auto" and name not in known:
         # before the registry's own error: the allowed names here include "auto"
         raise ValueError(f"sparse backend {name!r} is unknown; allowed: {['auto', *known]}")
