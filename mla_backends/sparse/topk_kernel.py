@@ -55,7 +55,9 @@ def _sortable(x):
     """fp32 -> uint32 whose unsigned order is the float order (-0 just below +0)."""
     bits = x.to(tl.uint32, bitcast=True)
     neg = (bits >> 31) == 1
-    return tl.where(neg, ~bits, bits | 0x80000000)
+    # Hazard: `~bits` is `bits ^ -1` in triton 3.8's interpreter, which numpy 2 refuses for a
+    # uint32 (OverflowError); the XOR with an unsigned all-ones constant is the same bits
+    return tl.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
 
 @triton.jit
