@@ -13,7 +13,8 @@ from offline_compile import compile_usage
 from mla_backends.testing import Case, parity_cases, run_case, with_batch
 
 triton = pytest.importorskip("triton")
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 6):
+TRITON = tuple(int(x) for x in triton.__version__.split(".")[:2])
+if TRITON < (3, 6):
     pytest.skip(
         "the Gluon kernel is written against Triton 3.6's Gluon API", allow_module_level=True
     )
@@ -21,7 +22,6 @@ gluon_mod = pytest.importorskip(
     "mla_backends.kernels.mla_attention_gluon", reason="this Triton has no Gluon"
 )
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
-TRITON = tuple(int(x) for x in triton.__version__.split(".")[:2])
 # Spills (stack bytes) measured offline for a Triton of the supported range that has any; a
 # kernel not listed for this Triton must compile without spills. 3.7 and 3.8, what torch
 # 2.12 / 2.13 and 2.14's CUDA wheels pin, spill in kernels that 3.6 (the GPU hosts') and 3.9
