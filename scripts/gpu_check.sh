@@ -37,6 +37,8 @@
 #     "-k gpu tests/"); SUITE_IDS=FILE: those node ids; SUITE_ARGS: pytest_shards.py's options
 #     (default: the no-wait tests alone first, fla's tests in two groups); SUITE_LABEL names the
 #     outputs, $OUT/suite-LABEL.json (counts, failures) and .tgz (logs, JUnit).
+#   ALT_TRITON=FILE (any mode): run under another Triton release than the image's, packed by
+#     scripts/make_triton_bundle.sh (the device image has 3.6, torch 2.11's pin).
 #   compare: the same rows on another checkout (COMPARE_TREE, e.g. the tree before a refactor,
 #     with its own benchmark module) and on this one, one process each, back to back: the
 #     metadata host time (`bench --suite metadata`), then the anchors decode table
@@ -55,6 +57,20 @@ unset TRITON_INTERPRET
 # Compile caches outside the checkout, kept between calls on a warm machine.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mla-triton-cache}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/mla-flashinfer}
+# ALT_TRITON=FILE: any mode under another Triton release than the image's (the tarball of
+# scripts/make_triton_bundle.sh, carried in an ignored folder), unpacked once per machine
+# ahead of the image's, with a compile cache of its own
+if [ -n "${ALT_TRITON:-}" ]; then
+  alt=/tmp/alt-triton/$(basename "$ALT_TRITON" .tar.xz)
+  if [ ! -d "$alt/triton" ]; then
+    mkdir -p "$alt" && tar -xJf "$ALT_TRITON" -C "$alt" ||
+      { echo "ALT_TRITON: cannot unpack $ALT_TRITON" >&2; exit 2; }
+  fi
+  # Hazard: backends found through entry points would include the image Triton's own
+  # (its AMD one, not packed): take only the packed tree's
+  export PYTHONPATH=$alt:$PYTHONPATH TRITON_CACHE_DIR=$alt-cache TRITON_BACKENDS_IN_TREE=1
+  export ALT_TRITON_DIR=$alt  # its ptxas: $ALT_TRITON_DIR/triton/backends/nvidia/bin/
+fi
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
