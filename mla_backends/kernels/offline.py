@@ -51,20 +51,25 @@ def aligned(
 
 def usage(kernel: Any) -> dict[str, Any]:
     """Registers, stack frame and local memory (ptxas spills go to either) per thread, shared
-    memory per block in bytes, and the MMA instruction shapes in the PTX."""
+    memory per block in bytes, the spill loads and stores in the SASS (`ldl`, `stl`: the
+    stack size alone hid one ptxas spilling three times as often into the same 304 bytes,
+    BENCHMARKS.md, forty-fourth session), and the MMA instruction shapes in the PTX."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(kernel.asm["cubin"])
-        text = subprocess.run(
-            [str(tool), "--dump-resource-usage", str(path)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        text, sass = (
+            subprocess.run(
+                [str(tool), flag, str(path)], capture_output=True, text=True, check=True
+            ).stdout
+            for flag in ("--dump-resource-usage", "--dump-sass")
+        )
     res: dict[str, Any] = {
         k.lower(): int(v) for k, v in re.findall(r"(REG|LOCAL|STACK):(\d+)", text)
     }
+    res["ldl"], res["stl"] = (
+        len(re.findall(rf"\b{op}(?:\.\w+)*\s", sass)) for op in ("LDL", "STL")
+    )
     ptx = kernel.asm["ptx"]
     res["wgmma"] = sorted(
         set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.", ptx))
