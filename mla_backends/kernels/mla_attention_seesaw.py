@@ -42,8 +42,22 @@ BLOCK_M, BLOCK_N = 64, 64
 
 
 @gluon.jit
+def _opaque_zero():
+    """0, from an asm statement the compiler may neither fold nor move out of a loop.
+    Hazard: Q's and each slot's shared-memory views sit at constant addresses, so every
+    wgmma descriptor of the loop (about 40, 64 bits each) is loop-invariant: LLVM computes them
+    all above the loop and ptxas spills them (304 B of stack, 39 spill loads an iteration in
+    one warpgroup with triton 3.6; 92 with 3.9's CUDA 13.4 ptxas; 8-15 % of the kernel's
+    time, BENCHMARKS.md, forty-fifth session). Views indexed by this zero inside the loop
+    are recomputed there from one base, a few integer adds each."""
+    return gl.inline_asm_elementwise(
+        "mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _score_piece(
-    q_smem, k_smem, kv_ready, sc, ph, s: gl.constexpr, C: gl.constexpr, ACC: gl.constexpr,
+    q_smem, k_smem, kv_ready, sc, ph, s, C: gl.constexpr, ACC: gl.constexpr,
     NP: gl.constexpr, W: gl.constexpr,
 ):  # fmt: skip
     """Latent piece C of slot s into the score tile, once it landed (issued, not waited)."""
@@ -54,26 +68,27 @@ def _score_piece(
 
 @gluon.jit
 def _scores_own(
-    q_smem, k_smem, kv_ready, j, S_L: gl.constexpr, BLOCK_M: gl.constexpr,
+    q_smem, k_smem, kv_ready, j, s, S_L: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, NP: gl.constexpr, REUSE: gl.constexpr, SLOT: gl.constexpr,
 ):  # fmt: skip
-    """S = Q K_j^T of tile j (slot j % 2 == SLOT, the scoring warpgroup's) over the scorer's
-    own latent half, issued once it landed, not waited: the scorer refilled that half itself
-    right after its own P @ V, so it lands first. `_scores_rest` adds the rest.
+    """S = Q K_j^T of tile j (slot j % 2 == SLOT, the scoring warpgroup's; `s`, the index
+    the slot's views take, equals it: `_opaque_zero`) over the scorer's own latent half,
+    issued once it landed, not waited: the scorer refilled that half itself right after its
+    own P @ V, so it lands first. `_scores_rest` adds the rest.
     REUSE (the compute-only probe): the slot's first fill, never refilled, is read again."""
     ph = 0 if REUSE else (j // 2) & 1
     HP: gl.constexpr = NP // 2  # latent pieces a half
     W: gl.constexpr = k_smem.shape[2] // NP
     sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
     for k in gl.static_range(HP):
-        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, SLOT, SLOT * HP + k, k > 0, NP, W)
+        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, s, SLOT * HP + k, k > 0, NP, W)
     return sc
 
 
 @gluon.jit
 def _scores_rest(
-    sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, NP: gl.constexpr, REUSE: gl.constexpr,
-    SLOT: gl.constexpr,
+    sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, s, NP: gl.constexpr,
+    REUSE: gl.constexpr, SLOT: gl.constexpr,
 ):  # fmt: skip
     """The rest of tile j's scores, each piece issued once it landed, not waited: the rope
     and the other warpgroup's latent half, both refilled only after the other warpgroup's
@@ -81,10 +96,10 @@ def _scores_rest(
     ph = 0 if REUSE else (j // 2) & 1
     HP: gl.constexpr = NP // 2
     W: gl.constexpr = k_smem.shape[2] // NP
-    mbarrier.wait(kv_ready.index((NP + 1) * SLOT + NP), ph)
-    sc = warpgroup_mma(qr_smem, kr_smem.index(SLOT).permute((1, 0)), sc, is_async=True)
+    mbarrier.wait(kv_ready.index((NP + 1) * s + NP), ph)
+    sc = warpgroup_mma(qr_smem, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
     for k in gl.static_range(HP):
-        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, SLOT, (1 - SLOT) * HP + k, True, NP, W)
+        sc = _score_piece(q_smem, k_smem, kv_ready, sc, ph, s, (1 - SLOT) * HP + k, True, NP, W)
     return sc
 
 
@@ -96,8 +111,8 @@ def _score_own_tile(
 ):  # fmt: skip
     """Scores and softmax of our tile j (keys from `start`) with no tile of the other
     warpgroup to take between them (tile 0, the tail): (m_new, alpha, l_new), P published."""
-    sc = _scores_own(q_smem, k_smem, kv_ready, j, S_L, BLOCK_M, BLOCK_N, NP, REUSE, SLOT)
-    sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, NP, REUSE, SLOT)
+    sc = _scores_own(q_smem, k_smem, kv_ready, j, SLOT, S_L, BLOCK_M, BLOCK_N, NP, REUSE, SLOT)
+    sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, j, SLOT, NP, REUSE, SLOT)
     sc = warpgroup_mma_wait(0, deps=[sc])
     return _softmax_tile(
         sc,
@@ -305,8 +320,8 @@ def _warpgroup(
     KDesc,
     KRDesc,
     qk_scale_log2,
-    q_smem,
-    qr_smem,
+    q_all,
+    qr_all,
     k_smem,
     kr_smem,
     m_smem,
@@ -324,6 +339,7 @@ def _warpgroup(
     Trace,
 ):
     HALF: gl.constexpr = L // 2
+    q_smem, qr_smem = q_all.index(0), qr_all.index(0)  # outside the loop: constant views
     REUSE: gl.constexpr = PROBE == 1
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -375,7 +391,9 @@ def _warpgroup(
         # the pool rows of the two refills ahead, read from the table before anything waits
         row_p2 = _tile_row(Batch, b, lo, o + 1, n_load, PAGE, BLOCK_N)
         row_o2 = _tile_row(Batch, b, lo, o + 2, n_load, PAGE, BLOCK_N)
-        sc = _scores_own(q_smem, k_smem, kv_ready, o, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG)
+        z = _opaque_zero()  # Hazard: without it every wgmma descriptor is hoisted and spilled
+        q_z, qr_z, s_z = q_all.index(z), qr_all.index(z), WG + z
+        sc = _scores_own(q_z, k_smem, kv_ready, o, s_z, S_L, BLOCK_M, BLOCK_N, NP, REUSE, WG)
         _mark(Trace, b, split, mblk, i, WG, 1)
         acc, m_i, l_i = _take_other(
             acc, m_i, l_i, k_smem, kr_smem, m_smem, p_ready, o - 1, WG, ROW, O_L
@@ -389,7 +407,7 @@ def _warpgroup(
             KDesc, KRDesc, row_p2, k_smem, kr_smem, kv_ready, kv_free, o - 1, n_load, WG, NP, L
         )
         _mark(Trace, b, split, mblk, i, WG, 3)
-        sc = _scores_rest(sc, q_smem, qr_smem, k_smem, kr_smem, kv_ready, o, NP, REUSE, WG)
+        sc = _scores_rest(sc, q_z, qr_z, k_smem, kr_smem, kv_ready, o, s_z, NP, REUSE, WG)
         sc = warpgroup_mma_wait(0, deps=[sc])
         _mark(Trace, b, split, mblk, i, WG, 4)
         m_i, alpha, l_i = _softmax_tile(
@@ -520,9 +538,12 @@ def _seesaw_kernel(
     h_ld = rows_ld % H
     offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, LD_L))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
-    q_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
+    # Q in a one-slot buffer: the loop takes its views at an index it cannot fold
+    # (`_opaque_zero`), which a plain allocation has no way to take
+    q_all = gl.allocate_shared_memory(
+        dtype, [1, BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
     )
+    q_smem = q_all.index(0)
     for c in gl.static_range(L // 128):  # 128 columns at a time: the default warps are 4
         qn = gl.load(
             QNope
@@ -538,9 +559,10 @@ def _seesaw_kernel(
         mask=ok_ld[:, None],
         other=0.0,
     )
-    qr_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype), qr
+    qr_all = gl.allocate_shared_memory(
+        dtype, [1, BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype)
     )
+    qr_all.index(0).store(qr)
     fence_async_shared()
 
     bars = (kv_ready, p_ready, kv_free, l_bar)
@@ -548,13 +570,13 @@ def _seesaw_kernel(
         [
             (
                 _warpgroup,
-                (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem,
+                (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_all, qr_all, k_smem,
                  kr_smem, m_smem, l_smem, bars, H, L, R, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 0,
                  PROBE, Trace),
             ),
             (
                 _warpgroup,
-                (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_smem, qr_smem, k_smem,
+                (Pool, Batch, Dest, KDesc, KRDesc, qk_scale_log2, q_all, qr_all, k_smem,
                  kr_smem, m_smem, l_smem, bars, H, L, R, PAGE, BLOCK_M, BLOCK_N, NUM_SPLITS, 1,
                  PROBE, Trace),
             ),
@@ -566,10 +588,10 @@ def _seesaw_kernel(
 
 # `mla_attention_gluon.launch(..., kernel=KERNEL, extra=EXTRA, k_box=K_BOX)` launches it:
 # four warps a partition, the default one and one worker (`gl.warp_specialize`), 240
-# registers a thread. Hazard: ptxas keeps every k-step's wgmma descriptor live across the
-# loop and spills some (~40 spill stores offline); code added inside the loop moved ~30
-# more into it and cost 12-19 % (BENCHMARKS.md, twenty-first session): keep rare paths,
-# like the tail tile, outside it.
+# registers a thread, no spills with triton 3.6 (`_opaque_zero`). Hazard: the loop has no
+# registers to spare: when its wgmma descriptors were still hoisted, code added inside it
+# moved ~30 more spill stores into it and cost 12-19 % (BENCHMARKS.md, twenty-first
+# session): keep rare paths, like the tail tile, outside it.
 KERNEL = _seesaw_kernel
 EXTRA = {"num_warps": 4, "maxnreg": 240}
 K_BOX = 256  # the latent TMA box: half a row (two pieces a tile, refilled apart)
