@@ -26,7 +26,6 @@ from mla_backends.arith import cdiv
 from mla_backends.kernels import tuning
 from mla_backends.kernels.common import interpreting, num_sms
 from mla_backends.kernels.pdl import launch_next, pdl_args, wait_previous
-from mla_backends.kernels.ptxas import warn_slow_ptxas
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +354,6 @@ def mla_attention(
                 from mla_backends.kernels import mla_attention_seesaw as ms
 
                 kernel, extra, k_box = ms.KERNEL, ms.EXTRA, ms.K_BOX
-                warn_slow_ptxas()
             mg.launch(
                 q_nope,
                 q_rope,
