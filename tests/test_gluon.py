@@ -104,17 +104,20 @@ def test_tile_probe_kernels_compile_for_sm90_without_spills() -> None:
 
 
 def _gluon_cases() -> list[Case]:
-    """Rows the backend gives the Gluon kernels at 48-256 query rows a request: H128, and
-    H16 at q_len 3 (48 query rows), bf16 and fp16, pages 64 and 128, the core matrix's edge
-    lengths and NaN. Short one-wave grids take the narrow kernel's 32-row blocks
-    (`tuning.narrow_pays`), the rest the 64-row kernel: batch 64 and contexts of 20000 keys
-    keep the 64-row kernel's parity here (`test_gluon_cases_cover_both_kernels`)."""
+    """Rows the backend gives the Gluon kernels at 48-256 query rows a request: H128, H64
+    (20000-key contexts, decode and verify), and H16 at q_len 3 (48 query rows), bf16 and
+    fp16, pages 64 and 128, the core matrix's edge lengths and NaN. Short one-wave grids
+    take the narrow kernel's 32-row blocks (`tuning.narrow_pays`), the rest the 64-row
+    kernels: batch 64 and contexts of 20000 keys keep their parity here
+    (`test_gluon_cases_cover_both_kernels`)."""
     cases = parity_cases("triton", (64, 128), (128,), ("bfloat16", "float16"), ("decode",))
     long = parity_cases("triton", (64,), (128,), ("bfloat16", "float16"), ("decode",), 20000)
     verify = parity_cases("triton", (64,), (16, 128), ("bfloat16",), ("verify",))
+    h64 = parity_cases("triton", (64,), (64,), ("bfloat16",), ("decode", "verify"), 20000)
     return (
         cases
         + long
+        + h64
         + [with_batch(cases[0], 64)]
         + [c for c in verify if c.num_heads == 128]
         + [replace(c, q_len=3) for c in verify if c.num_heads == 16]
@@ -192,8 +195,8 @@ def test_backend_takes_gluon_kernel(case: Case, monkeypatch: pytest.MonkeyPatch)
     assert r.ok, f"{case.id}: {r.detail}"
     want = _expected_rows(case, num_sms(torch.device("cuda")))
     assert rows and set(rows) == {want}, f"{case.id}: {want}-row Gluon launches expected: {rows}"
-    if want == 64:  # H128's 64-row blocks run the warp-specialised kernel (`seesaw_pays`)
-        assert set(kernels) == {_seesaw_kernel() if case.num_heads >= 128 else None}, kernels
+    if want == 64:  # 64-row blocks of H >= 64 run the warp-specialised kernel (`seesaw_pays`)
+        assert set(kernels) == {_seesaw_kernel() if case.num_heads >= 64 else None}, kernels
 
 
 @pytest.mark.sm90

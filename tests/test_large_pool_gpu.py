@@ -109,8 +109,9 @@ def _decode(kv: torch.Tensor, h: int, lens: list[int], splits: int, scale: float
 
 
 ROUTES = {  # (heads, mla_attention options): the routes the triton backend takes
-    "gluon64_h64": (64, dict(gluon=True, block_m=64)),
-    "gluon_h128": (128, dict(gluon=True, block_m=64)),  # the seesaw kernel where it pays
+    "gluon64_h16": (16, dict(gluon=True, block_m=64)),  # the lockstep kernel (< 64 heads)
+    "gluon64_h64": (64, dict(gluon=True, block_m=64)),  # the seesaw kernel (>= 64 heads)
+    "gluon_h128": (128, dict(gluon=True, block_m=64)),
     "narrow_h16": (16, dict(gluon=True, block_m=16)),
     "narrow_h32": (32, dict(gluon=True, block_m=32)),
     "tldot_tma_h16": (16, dict(block_m=16, tma=True)),

@@ -321,7 +321,7 @@ def mla_attention(
     workspace: (part_out [T * H * num_splits, L] fp32, part_lse [T * H * num_splits] fp32).
     tma: load whole page-aligned tiles through TMA where the GPU and page size allow it.
     gluon: take a Gluon kernel where `gluon_ok`: 64-row blocks (`mla_attention_seesaw` for
-    H >= 128, `tuning.seesaw_pays`, else `mla_attention_gluon`), or
+    H >= 64, `tuning.seesaw_pays`, else `mla_attention_gluon`), or
     with `block_m` 16 / 32 the narrow kernel (`mla_attention_narrow`); block_n / warps /
     stages then apply only to the fallback, which also takes the call (and every later one)
     if the Gluon kernel fails to build here (`gluon_error`)."""

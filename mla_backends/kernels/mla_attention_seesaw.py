@@ -1,6 +1,6 @@
 """Absorbed MLA decode for 64-row query blocks on Hopper with its two warpgroups on
 alternate 64-key tiles (warp-specialised, the "seesaw"; docs/HOPPER_NEXT_KERNEL.md): what
-the `triton` backend runs for H >= 128 on SM90 (`tuning.seesaw_pays`; the lockstep kernel,
+the `triton` backend runs for H >= 64 on SM90 (`tuning.seesaw_pays`; the lockstep kernel,
 `mla_attention_gluon`'s own, takes other 64-row blocks and MLA_SEESAW=0).
 
 Warpgroup w scores tiles j with j % 2 == w as one `m64n64` wgmma (the probe's 822-870 TFLOP/s

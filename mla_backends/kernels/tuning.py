@@ -23,17 +23,18 @@ def narrow_on() -> bool:
 
 @functools.cache  # read once a process, as `narrow_on`
 def seesaw_on() -> bool:
-    """64-row Gluon blocks of H >= 128 run the warp-specialised kernel (`seesaw_pays`);
+    """64-row Gluon blocks of H >= 64 run the warp-specialised kernel (`seesaw_pays`);
     MLA_SEESAW=0 in the environment the process starts with gives them the lockstep kernel
     (`mla_attention_gluon`'s own) instead (A/B runs)."""
     return os.environ.get("MLA_SEESAW", "1") != "0"
 
 
-# H100, one run each way (BENCHMARKS.md, twenty-first session): at H128 the seesaw was
-# 1.01-1.08x the lockstep kernel at q_len 1 and 2, B 4-256 (0.99x at B256 kv 1k, q_len 1);
-# at H64 0.89-0.94x. With one 64-row block a token, every block streams its tiles from HBM
-# alone, and the loads the seesaw's two slots leave exposed are then most of a tile's time.
-SEESAW_MIN_HEADS = 128
+# H200, one process each way, runs alternated (BENCHMARKS.md, forty-fifth session): since its
+# loop no longer spills, the seesaw is 1.04-1.19x the lockstep kernel at H64 (q_len 1 and 2,
+# B 16-256, kv 4k / 32k; FlashMLA ratio 0.74-0.93x -> 0.87-1.05x) and 1.07-1.15x at H128.
+# Before, at H64 it was 0.89-0.94x (H100, twenty-first session). Blocks of fewer heads (H32
+# q_len 2, H16 q_len 3+) keep the lockstep kernel: not measured on the seesaw.
+SEESAW_MIN_HEADS = 64
 
 
 def seesaw_pays(heads: int) -> bool:
