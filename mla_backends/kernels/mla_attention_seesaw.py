@@ -594,4 +594,7 @@ def _seesaw_kernel(
 # session): keep rare paths, like the tail tile, outside it.
 KERNEL = _seesaw_kernel
 EXTRA = {"num_warps": 4, "maxnreg": 240}
-K_BOX = 256  # the latent TMA box: half a row (two pieces a tile, refilled apart)
+# the latent TMA box: half a row (two pieces a tile, refilled apart); 128 and 64 (four and
+# eight pieces, FlashMLA's boxes) ran 0.93-1.05x on the spill-free kernel (H200, BENCHMARKS.md,
+# forty-fifth session)
+K_BOX = 256
